@@ -1,0 +1,208 @@
+"""HotpotQA with the gold paragraphs moved through the context: the document-position experiment.
+
+Rows are read in the official JSON schema (``_id``, ``question``, ``answer``, ``supporting_facts``,
+``context`` = [[title, [sentences]]], ``type``, ``level``). For every question the distractor set and its
+order are drawn once (seeded by question id), and only the place of the two gold paragraphs changes across
+positions, so position effects are not confounded with different distractors."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Iterable
+
+from evals import metrics
+from evals.base import DataError, Instance
+from evals.fixture import FIXTURE_PATH
+
+POSITION_KINDS = ("first", "middle", "last", "random")
+OFFICIAL_DEV_URL = "http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json"
+
+
+# ----------------------------------------------------------------------------------------------- data
+def load_rows(data: str | None, split: str = "validation") -> list[dict]:
+    """Load rows from a JSON/JSONL file, ``fixture`` (the bundled invented data) or ``hub`` (datasets)."""
+    if data in (None, "", "hub"):
+        return _load_from_hub(split)
+    if data == "fixture":
+        path = FIXTURE_PATH
+    else:
+        path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"HotpotQA data file {str(path)!r} does not exist. {_HOW_TO_GET}")
+    text = path.read_text()
+    try:
+        rows = json.loads(text) if path.suffix != ".jsonl" else [json.loads(l) for l in text.splitlines() if l.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e}); expected the official HotpotQA list of rows") from e
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a JSON list of rows (the official HotpotQA format), got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        validate_row(row, i)
+    return rows
+
+
+_HOW_TO_GET = (
+    "Get the official file (e.g. hotpot_dev_distractor_v1.json from the HotpotQA site, "
+    f"{OFFICIAL_DEV_URL}) and pass --data PATH, use --data hub with a reachable Hugging Face hub or a filled "
+    "HF cache (dataset 'hotpot_qa', config 'distractor'), or try the pipeline on the bundled invented data "
+    "with --data fixture."
+)
+
+
+def _load_from_hub(split: str) -> list[dict]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset("hotpot_qa", "distractor", split=split)
+    except Exception as e:  # offline, no cache, or a hub error: all end in the same advice
+        raise DataError(f"could not load HotpotQA through `datasets` ({type(e).__name__}: {e}). {_HOW_TO_GET}") from e
+    rows = [_from_hf_schema(r) for r in ds]
+    for i, row in enumerate(rows):
+        validate_row(row, i)
+    return rows
+
+
+def _from_hf_schema(r: dict) -> dict:
+    """The hub copy stores columns as dicts of lists; convert to the official list-of-pairs schema."""
+    ctx = r["context"]
+    sf = r["supporting_facts"]
+    return {"_id": r["id"], "question": r["question"], "answer": r["answer"], "type": r.get("type"),
+            "level": r.get("level"),
+            "supporting_facts": [[t, int(s)] for t, s in zip(sf["title"], sf["sent_id"])],
+            "context": [[t, list(s)] for t, s in zip(ctx["title"], ctx["sentences"])]}
+
+
+def validate_row(row: Any, index: int) -> None:
+    """Raise DataError naming the row and field when a row does not follow the official schema."""
+    rid = row.get("_id", "?") if isinstance(row, dict) else "?"
+    where = f"HotpotQA row {index} (id {rid!r})"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object, got {type(row).__name__}")
+    for key, typ in (("_id", str), ("question", str), ("answer", str), ("supporting_facts", list), ("context", list)):
+        if key not in row:
+            raise DataError(f"{where}: missing field {key!r}")
+        if not isinstance(row[key], typ):
+            raise DataError(f"{where}: field {key!r} must be a {typ.__name__}, got {type(row[key]).__name__}")
+    titles = set()
+    for j, para in enumerate(row["context"]):
+        if not (isinstance(para, (list, tuple)) and len(para) == 2 and isinstance(para[0], str)
+                and isinstance(para[1], list) and all(isinstance(s, str) for s in para[1])):
+            raise DataError(f"{where}: field 'context[{j}]' must be [title, [sentence, ...]]")
+        titles.add(para[0])
+    for j, fact in enumerate(row["supporting_facts"]):
+        if not (isinstance(fact, (list, tuple)) and len(fact) == 2 and isinstance(fact[0], str)):
+            raise DataError(f"{where}: field 'supporting_facts[{j}]' must be [title, sentence_index]")
+        if fact[0] not in titles:
+            raise DataError(f"{where}: field 'supporting_facts[{j}]' names title {fact[0]!r}, absent from 'context'")
+
+
+# ----------------------------------------------------------------------------------------- positions
+def parse_positions(spec: str | Iterable[str]) -> list[str]:
+    """'first,middle,last,3,random' → a list; each item a kind in POSITION_KINDS or a non-negative index."""
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if str(s).strip()]
+    if not items:
+        raise ValueError("--positions is empty; use e.g. first,middle,last")
+    for it in items:
+        if it not in POSITION_KINDS and not it.isdigit():
+            raise ValueError(f"unknown position {it!r}; use {', '.join(POSITION_KINDS)} or a paragraph index (0 = first)")
+    return list(dict.fromkeys(items))
+
+
+def gold_start(position: str, n_distractors: int, rng: random.Random) -> int:
+    """Index of the first of the two (adjacent) gold paragraphs among n_distractors + 2 slots."""
+    if position == "first":
+        return 0
+    if position == "last":
+        return n_distractors
+    if position == "middle":
+        return n_distractors // 2
+    if position == "random":
+        return rng.randint(0, n_distractors)
+    idx = int(position)
+    if idx > n_distractors:
+        raise ValueError(f"position index {idx} is past the end: with {n_distractors} distractors the gold pair "
+                         f"can start at 0..{n_distractors}")
+    return idx
+
+
+# ------------------------------------------------------------------------------------------- task
+class HotpotQA:
+    """4-shot chain-of-thought HotpotQA with controlled gold-paragraph positions."""
+
+    name = "hotpotqa"
+    default_template = "hotpotqa_cot"
+    retrieval_template = "hotpotqa_cot_retrieval"
+    stop = ["\n\n", "\nQuestion:", "\nParagraph:"]
+    default_max_new_tokens = 96
+    metrics = ("em", "f1", "contains")
+
+    def __init__(self, data: str | None = None, split: str = "validation"):
+        self.data, self.split = data, split
+
+    def load(self) -> list[dict]:
+        return load_rows(self.data, self.split)
+
+    def instances(self, rows: list[dict], *, distractors: int, positions: list[str], seed: int) -> list[Instance]:
+        if distractors < 0:
+            raise ValueError("--distractors must be >= 0")
+        if distractors == 0:
+            positions = ["oracle"]
+        pool = _paragraph_pool(rows)
+        out = []
+        for row in rows:
+            gold_titles = list(dict.fromkeys(t for t, _ in row["supporting_facts"]))
+            by_title = {t: s for t, s in row["context"]}
+            gold = [_para(t, by_title[t], True) for t in gold_titles]
+            rng = random.Random(f"{seed}:{row['_id']}")
+            distr = self._draw_distractors(row, gold_titles, distractors, pool, rng)
+            for pos in positions:
+                start = 0 if pos == "oracle" else gold_start(pos, distractors, random.Random(f"{seed}:{row['_id']}:pos"))
+                paras = distr[:start] + gold + distr[start:]
+                out.append(Instance(id=row["_id"], position=pos, question=row["question"], answer=row["answer"],
+                                    paragraphs=paras, meta={"gold_start": start, "type": row.get("type"),
+                                                            "level": row.get("level"), "n_paragraphs": len(paras)}))
+        return out
+
+    @staticmethod
+    def _draw_distractors(row, gold_titles, k, pool, rng) -> list[dict]:
+        own = [_para(t, s, False) for t, s in row["context"] if t not in gold_titles]
+        if k <= len(own):
+            chosen = sorted(rng.sample(range(len(own)), k))
+            return [own[i] for i in chosen]
+        taken = {t for t, _ in row["context"]}
+        extra = []
+        for i in rng.sample(range(len(pool)), len(pool)):
+            title, sents = pool[i]
+            if title not in taken:
+                taken.add(title)
+                extra.append(_para(title, sents, False))
+                if len(own) + len(extra) == k:
+                    break
+        else:
+            raise DataError(f"asked for {k} distractors but the data holds only {len(own) + len(extra)} distinct "
+                            f"paragraphs usable for question {row['_id']!r}; use fewer --distractors or more rows")
+        mixed = own + extra
+        rng.shuffle(mixed)
+        return mixed
+
+    # scoring -------------------------------------------------------------------------------------
+    def score(self, instance: Instance, generation: str) -> dict[str, Any]:
+        answer, found = metrics.extract_answer(generation)
+        return {"prediction": answer, "answer_found": found, **metrics.score(answer, instance.answer)}
+
+
+def _para(title: str, sentences: list[str], gold: bool) -> dict:
+    return {"title": title, "sentences": sentences, "text": "".join(sentences).strip(), "gold": gold}
+
+
+def _paragraph_pool(rows: list[dict]) -> list[tuple[str, list[str]]]:
+    """All distinct paragraphs in the data: the source of distractors beyond a question's own eight."""
+    seen, pool = set(), []
+    for row in rows:
+        for t, s in row["context"]:
+            if t not in seen:
+                seen.add(t)
+                pool.append((t, s))
+    return pool

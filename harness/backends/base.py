@@ -1,0 +1,73 @@
+"""The backend interface, and the device/dtype choices every backend makes the same way."""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+from harness.generation import GenRequest, GenResult, greedy_generate
+
+log = logging.getLogger("harness")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on a GPU that supports it, else float32 (CPU half precision is slow and lossy)."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class Backend(ABC):
+    """Greedy generation over batches of prompts. Subclasses provide the stepper methods."""
+
+    name = "base"
+    tokenizer: Any
+    device: torch.device
+    max_context: int | None = None
+
+    @abstractmethod
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+
+    @abstractmethod
+    def step(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def select(self, state: Any, keep: torch.Tensor) -> Any: ...
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text)["input_ids"])
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context)
+
+    def token_budget(self) -> int:
+        """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(2048, int(free * 0.4 / max(1, self.bytes_per_token())))
+        return 16384
+
+    def bytes_per_token(self) -> int:
+        """Memory one cached token costs while decoding; a conservative default."""
+        return 1 << 20
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "device": str(self.device)}

@@ -1,0 +1,179 @@
+"""The evaluation engine: task → instances → prompts → backend → scores → run directory.
+
+It knows nothing about any one model or task; both come in through their registries."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from evals import get_task
+from evals.base import DataError, Instance
+from harness.config import RunConfig
+from harness.generation import GenRequest
+from harness.prompting import PromptTemplate
+from harness.results import (SampleLog, format_markdown, git_hash, metrics_table, summarize, versions,
+                             write_predictions)
+
+log = logging.getLogger("harness")
+
+
+def load_backend(model: str, device: str = "auto", dtype: str = "auto"):
+    """Resolve a model name through the registry and build its backend."""
+    from harness.backends import backend_class
+    from harness.models import resolve_model
+
+    spec = resolve_model(model)
+    cls = backend_class(spec.backend)
+    return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
+
+
+def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> list[dict]:
+    if ids_file:
+        text = Path(ids_file).read_text()
+        wanted = json.loads(text) if text.lstrip().startswith("[") else [l.strip() for l in text.splitlines() if l.strip()]
+        have = {r["_id"] for r in rows}
+        missing = [i for i in wanted if i not in have]
+        if missing:
+            raise DataError(f"--ids {ids_file}: {len(missing)} id(s) not in the data, e.g. {missing[:3]}")
+        keep = set(wanted)
+        rows = [r for r in rows if r["_id"] in keep]
+    return rows[:limit] if limit is not None else rows
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int) -> list[list[int]]:
+    """Longest first (an out-of-memory shows at once); ``auto`` fills each batch up to a token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if batch_size != "auto":
+        bs = int(batch_size)
+        return [order[i:i + bs] for i in range(0, len(order), bs)]
+    batches, cur = [], []
+    for i in order:
+        width = lengths[cur[0]] + max_new if cur else lengths[i] + max_new
+        if cur and (len(cur) + 1) * width > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def make_tool(cfg: RunConfig, instance: Instance):
+    if not cfg.retrieval:
+        return None
+    from retrieval import RetrievalTool
+
+    return RetrievalTool(instance.retrieval_units(), max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
+                         max_chars=cfg.tool_max_chars)
+
+
+def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) one evaluation and write its run directory; returns the results dict."""
+    t0 = time.perf_counter()
+    task = get_task(cfg.task, data=cfg.data, split=cfg.split)
+    template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
+    cfg.template = cfg.template or template.name
+    cfg.template_sha256 = template.sha256
+    cfg.max_new_tokens = cfg.max_new_tokens or task.default_max_new_tokens
+    stop = cfg.stop if cfg.stop is not None else task.stop
+
+    rows = select_rows(task.load(), cfg.ids, cfg.limit)
+    instances = task.instances(rows, distractors=cfg.distractors, positions=cfg.positions, seed=cfg.seed)
+    samples = SampleLog(cfg.output, cfg.result_hash(), cfg.to_dict())
+    todo = [ins for ins in instances if ins.key not in samples]
+    log.info("task %s: %d questions x %d positions = %d instances (%d already done in %s)", cfg.task, len(rows),
+             len({i.position for i in instances}), len(instances), len(instances) - len(todo), cfg.output)
+
+    t_load = time.perf_counter()
+    if backend is None and todo:
+        backend = load_backend(cfg.model, cfg.device, cfg.dtype)
+    load_s = time.perf_counter() - t_load
+    if backend is not None:
+        d = backend.describe()
+        log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", cfg.model, d.get("backend"),
+                 d.get("device"), d.get("dtype"), cfg.batch_size)
+
+    gen_s, new_tokens = _generate_all(cfg, task, template, backend, todo, samples, stop, progress)
+    samples.close()
+
+    records = [samples.records[i.key] for i in instances if i.key in samples.records]
+    positions = list(dict.fromkeys(i.position for i in instances))
+    by_pos = summarize(records, task.metrics, positions, seed=cfg.seed)
+    out = Path(cfg.output)
+    results = {
+        "task": cfg.task, "model": cfg.model, "config": cfg.to_dict(), "config_hash": cfg.result_hash(),
+        "backend": backend.describe() if backend is not None else None,
+        "metrics": by_pos,
+        "counts": {"questions": len(rows), "instances": len(instances), "generated": len(todo),
+                   "resumed": len(instances) - len(todo),
+                   "skipped_too_long": sum(m["skipped_too_long"] for m in by_pos.values())},
+        "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
+                    "total_s": round(time.perf_counter() - t0, 3), "new_tokens": new_tokens,
+                    "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None},
+        "seed": cfg.seed, "versions": versions(), "git": git_hash(),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_predictions(records, out)
+    df = metrics_table(by_pos, task.metrics)
+    df.to_csv(out / "table.csv", index=False)
+    results["table"] = format_markdown(df, task.metrics)
+    (out / "table.md").write_text(results["table"] + "\n")
+    return results
+
+
+def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -> tuple[float, int]:
+    if not todo:
+        return 0.0, 0
+    prompts = [template.render(**ins.template_vars(), shots=cfg.shots) for ins in todo]
+    prompt_ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
+    limit = backend.max_context
+    fits, too_long = [], []
+    for i, ids in enumerate(prompt_ids):
+        (too_long if limit is not None and len(ids) + cfg.max_new_tokens > limit else fits).append(i)
+    if too_long:
+        log.warning("%d prompt(s) do not fit the model's %d-token context with %d new tokens; they are skipped "
+                    "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
+        samples.write(_record(todo[i], prompts[i], len(prompt_ids[i]), None, None, skipped="prompt_too_long")
+                      for i in too_long)
+    bs = cfg.batch_size if cfg.batch_size == "auto" else int(cfg.batch_size)
+    batches = plan_batches([len(prompt_ids[i]) for i in fits], bs, backend.token_budget(), cfg.max_new_tokens)
+    gen_s, new_tokens = 0.0, 0
+    bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample", disable=not progress)
+    bar.update(len(too_long))
+    for batch in batches:
+        idx = [fits[j] for j in batch]
+        tools = [make_tool(cfg, todo[i]) for i in idx]
+        reqs = [GenRequest(prompts[i], cfg.max_new_tokens, stop, tool, prompt_ids=prompt_ids[i])
+                for i, tool in zip(idx, tools)]
+        t = time.perf_counter()
+        outs = backend.generate(reqs)
+        gen_s += time.perf_counter() - t
+        new_tokens += sum(o.new_tokens for o in outs)
+        samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o, task.score(todo[i], o.text), tool=tool)
+                      for i, o, tool in zip(idx, outs, tools))
+        bar.update(len(idx))
+    bar.close()
+    return gen_s, new_tokens
+
+
+def _record(ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, skipped: str | None = None,
+            tool=None) -> dict:
+    rec = {"key": ins.key, "id": ins.id, "position": ins.position, "gold_start": ins.meta.get("gold_start"),
+           "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:16], "prompt_tokens": prompt_tokens,
+           "gold": ins.answer, "skipped": skipped, "prompt": prompt}
+    if out is not None:
+        rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,
+                   prediction=scored["prediction"], answer_found=scored["answer_found"],
+                   scores={k: v for k, v in scored.items() if k not in ("prediction", "answer_found")})
+        if tool is not None:
+            rec["tool_calls"] = tool.log
+            rec["tool_tokens"] = out.tool_tokens
+    return rec

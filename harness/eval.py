@@ -1,0 +1,96 @@
+"""``python -m harness.eval``: evaluate a model on a task, sweeping gold-paragraph positions in one run.
+
+Example:
+    python -m harness.eval --model phi-1.5 --task hotpotqa --distractors 10 --positions first,middle,last
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from harness.config import RunConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from harness.models import REGISTRY
+
+    ap = argparse.ArgumentParser(prog="python -m harness.eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True,
+                    help=f"registered name ({', '.join(REGISTRY)}), a hub id (org/name) or a local checkpoint dir")
+    ap.add_argument("--task", default="hotpotqa", help="task name (default: hotpotqa)")
+    ap.add_argument("--data", default=None,
+                    help="HotpotQA JSON/JSONL in the official schema, 'fixture' (bundled invented data) or "
+                         "'hub' (datasets hotpot_qa/distractor; the default)")
+    ap.add_argument("--split", default="validation", help="split when loading from the hub (default: validation)")
+    ap.add_argument("--distractors", type=int, default=8,
+                    help="distractor paragraphs per test context; >8 draws extra ones (seeded) from other "
+                         "questions; 0 = oracle mode, gold paragraphs only (default: 8)")
+    ap.add_argument("--positions", default="first,middle,last",
+                    help="where the two gold paragraphs go: first, middle, last, random, an index (0 = first), "
+                         "or a comma list swept in one run (default: first,middle,last)")
+    ap.add_argument("--shots", type=int, default=4, help="few-shot exemplars shown (default: 4)")
+    ap.add_argument("--template", default=None,
+                    help="prompt template: a name in prompts/ or a path to a .j2 file (default: the task's)")
+    ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    ap.add_argument("--ids", default=None, help="file of question ids (one per line, or a JSON list) to evaluate")
+    ap.add_argument("--batch-size", default="auto",
+                    help="prompts per batch, or 'auto' to fill batches up to a token budget (default: auto)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="generation budget (default: the task's)")
+    ap.add_argument("--stop", action="append", default=None,
+                    help="stop string (repeatable; default: the task's stop strings)")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    ap.add_argument("--seed", type=int, default=1234, help="seeds distractor drawing and random positions")
+    ap.add_argument("--output", default=None,
+                    help="run directory; rerunning with the same one resumes (default: runs/MODEL-TASK-kK)")
+    ap.add_argument("--retrieval", action="store_true",
+                    help="let the model call the in-context regex search tool (<search>PATTERN</search>)")
+    ap.add_argument("--max-tool-calls", type=int, default=4, help="tool calls allowed per sample (default: 4)")
+    ap.add_argument("--tool-timeout", type=float, default=1.0, help="seconds before a regex search is stopped")
+    ap.add_argument("--tool-max-chars", type=int, default=300, help="cap on one tool result's length")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return ap
+
+
+def config_from_args(a: argparse.Namespace) -> RunConfig:
+    from evals.hotpotqa import parse_positions
+
+    if a.batch_size != "auto" and not (a.batch_size.isdigit() and int(a.batch_size) > 0):
+        raise ValueError(f"--batch-size must be a positive integer or 'auto', got {a.batch_size!r}")
+    safe = a.model.rstrip("/").replace("/", "_")
+    output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
+    return RunConfig(model=a.model, task=a.task, data=a.data, split=a.split, distractors=a.distractors,
+                     positions=parse_positions(a.positions), shots=a.shots, template=a.template, limit=a.limit,
+                     ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
+                     dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,
+                     max_tool_calls=a.max_tool_calls, tool_timeout=a.tool_timeout, tool_max_chars=a.tool_max_chars)
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from evals.base import DataError
+    from harness.engine import run_eval
+    from harness.models import UnknownModelError
+    from harness.prompting import TemplateError
+    from harness.results import ResumeMismatchError
+
+    try:
+        cfg = config_from_args(a)
+        results = run_eval(cfg, progress=not a.no_progress)
+    except (DataError, UnknownModelError, TemplateError, ResumeMismatchError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"\n{cfg.model} on {cfg.task}, {cfg.distractors} distractors, {cfg.shots}-shot "
+          f"({results['counts']['instances']} instances, {results['counts']['resumed']} resumed)\n")
+    print(results["table"])
+    print(f"\nwrote {cfg.output}/results.json, samples.jsonl, predictions/, table.md, table.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

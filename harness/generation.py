@@ -1,0 +1,163 @@
+"""Batched greedy decoding shared by every backend.
+
+A backend supplies a *stepper* (prefill a left-padded batch, feed one token per row, drop rows); this module
+owns everything above it: stop strings, EOS, ``max_new_tokens``, the context limit, and the tool loop. Tool
+results are fed back through the same one-token steps as *forced* tokens, so a row that is searching and a
+row that is still reasoning share each forward pass, and generation continues from the cache or recurrent
+state instead of re-reading the prompt. Written by hand because ``transformers.generate`` cannot inject
+per-row tokens mid-generation, and the Phi-Mamba backend needs the same loop over its own state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class Tool(Protocol):
+    """Something the model calls by writing text that ends in ``call_end``; returns text to insert."""
+
+    call_end: str
+    max_calls: int
+
+    def __call__(self, segment: str) -> str: ...
+
+
+class Stepper(Protocol):
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Run a left-padded batch; return last-position logits [B, V] and a decoding state."""
+
+    def step(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row ([B, 1]); ``attention_mask`` covers everything so far. Returns [B, V]."""
+
+    def select(self, state: Any, keep: torch.Tensor) -> Any:
+        """Keep only the rows at indices ``keep`` (finished rows leave the batch)."""
+
+
+@dataclass
+class GenRequest:
+    prompt: str
+    max_new_tokens: int
+    stop: Sequence[str] = ()
+    tool: Tool | None = None
+    prompt_ids: list[int] | None = None  # pre-tokenised prompt, when the caller already counted it
+
+
+@dataclass
+class GenResult:
+    text: str
+    finish_reason: str  # "stop" | "eos" | "length" | "context"
+    prompt_tokens: int
+    new_tokens: int  # tokens the model chose
+    tool_tokens: int = 0  # tokens inserted by the tool
+    token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
+
+
+@dataclass
+class _Row:
+    req: GenRequest
+    prompt_len: int
+    ids: list[int] = field(default_factory=list)
+    forced: list[int] = field(default_factory=list)
+    scan_from: int = 0  # character offset from which stop strings and tool calls are searched
+    calls: int = 0
+    new_tokens: int = 0
+    tool_tokens: int = 0
+    done: GenResult | None = None
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in prompts]
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
+                    max_context: int | None = None) -> list[GenResult]:
+    """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order."""
+    if not requests:
+        return []
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_id = tokenizer.eos_token_id
+    prompt_ids = [r.prompt_ids if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"] for r in requests]
+    rows = [_Row(r, len(p)) for r, p in zip(requests, prompt_ids)]
+    ids, mask = left_pad(prompt_ids, pad_id, device)
+    logits, state = stepper.prefill(ids, mask)
+    active = list(range(len(rows)))
+    for b in active:  # a request with no budget at all finishes before any step
+        if rows[b].req.max_new_tokens <= 0:
+            rows[b].done = GenResult("", "length", rows[b].prompt_len, 0)
+    while True:
+        choice = logits.argmax(dim=-1).tolist()
+        fed, keep = [], []
+        for j, b in enumerate(active):
+            row = rows[b]
+            if row.done is not None:
+                continue
+            if row.forced:
+                tok, forced = row.forced.pop(0), True
+                row.tool_tokens += 1
+            else:
+                tok, forced = choice[j], False
+                row.new_tokens += 1
+            row.ids.append(tok)
+            if not forced:
+                _after_model_token(row, tok, tokenizer, eos_id)
+            if row.done is None and max_context is not None and row.prompt_len + len(row.ids) > max_context:
+                row.done = _finish(row, tokenizer, "context")
+            if row.done is None:
+                fed.append(tok)
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            keep_t = torch.tensor(keep, device=mask.device)
+            state = stepper.select(state, keep_t)
+            mask = mask.index_select(0, keep_t)
+            active = [active[j] for j in keep]
+        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+        logits = stepper.step(state, torch.tensor(fed, device=mask.device).unsqueeze(1), mask)
+    return [r.done for r in rows]
+
+
+def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
+    """Decide whether a row stops, calls its tool, or goes on, after the model chose ``tok``."""
+    if eos_id is not None and tok == eos_id:
+        row.ids.pop()
+        row.done = _finish(row, tokenizer, "eos", eos=True)
+        return
+    text = tokenizer.decode(row.ids, skip_special_tokens=False)
+    hits = [i for i in (text.find(s, row.scan_from) for s in row.req.stop if s) if i >= 0]
+    tool = row.req.tool
+    call_at = text.find(tool.call_end, row.scan_from) if tool is not None and row.calls < tool.max_calls else -1
+    if hits and (call_at < 0 or min(hits) < call_at + len(tool.call_end)):
+        row.done = _finish(row, tokenizer, "stop", text=text[: min(hits)])
+        return
+    if call_at >= 0:
+        end = call_at + len(tool.call_end)
+        result = tool(text[row.scan_from:end])
+        row.calls += 1
+        row.forced = tokenizer(result, add_special_tokens=False)["input_ids"]
+        # Search for the next call / stop only in what the model writes after the inserted result.
+        row.scan_from = len(tokenizer.decode(row.ids + row.forced, skip_special_tokens=False))
+        return
+    if row.new_tokens >= row.req.max_new_tokens:
+        row.done = _finish(row, tokenizer, "length", text=text)
+
+
+def _finish(row: _Row, tokenizer, reason: str, text: str | None = None, eos: bool = False) -> GenResult:
+    if text is None:
+        text = tokenizer.decode(row.ids, skip_special_tokens=False)
+    return GenResult(text=text, finish_reason=reason, prompt_tokens=row.prompt_len, new_tokens=row.new_tokens,
+                     tool_tokens=row.tool_tokens, token_ids=list(row.ids))

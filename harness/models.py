@@ -1,0 +1,62 @@
+"""The model registry: short names for the paper's models, and the rule for everything else.
+
+``phi-1.5`` and the goombalab models resolve to hub ids; any other ``org/name`` hub id, or a local directory
+holding a ``config.json``, loads through transformers (or through the Phi-Mamba backend when its config
+says so)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str  # hub id or local directory
+    backend: str  # key of harness.backends.BACKENDS
+    tokenizer: str | None = None  # defaults to ``path``
+    description: str = ""
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    "phi-1.5": ModelSpec("phi-1.5", "microsoft/phi-1_5", "transformers",
+                         description="Phi-1.5 (1.4B Transformer, 2,048-token context)"),
+    "phi-mamba": ModelSpec("phi-mamba", "goombalab/Phi-Mamba", "phi-mamba", tokenizer="microsoft/phi-1_5",
+                           description="Phi-Mamba: Phi-1.5 distilled into discrete Mamba-2 mixers (MOHAWK)"),
+    "hybrid-phi-mamba": ModelSpec("hybrid-phi-mamba", "goombalab/Hybrid-Phi-Mamba", "phi-mamba",
+                                  tokenizer="microsoft/phi-1_5",
+                                  description="Hybrid Phi-Mamba: Mamba-2 mixers with a few Phi attention layers"),
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class UnknownModelError(ValueError):
+    pass
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """Map a registry name, local directory or hub id to a ModelSpec; anything else lists the known names."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise UnknownModelError(f"model directory {str(path)!r} has no config.json; save it with "
+                                    "save_pretrained() or point --model at a checkpoint directory")
+        return ModelSpec(name, str(path), _backend_for_config(json.loads(cfg_file.read_text())))
+    if _HUB_ID.match(name) and not name.startswith((".", "/")):
+        return ModelSpec(name, name, "transformers")
+    known = "\n".join(f"  {s.name:18s} {s.path:28s} {s.description}" for s in REGISTRY.values())
+    raise UnknownModelError(f"unknown model {name!r}: not a registered name, an existing directory, or a hub id "
+                            f"of the form org/name. Registered models:\n{known}")
+
+
+def _backend_for_config(cfg: dict) -> str:
+    """goombalab checkpoints carry a ``LanguageModel``/``MixerModel`` config rather than a ``model_type``."""
+    if cfg.get("model_type") in ("phi-mamba", "phi_mamba") or "MixerModel" in cfg or "LanguageModel" in cfg:
+        return "phi-mamba"
+    return "transformers"

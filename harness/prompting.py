@@ -1,0 +1,62 @@
+"""Finding and rendering Jinja prompt templates. Templates are text only; nothing is declared in Python."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import jinja2
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+
+
+class TemplateError(ValueError):
+    """A template is missing, does not parse, or uses a variable the task does not provide."""
+
+
+def available_templates() -> list[str]:
+    return sorted(p.stem for p in PROMPTS_DIR.glob("*.j2"))
+
+
+def resolve_template(name_or_path: str) -> Path:
+    """A bare name is looked up in prompts/ (``hotpotqa_cot`` → prompts/hotpotqa_cot.j2); else a file path."""
+    p = Path(name_or_path).expanduser()
+    if p.suffix == ".j2" or p.exists() or "/" in name_or_path:
+        if not p.is_file():
+            raise TemplateError(f"template file {str(p)!r} not found")
+        return p
+    cand = PROMPTS_DIR / f"{name_or_path}.j2"
+    if not cand.is_file():
+        raise TemplateError(f"unknown template {name_or_path!r}; bundled templates: "
+                            f"{', '.join(available_templates())} (or pass a path to a .j2 file)")
+    return cand
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class PromptTemplate:
+    """A compiled template with StrictUndefined, so a missing variable is an error and never an empty string."""
+
+    def __init__(self, name_or_path: str):
+        self.path = resolve_template(name_or_path)
+        self.source = self.path.read_text()
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False,
+                                 autoescape=False)
+        env.globals["raise_exception"] = _raise  # the name Hugging Face chat templates use for the same job
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"template {self.path} does not parse: line {e.lineno}: {e.message}") from e
+        self.sha256 = hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def render(self, **variables) -> str:
+        try:
+            return self._template.render(**variables)
+        except jinja2.UndefinedError as e:
+            raise TemplateError(f"template {self.path} uses an undefined variable ({e.message}); the task "
+                                f"provides: {', '.join(sorted(variables))}") from e

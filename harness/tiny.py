@@ -1,0 +1,90 @@
+"""Tiny random-weight models for demos, tests and benchmarks, built offline from configs.
+
+The tokenizer is a real byte-level BPE trained here on the bundled prompts and fixture, so every text
+encodes and the same code path as a hub checkpoint (``save_pretrained`` → ``from_pretrained``) is used.
+
+    python -m harness.tiny --arch phi --out runs/tiny-phi
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+EOS = "<|endoftext|>"
+
+
+def _corpus() -> list[str]:
+    from evals.fixture import FIXTURE_PATH
+    from harness.prompting import PROMPTS_DIR
+
+    texts = [p.read_text() for p in sorted(PROMPTS_DIR.glob("*.j2"))]
+    texts.append(FIXTURE_PATH.read_text())
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+    fast.padding_side = "left"
+    return fast
+
+
+def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig, PhiConfig
+
+    if arch == "phi":
+        return PhiConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=max_positions,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    raise ValueError(f"unknown tiny arch {arch!r}; choose phi, llama or phi-mamba")
+
+
+def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_positions: int = 4096,
+                    layers: int = 2, hidden: int = 64, tokenizer=None) -> Path:
+    """Write a random-weight checkpoint and its tokenizer to ``out`` and return the path."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    tok = tokenizer or build_tokenizer()
+    torch.manual_seed(seed)
+    if arch in ("phi-mamba", "hybrid-phi-mamba"):
+        from harness.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
+
+        cfg = PhiMambaConfig.tiny(vocab_size=len(tok), d_model=hidden, n_layer=layers,
+                                  attn_layers=[layers - 1] if arch == "hybrid-phi-mamba" else [])
+        model = PhiMambaForCausalLM(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(build_config(arch, len(tok), max_positions, layers, hidden))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m harness.tiny", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="phi", choices=["phi", "llama", "phi-mamba", "hybrid-phi-mamba"])
+    ap.add_argument("--out", required=True, help="directory to write the checkpoint and tokenizer to")
+    ap.add_argument("--max-positions", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(make_tiny_model(a.out, a.arch, a.seed, a.max_positions, a.layers, a.hidden))
+
+
+if __name__ == "__main__":
+    main()
