@@ -144,12 +144,15 @@ class HotpotQA:
     def load(self) -> list[dict]:
         return load_rows(self.data, self.split)
 
-    def instances(self, rows: list[dict], *, distractors: int, positions: list[str], seed: int) -> list[Instance]:
+    def instances(self, rows: list[dict], *, distractors: int, positions: list[str], seed: int,
+                  pool_rows: list[dict] | None = None) -> list[Instance]:
+        """``pool_rows`` (default: ``rows``) supply extra distractors; pass the whole dataset so that a
+        question's context does not depend on --limit or --ids."""
         if distractors < 0:
             raise ValueError("--distractors must be >= 0")
         if distractors == 0:
             positions = ["oracle"]
-        pool = _paragraph_pool(rows)
+        pool = _paragraph_pool(pool_rows if pool_rows is not None else rows)
         out = []
         for row in rows:
             gold_titles = list(dict.fromkeys(t for t, _ in row["supporting_facts"]))

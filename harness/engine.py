@@ -84,8 +84,10 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     cfg.max_new_tokens = cfg.max_new_tokens or task.default_max_new_tokens
     stop = cfg.stop if cfg.stop is not None else task.stop
 
-    rows = select_rows(task.load(), cfg.ids, cfg.limit)
-    instances = task.instances(rows, distractors=cfg.distractors, positions=cfg.positions, seed=cfg.seed)
+    all_rows = task.load()
+    rows = select_rows(all_rows, cfg.ids, cfg.limit)
+    instances = task.instances(rows, distractors=cfg.distractors, positions=cfg.positions, seed=cfg.seed,
+                               pool_rows=all_rows)
     samples = SampleLog(cfg.output, cfg.result_hash(), cfg.to_dict())
     todo = [ins for ins in instances if ins.key not in samples]
     log.info("task %s: %d questions x %d positions = %d instances (%d already done in %s)", cfg.task, len(rows),

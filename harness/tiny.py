@@ -39,17 +39,22 @@ def build_tokenizer(vocab_size: int = 1024):
     return fast
 
 
-def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: int = 2, hidden: int = 64):
+def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: int = 2, hidden: int = 64,
+                 init_std: float = 0.2):
+    """``init_std`` is 10x the usual 0.02 so a random model's output depends on its whole prompt; with the
+    default, attention is near uniform and every prompt yields the same text, which would let tests of
+    padding, caching and batching pass vacuously."""
     from transformers import LlamaConfig, PhiConfig
 
     if arch == "phi":
         return PhiConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=max_positions,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=init_std)
     if arch == "llama":
         return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                           max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                           initializer_range=init_std)
     raise ValueError(f"unknown tiny arch {arch!r}; choose phi, llama or phi-mamba")
 
 

@@ -1,0 +1,54 @@
+"""Session-scoped tiny models: random weights from configs, saved with save_pretrained and loaded back
+through the registry path, with a real byte-level BPE tokenizer trained offline on the bundled text."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from harness.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+def _model_dir(tmp_path_factory, tok, arch, **kw):
+    from harness.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp(arch) / "ckpt", arch, tokenizer=tok, **kw))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi_dir(tmp_path_factory, tiny_tokenizer):
+    return _model_dir(tmp_path_factory, tiny_tokenizer, "phi")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
+    return _model_dir(tmp_path_factory, tiny_tokenizer, "llama")
+
+
+@pytest.fixture(scope="session")
+def short_phi_dir(tmp_path_factory, tiny_tokenizer):
+    """A Phi whose 640-token context cannot hold a 4-shot prompt with many distractors."""
+    return _model_dir(tmp_path_factory, tiny_tokenizer, "phi", max_positions=640)
+
+
+@pytest.fixture(scope="session")
+def phi_backend(tiny_phi_dir):
+    from harness.engine import load_backend
+
+    return load_backend(tiny_phi_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llama_backend(tiny_llama_dir):
+    from harness.engine import load_backend
+
+    return load_backend(tiny_llama_dir, device="cpu", dtype="float32")

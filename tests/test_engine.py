@@ -1,0 +1,154 @@
+import json
+
+import pytest
+
+from harness.config import RunConfig
+from harness.engine import load_backend, plan_batches, run_eval
+from harness.eval import main as eval_main
+from harness.models import REGISTRY, UnknownModelError, resolve_model
+from harness.prompting import PromptTemplate
+from harness.results import ResumeMismatchError
+
+
+def _cfg(model_dir, out, **kw):
+    base = dict(model=model_dir, data="fixture", distractors=4, positions=["first", "last"], limit=6,
+                max_new_tokens=12, device="cpu", dtype="float32", output=str(out), batch_size="4")
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def _gens(out):
+    return {json.loads(l)["key"]: json.loads(l).get("generation") for l in open(out / "samples.jsonl")}
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_greedy_outputs_identical_for_batch_sizes_1_4_16(which, tmp_path, request):
+    backend = request.getfixturevalue(f"{which}_backend")
+    model_dir = request.getfixturevalue(f"tiny_{which}_dir")
+    runs = {}
+    for bs in ("1", "4", "16"):
+        out = tmp_path / f"bs{bs}"
+        run_eval(_cfg(model_dir, out, batch_size=bs, limit=8), backend=backend, progress=False)
+        runs[bs] = _gens(out)
+    assert len(runs["1"]) == 16
+    assert runs["1"] == runs["4"] == runs["16"]
+
+
+def test_run_directory_contents(tiny_phi_dir, phi_backend, tmp_path):
+    res = run_eval(_cfg(tiny_phi_dir, tmp_path), backend=phi_backend, progress=False)
+    assert list(res["metrics"]) == ["first", "last"]
+    assert res["counts"] == {"questions": 6, "instances": 12, "generated": 12, "resumed": 0, "skipped_too_long": 0}
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["config"]["distractors"] == 4 and saved["config"]["template"] == "hotpotqa_cot"
+    assert {"torch", "transformers", "python"} <= set(saved["versions"])
+    assert saved["metrics"]["first"]["n"] == 6 and "em_se" in saved["metrics"]["first"]
+    lines = [json.loads(l) for l in open(tmp_path / "samples.jsonl")]
+    rec = lines[0]
+    for field in ("id", "position", "prompt_sha256", "prompt", "generation", "prediction", "gold", "scores"):
+        assert field in rec
+    pred = json.loads((tmp_path / "predictions" / "first.json").read_text())
+    assert set(pred) == {"answer", "sp"} and len(pred["answer"]) == 6
+    assert "| position" in (tmp_path / "table.md").read_text()
+
+
+class _Interrupting:
+    """Wraps a real backend and raises after ``n`` batches, as a kill mid-run would."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n, self.calls = inner, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, reqs):
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        self.calls += 1
+        return self.inner.generate(reqs)
+
+
+def test_resume_after_interruption_regenerates_nothing_done(tiny_phi_dir, phi_backend, tmp_path):
+    full = tmp_path / "full"
+    run_eval(_cfg(tiny_phi_dir, full), backend=phi_backend, progress=False)
+    part = tmp_path / "part"
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(_cfg(tiny_phi_dir, part), backend=_Interrupting(phi_backend, 2), progress=False)
+    assert len(_gens(part)) == 8  # two batches of four were written before the kill
+    with open(part / "samples.jsonl", "a") as fh:
+        fh.write('{"key": "fx0005@last", "truncated')  # a write cut short by the kill
+    res = run_eval(_cfg(tiny_phi_dir, part), backend=phi_backend, progress=False)
+    assert res["counts"]["resumed"] == 8 and res["counts"]["generated"] == 4
+    assert _gens(part) == _gens(full)
+    again = run_eval(_cfg(tiny_phi_dir, part), backend=None, progress=False)  # all done: no model is loaded
+    assert again["counts"]["generated"] == 0
+    assert again["metrics"]["first"]["em"] == res["metrics"]["first"]["em"]
+
+
+def test_resume_refuses_a_different_config(tiny_phi_dir, phi_backend, tmp_path):
+    run_eval(_cfg(tiny_phi_dir, tmp_path, limit=2), backend=phi_backend, progress=False)
+    with pytest.raises(ResumeMismatchError, match="max_new_tokens: 12 -> 20"):
+        run_eval(_cfg(tiny_phi_dir, tmp_path, limit=2, max_new_tokens=20), backend=phi_backend, progress=False)
+    # more positions or questions with the same settings extend the run instead
+    res = run_eval(_cfg(tiny_phi_dir, tmp_path, limit=3, positions=["first", "last", "middle"]),
+                   backend=phi_backend, progress=False)
+    assert res["counts"]["resumed"] == 4 and res["counts"]["generated"] == 5
+
+
+def test_overlong_prompts_are_counted_per_position_not_truncated(short_phi_dir, tiny_tokenizer, tmp_path):
+    cfg = _cfg(short_phi_dir, tmp_path, distractors=5, limit=None, max_new_tokens=8, positions=["first", "last"])
+    res = run_eval(cfg, progress=False)
+    recs = [json.loads(l) for l in open(tmp_path / "samples.jsonl")]
+    for pos in ("first", "last"):
+        expected = sum(1 for r in recs if r["position"] == pos and len(tiny_tokenizer(r["prompt"])["input_ids"]) + 8 > 640)
+        assert 0 < expected < 24
+        assert res["metrics"][pos]["skipped_too_long"] == expected
+        assert res["metrics"][pos]["n"] == 24 - expected
+    assert all(r["prompt_tokens"] + r["new_tokens"] <= 640 for r in recs if not r["skipped"])
+
+
+def test_registry_paths_and_unknown_model(tiny_phi_dir, tmp_path):
+    assert resolve_model("phi-1.5").path == "microsoft/phi-1_5"
+    assert resolve_model("phi-mamba").backend == "phi-mamba"
+    assert resolve_model("hybrid-phi-mamba").tokenizer == "microsoft/phi-1_5"
+    assert resolve_model("EleutherAI/pythia-70m").backend == "transformers"
+    assert resolve_model(tiny_phi_dir).backend == "transformers"
+    with pytest.raises(UnknownModelError) as e:
+        resolve_model("phi-15")
+    for name in REGISTRY:
+        assert name in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnknownModelError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_cli_end_to_end_and_bad_inputs(tiny_phi_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--distractors", "3", "--positions", "first,2",
+                    "--limit", "2", "--max-new-tokens", "6", "--device", "cpu", "--output", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| first" in printed and "| 2 " in printed
+    assert eval_main(["--model", "nonexistent-model", "--data", "fixture", "--output", str(tmp_path / "x")]) == 2
+    assert "Registered models" in capsys.readouterr().err
+    assert eval_main(["--model", tiny_phi_dir, "--data", str(tmp_path / "nope.json"), "--output", str(tmp_path / "y")]) == 2
+    assert "--data fixture" in capsys.readouterr().err
+    assert eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--template", "nope", "--output", str(tmp_path / "z")]) == 2
+    assert "bundled templates" in capsys.readouterr().err
+
+
+def test_ids_file_selects_questions(tiny_phi_dir, phi_backend, tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("fx0003\nfx0007\n")
+    res = run_eval(_cfg(tiny_phi_dir, tmp_path / "o", ids=str(ids), limit=None), backend=phi_backend, progress=False)
+    assert res["counts"]["questions"] == 2
+    assert {json.loads(l)["id"] for l in open(tmp_path / "o" / "samples.jsonl")} == {"fx0003", "fx0007"}
+
+
+def test_plan_batches_auto_respects_budget():
+    lengths = [100, 900, 300, 500, 50]
+    fixed = plan_batches(lengths, 2, 0, 10)
+    assert fixed == [[1, 3], [2, 0], [4]]
+    auto = plan_batches(lengths, "auto", 1900, 50)
+    for b in auto:
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 50) <= 1900
+    assert sorted(i for b in auto for i in b) == list(range(5))

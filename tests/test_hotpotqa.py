@@ -1,0 +1,133 @@
+import copy
+import json
+
+import pytest
+
+from evals.base import DataError
+from evals.fixture import make_rows
+from evals.hotpotqa import HotpotQA, load_rows, parse_positions
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return load_rows("fixture")
+
+
+def _gold_slots(ins):
+    return [i for i, p in enumerate(ins.paragraphs) if p["gold"]]
+
+
+def test_fixture_follows_official_schema(rows):
+    assert len(rows) >= 20
+    for r in rows:
+        assert set(r) == {"_id", "question", "answer", "supporting_facts", "context", "type", "level"}
+        assert len(r["context"]) == 10
+        assert all(isinstance(t, str) and isinstance(s, list) for t, s in r["context"])
+
+
+@pytest.mark.parametrize("k", [3, 8, 10, 20])
+@pytest.mark.parametrize("position,expected_start", [("first", 0), ("last", None), ("middle", "mid"), ("2", 2)])
+def test_gold_placement(rows, k, position, expected_start):
+    task = HotpotQA()
+    (ins,) = task.instances(rows[:1], distractors=k, positions=[position], seed=7, pool_rows=rows)
+    start = {None: k, "mid": k // 2}.get(expected_start, expected_start)
+    assert _gold_slots(ins) == [start, start + 1]
+    assert len(ins.paragraphs) == k + 2
+    gold_titles = {t for t, _ in rows[0]["supporting_facts"]}
+    assert {p["title"] for p in ins.paragraphs if p["gold"]} == gold_titles
+    assert len({p["title"] for p in ins.paragraphs}) == k + 2  # no paragraph twice
+
+
+def test_oracle_mode_has_gold_only(rows):
+    inst = HotpotQA().instances(rows[:3], distractors=0, positions=["first", "last"], seed=0)
+    assert [i.position for i in inst] == ["oracle"] * 3
+    assert all(len(i.paragraphs) == 2 and all(p["gold"] for p in i.paragraphs) for i in inst)
+
+
+def test_distractors_fixed_across_positions_and_seeded(rows):
+    task = HotpotQA()
+    a = task.instances(rows[:4], distractors=12, positions=["first", "middle", "last"], seed=3)
+    for q in range(4):
+        orders = [[p["title"] for p in i.paragraphs if not p["gold"]] for i in a[3 * q:3 * q + 3]]
+        assert orders[0] == orders[1] == orders[2]
+    b = task.instances(rows[:4], distractors=12, positions=["first"], seed=3)
+    c = task.instances(rows[:4], distractors=12, positions=["first"], seed=4)
+    assert [p["title"] for p in b[0].paragraphs] == [p["title"] for p in a[0].paragraphs]
+    assert any([p["title"] for p in x.paragraphs] != [p["title"] for p in y.paragraphs] for x, y in zip(b, c))
+
+
+def test_distractors_beyond_eight_come_from_other_questions(rows):
+    (ins,) = HotpotQA().instances(rows[:1], distractors=15, positions=["first"], seed=0, pool_rows=rows)
+    own = {t for t, _ in rows[0]["context"]}
+    titles = [p["title"] for p in ins.paragraphs]
+    assert len(set(titles)) == 17
+    assert own <= set(titles)  # all eight own distractors kept
+    assert len(set(titles) - own) == 7
+
+
+def test_too_many_distractors_is_a_clear_error(rows):
+    with pytest.raises(DataError, match="fewer --distractors"):
+        HotpotQA().instances(rows[:2], distractors=500, positions=["first"], seed=0)
+
+
+def test_random_position_is_seeded_and_in_range(rows):
+    task = HotpotQA()
+    a = task.instances(rows, distractors=10, positions=["random"], seed=5)
+    b = task.instances(rows, distractors=10, positions=["random"], seed=5)
+    starts = [i.meta["gold_start"] for i in a]
+    assert starts == [i.meta["gold_start"] for i in b]
+    assert all(0 <= s <= 10 for s in starts) and len(set(starts)) > 1
+    assert all(_gold_slots(i) == [i.meta["gold_start"], i.meta["gold_start"] + 1] for i in a)
+
+
+def test_parse_positions():
+    assert parse_positions("first, last,3,first") == ["first", "last", "3"]
+    with pytest.raises(ValueError, match="unknown position 'top'"):
+        parse_positions("first,top")
+    with pytest.raises(ValueError, match="past the end"):
+        HotpotQA().instances(make_rows(2), distractors=4, positions=["9"], seed=0)
+
+
+def test_missing_file_says_how_to_get_data(tmp_path):
+    with pytest.raises(DataError, match="--data PATH.*--data fixture"):
+        load_rows(str(tmp_path / "hotpot_dev_distractor_v1.json"))
+
+
+def test_offline_hub_says_how_to_get_data():
+    with pytest.raises(DataError, match="hotpot_dev_distractor_v1.json"):
+        load_rows("hub")
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda r: r.pop("answer"), r"row 1 \(id 'fx0001'\): missing field 'answer'"),
+    (lambda r: r.__setitem__("context", [["T", "not a list"]]), r"row 1 \(id 'fx0001'\): field 'context\[0\]'"),
+    (lambda r: r.__setitem__("supporting_facts", [["Nowhere", 0]]), r"supporting_facts\[0\].*'Nowhere'"),
+    (lambda r: r.__setitem__("question", 5), r"field 'question' must be a str"),
+])
+def test_malformed_row_names_row_and_field(tmp_path, mutate, message):
+    data = make_rows(3)
+    bad = copy.deepcopy(data)
+    mutate(bad[1])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(DataError, match=message):
+        load_rows(str(path))
+
+
+def test_jsonl_and_invalid_json(tmp_path):
+    rows = make_rows(3)
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [r["_id"] for r in load_rows(str(p))] == [r["_id"] for r in rows]
+    q = tmp_path / "broken.json"
+    q.write_text("[{")
+    with pytest.raises(DataError, match="not valid JSON"):
+        load_rows(str(q))
+
+
+def test_retrieval_units_are_the_test_context_only(rows):
+    (ins,) = HotpotQA().instances(rows[:1], distractors=4, positions=["first"], seed=0)
+    units = ins.retrieval_units()
+    assert len(units) == sum(len(p["sentences"]) for p in ins.paragraphs)
+    assert all(":" in u for u in units)
+    assert not any("Ida Korsgaard" in u for u in units)  # an exemplar's paragraph
