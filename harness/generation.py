@@ -2,8 +2,8 @@
 
 A backend supplies a *stepper* (prefill a left-padded batch, feed one token per row, drop rows); this module
 owns everything above it: stop strings, EOS, ``max_new_tokens``, the context limit, and the tool loop. Tool
-results are fed back through the same one-token steps as *forced* tokens, so a row that is searching and a
-row that is still reasoning share each forward pass, and generation continues from the cache or recurrent
+results are fed back through the same steps as *forced* tokens, so a row that is searching and a row that is
+still reasoning share each forward pass, and generation continues from the cache or recurrent
 state instead of re-reading the prompt. Written by hand because ``transformers.generate`` cannot inject
 per-row tokens mid-generation, and the Phi-Mamba backend needs the same loop over its own state.
 """
@@ -29,7 +29,8 @@ class Stepper(Protocol):
         """Run a left-padded batch; return last-position logits [B, V] and a decoding state."""
 
     def step(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row ([B, 1]); ``attention_mask`` covers everything so far. Returns [B, V]."""
+        """Feed a right-padded block per row ([B, L]; usually L = 1). ``attention_mask`` covers everything so
+        far, its last L columns being the block's. Returns logits at each row's last real token, [B, V]."""
 
     def select(self, state: Any, keep: torch.Tensor) -> Any:
         """Keep only the rows at indices ``keep`` (finished rows leave the batch)."""
@@ -52,6 +53,7 @@ class GenResult:
     new_tokens: int  # tokens the model chose
     tool_tokens: int = 0  # tokens inserted by the tool
     token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of inserted tokens in token_ids
 
 
 @dataclass
@@ -64,6 +66,7 @@ class _Row:
     calls: int = 0
     new_tokens: int = 0
     tool_tokens: int = 0
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)
     done: GenResult | None = None
 
 
@@ -85,7 +88,11 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
 @torch.inference_mode()
 def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
                     max_context: int | None = None) -> list[GenResult]:
-    """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order."""
+    """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order.
+
+    Each step feeds every active row a block: its chosen token, followed by a tool result when that token
+    completed a call. Blocks are right-padded to the longest, so a whole result is absorbed in the same
+    forward pass that feeds the other rows their next token."""
     if not requests:
         return []
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -100,25 +107,26 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
             rows[b].done = GenResult("", "length", rows[b].prompt_len, 0)
     while True:
         choice = logits.argmax(dim=-1).tolist()
-        fed, keep = [], []
+        blocks, keep = [], []
         for j, b in enumerate(active):
             row = rows[b]
             if row.done is not None:
                 continue
-            if row.forced:
-                tok, forced = row.forced.pop(0), True
-                row.tool_tokens += 1
-            else:
-                tok, forced = choice[j], False
-                row.new_tokens += 1
+            tok = choice[j]
             row.ids.append(tok)
-            if not forced:
-                _after_model_token(row, tok, tokenizer, eos_id)
-            if row.done is None and max_context is not None and row.prompt_len + len(row.ids) > max_context:
+            row.new_tokens += 1
+            _after_model_token(row, tok, tokenizer, eos_id)
+            if row.done is not None:
+                continue
+            block = [tok] + row.forced
+            row.ids += row.forced
+            row.tool_tokens += len(row.forced)
+            row.forced = []
+            if max_context is not None and row.prompt_len + len(row.ids) > max_context:
                 row.done = _finish(row, tokenizer, "context")
-            if row.done is None:
-                fed.append(tok)
-                keep.append(j)
+                continue
+            blocks.append(block)
+            keep.append(j)
         if not keep:
             break
         if len(keep) < len(active):
@@ -126,9 +134,25 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
             state = stepper.select(state, keep_t)
             mask = mask.index_select(0, keep_t)
             active = [active[j] for j in keep]
-        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-        logits = stepper.step(state, torch.tensor(fed, device=mask.device).unsqueeze(1), mask)
+        block_ids, block_mask = right_pad(blocks, pad_id, mask.device)
+        mask = torch.cat([mask, block_mask], dim=1)
+        logits = stepper.step(state, block_ids, mask)
     return [r.done for r in rows]
+
+
+def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(b) for b in blocks)
+    ids = torch.full((len(blocks), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(blocks), width), dtype=torch.long)
+    for i, b in enumerate(blocks):
+        ids[i, : len(b)] = torch.tensor(b, dtype=torch.long)
+        mask[i, : len(b)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def last_real_index(block_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last real token in a right-padded block."""
+    return block_mask.sum(dim=1) - 1
 
 
 def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
@@ -149,6 +173,7 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         result = tool(text[row.scan_from:end])
         row.calls += 1
         row.forced = tokenizer(result, add_special_tokens=False)["input_ids"]
+        row.tool_spans.append((len(row.ids), len(row.ids) + len(row.forced)))
         # Search for the next call / stop only in what the model writes after the inserted result.
         row.scan_from = len(tokenizer.decode(row.ids + row.forced, skip_special_tokens=False))
         return
@@ -160,4 +185,4 @@ def _finish(row: _Row, tokenizer, reason: str, text: str | None = None, eos: boo
     if text is None:
         text = tokenizer.decode(row.ids, skip_special_tokens=False)
     return GenResult(text=text, finish_reason=reason, prompt_tokens=row.prompt_len, new_tokens=row.new_tokens,
-                     tool_tokens=row.tool_tokens, token_ids=list(row.ids))
+                     tool_tokens=row.tool_tokens, token_ids=list(row.ids), tool_spans=list(row.tool_spans))

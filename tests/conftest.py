@@ -35,12 +35,6 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def short_phi_dir(tmp_path_factory, tiny_tokenizer):
-    """A Phi whose 640-token context cannot hold a 4-shot prompt with many distractors."""
-    return _model_dir(tmp_path_factory, tiny_tokenizer, "phi", max_positions=640)
-
-
-@pytest.fixture(scope="session")
 def phi_backend(tiny_phi_dir):
     from harness.engine import load_backend
 

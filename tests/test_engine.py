@@ -94,16 +94,26 @@ def test_resume_refuses_a_different_config(tiny_phi_dir, phi_backend, tmp_path):
     assert res["counts"]["resumed"] == 4 and res["counts"]["generated"] == 5
 
 
-def test_overlong_prompts_are_counted_per_position_not_truncated(short_phi_dir, tiny_tokenizer, tmp_path):
-    cfg = _cfg(short_phi_dir, tmp_path, distractors=5, limit=None, max_new_tokens=8, positions=["first", "last"])
+def test_overlong_prompts_are_counted_per_position_not_truncated(tiny_tokenizer, tmp_path):
+    from evals.hotpotqa import HotpotQA, load_rows
+    from harness.tiny import make_tiny_model
+
+    rows = load_rows("fixture")
+    instances = HotpotQA().instances(rows, distractors=5, positions=["first"], seed=1234)
+    tpl = PromptTemplate("hotpotqa_cot")
+    lengths = sorted(len(tiny_tokenizer(tpl.render(**i.template_vars(), shots=4))["input_ids"]) for i in instances)
+    limit = lengths[len(lengths) // 2] + 8  # a context that holds about half the prompts
+    model_dir = make_tiny_model(tmp_path / "short", "phi", max_positions=limit, tokenizer=tiny_tokenizer)
+    cfg = _cfg(str(model_dir), tmp_path / "run", distractors=5, limit=None, max_new_tokens=8, positions=["first", "last"])
     res = run_eval(cfg, progress=False)
-    recs = [json.loads(l) for l in open(tmp_path / "samples.jsonl")]
+    recs = [json.loads(l) for l in open(tmp_path / "run" / "samples.jsonl")]
     for pos in ("first", "last"):
-        expected = sum(1 for r in recs if r["position"] == pos and len(tiny_tokenizer(r["prompt"])["input_ids"]) + 8 > 640)
+        expected = sum(1 for r in recs if r["position"] == pos
+                       and len(tiny_tokenizer(r["prompt"])["input_ids"]) + 8 > limit)
         assert 0 < expected < 24
         assert res["metrics"][pos]["skipped_too_long"] == expected
         assert res["metrics"][pos]["n"] == 24 - expected
-    assert all(r["prompt_tokens"] + r["new_tokens"] <= 640 for r in recs if not r["skipped"])
+    assert all(r["prompt_tokens"] + r["new_tokens"] <= limit for r in recs if not r["skipped"])
 
 
 def test_registry_paths_and_unknown_model(tiny_phi_dir, tmp_path):

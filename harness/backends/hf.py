@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from harness.backends.base import Backend, resolve_device, resolve_dtype
+from harness.generation import last_real_index
 
 log = logging.getLogger("harness")
 
@@ -42,10 +43,13 @@ class TransformersBackend(Backend):
         return out.logits[:, -1].float(), {"cache": out.past_key_values, "pos": pos[:, -1]}
 
     def step(self, state, input_ids, attention_mask):
-        state["pos"] = state["pos"] + 1
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=state["pos"][:, None],
+        block_mask = attention_mask[:, -input_ids.shape[1]:]
+        pos = state["pos"][:, None] + block_mask.cumsum(-1)  # pads (right of the real tokens) are masked anyway
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                          past_key_values=state["cache"], use_cache=True)
-        return out.logits[:, -1].float()
+        last = last_real_index(block_mask)
+        state["pos"] = pos.gather(1, last[:, None]).squeeze(1)
+        return out.logits[torch.arange(len(last), device=last.device), last].float()
 
     def select(self, state, keep):
         state["cache"].batch_select_indices(keep)

@@ -1,0 +1,155 @@
+import re
+import time
+
+import pytest
+import torch
+
+from harness.generation import GenRequest
+from harness.prompting import PromptTemplate
+from retrieval import RegexSearcher, RetrievalTool, parse_call
+
+UNITS = ["Alvar Everly: Alvar Everly (born 1886) is a poet from Harrowgate Fen, Ostland.",
+         "Karvell: Karvell is a town in the north of Dunholm.",
+         "Karvell: It was founded in 1018 on the banks of the Lisk river.",
+         "Pellin: Pellin is a town in the north of Veloria."]
+
+
+@pytest.mark.parametrize("segment,pattern,error", [
+    ("think <search>Karvell</search>", "Karvell", None),
+    ("<search>a<search>b</search>", "b", None),  # nested: the innermost (last) opening wins
+    ("<search>first</search> then <search>second</search>", "second", None),
+    ("<search></search>", None, "empty pattern"),
+    ("<search>   </search>", None, "empty pattern"),
+    ("no call </search>", None, "without an opening"),
+    ("<search>unclosed", None, "no </search>"),
+])
+def test_parse_call(segment, pattern, error):
+    p, e = parse_call(segment)
+    assert p == pattern
+    assert (e is None) if error is None else (error in e)
+
+
+def test_matching_uses_re_search_semantics_and_order():
+    tool = RetrievalTool(UNITS, max_matches=3)
+    assert tool("<search>town in the north</search>") == f"<result>{UNITS[1]} | {UNITS[3]}</result>"
+    assert tool(r"<search>founded in \d{4}</search>") == f"<result>{UNITS[2]}</result>"
+    assert tool("<search>^Pellin</search>") == f"<result>{UNITS[3]}</result>"  # anchored at a unit's start
+    assert tool("<search>(?i)OSTLAND</search>") == f"<result>{UNITS[0]}</result>"
+    assert tool("<search>Zanzibar</search>") == "<result>[no match]</result>"
+    assert [c["status"] for c in tool.log] == ["ok", "ok", "ok", "ok", "no_match"]
+    expected = [u for u in UNITS if re.search("n", u)][:2]
+    assert RetrievalTool(UNITS, max_matches=2)("<search>n</search>") == f"<result>{' | '.join(expected)}</result>"
+
+
+def test_result_is_capped():
+    tool = RetrievalTool(UNITS, max_chars=40)
+    out = tool("<search>.</search>")
+    body = out[len("<result>"):-len("</result>")]
+    assert len(body) == 40 and body.endswith("...")
+
+
+def test_invalid_and_empty_patterns_return_readable_errors():
+    tool = RetrievalTool(UNITS)
+    assert tool("<search>(unclosed</search>").startswith("<result>[error: invalid pattern: missing )")
+    assert tool("<search>[z-a]</search>").startswith("<result>[error: invalid pattern")
+    assert tool("<search></search>") == "<result>[error: empty pattern]</result>"
+    assert [c["status"] for c in tool.log] == ["error", "error", "error"]
+
+
+def test_catastrophic_backtracking_is_stopped_well_within_bound():
+    searcher = RegexSearcher(timeout=0.5)
+    units = ["a" * 40 + "!"]
+    t0 = time.perf_counter()
+    out = searcher.search("(a+)+$", units)
+    elapsed = time.perf_counter() - t0
+    assert out.status == "timeout"
+    assert elapsed < 0.9  # the 0.5 s limit plus the kill, far below the 1 s the issue allows
+    # the worker was replaced: the next search works and is fast
+    t0 = time.perf_counter()
+    assert searcher.search("a+!", units).status == "ok"
+    assert time.perf_counter() - t0 < 0.5
+    tool = RetrievalTool(units, searcher=searcher)
+    assert tool("<search>(a+)+$</search>") == "<result>[timeout]</result>"
+    searcher.close()
+
+
+def test_worker_never_uses_another_tools_units():
+    a = RetrievalTool(["alpha one"])
+    b = RetrievalTool(["beta two"])
+    assert a("<search>one|two</search>") == "<result>alpha one</result>"
+    assert b("<search>one|two</search>") == "<result>beta two</result>"
+    assert a("<search>one|two</search>") == "<result>alpha one</result>"
+
+
+def test_retrieval_template_exemplar_results_are_what_the_tool_returns():
+    tpl = PromptTemplate("hotpotqa_cot_retrieval")
+    module = tpl._template.make_module({"shots": 0, "paragraphs": [], "question": ""})
+    checked = 0
+    for ex in module.exemplars:
+        units = [f"{title}: {s.strip()}" for title, sents in ex["paragraphs"] for s in sents]
+        tool = RetrievalTool(units)
+        for call, result in re.findall(r"(<search>.*?</search>)(<result>.*?</result>)", ex["answer_text"]):
+            assert tool(call) == result
+            checked += 1
+    assert checked >= 6
+
+
+# ------------------------------------------------------------------------ integration with a real model
+def _free_text(backend, prompt, n=24):
+    return backend.generate([GenRequest(prompt, n)])[0]
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_tool_loop_resumes_from_cache_exactly(which, request):
+    """A random model never writes <search>, so the call tags are taken from text it does write; the search,
+    insertion and resume are all real. The continuation after each inserted result must equal greedy decoding
+    by full forward passes over prompt + everything so far (no cache)."""
+    backend = request.getfixturevalue(f"{which}_backend")
+    from tests.test_generation import _diverse_prompts
+
+    prompts = _diverse_prompts(4, seed=11)
+    reqs, tools = [], []
+    for i, p in enumerate(prompts):
+        text = _free_text(backend, p).text
+        tool = None
+        if i != 2:  # row 2 never calls: it must not be disturbed by the others' insertions
+            tool = RetrievalTool(UNITS, max_calls=2, call_open=text[0:2], call_close=text[5:8])
+        tools.append(tool)
+        reqs.append(GenRequest(p, 24, tool=tool))
+    results = backend.generate(reqs)
+    called = 0
+    with torch.inference_mode():
+        for p, r, tool in zip(prompts, results, tools):
+            prompt_ids = backend.tokenizer(p)["input_ids"]
+            forced = {j for a, b in r.tool_spans for j in range(a, b)}
+            for j, tok in enumerate(r.token_ids):
+                if j in forced:
+                    continue
+                logits = backend.model(input_ids=torch.tensor([prompt_ids + r.token_ids[:j]])).logits[0, -1]
+                assert tok == int(logits.argmax()), f"token {j} differs from an uncached greedy pass"
+            if tool is not None:
+                assert len(tool.log) == len(r.tool_spans) >= 1
+                called += len(tool.log)
+            else:
+                assert r.tool_spans == []
+    assert called >= 3
+
+
+def test_engine_counts_tool_calls_per_position(tiny_phi_dir, phi_backend, tmp_path):
+    import json
+
+    from harness.config import RunConfig
+    from harness.engine import run_eval
+
+    cfg = RunConfig(model=tiny_phi_dir, data="fixture", distractors=3, positions=["first", "last"], limit=3,
+                    max_new_tokens=8, device="cpu", dtype="float32", output=str(tmp_path), retrieval=True,
+                    stop=[])
+    res = run_eval(cfg, backend=phi_backend, progress=False)
+    assert res["config"]["template"] == "hotpotqa_cot_retrieval"
+    recs = [json.loads(l) for l in open(tmp_path / "samples.jsonl")]
+    assert all("tool_calls" in r for r in recs)
+    for pos in ("first", "last"):
+        m = res["metrics"][pos]
+        calls = [c for r in recs if r["position"] == pos for c in r["tool_calls"]]
+        assert m["tool_calls"] == len(calls)
+        assert m["tool_ok"] + m["tool_no_match"] + m["tool_error"] + m["tool_timeout"] == len(calls)
