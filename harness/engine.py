@@ -31,7 +31,13 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto"):
 
     spec = resolve_model(model)
     cls = backend_class(spec.backend)
-    return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
+    try:
+        return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
+    except OSError as e:
+        raise OSError(f"could not load model {model!r} (weights {spec.path}, tokenizer {spec.tokenizer or spec.path}) "
+                      f"through the {spec.backend} backend: {e}\nWhere the hub is unreachable, download once with "
+                      f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a local "
+                      "checkpoint directory to --model.") from e
 
 
 def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> list[dict]:

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(a)
         results = run_eval(cfg, progress=not a.no_progress)
-    except (DataError, UnknownModelError, TemplateError, ResumeMismatchError, ValueError, KeyError) as e:
+    except (DataError, UnknownModelError, TemplateError, ResumeMismatchError, ValueError, KeyError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"\n{cfg.model} on {cfg.task}, {cfg.distractors} distractors, {cfg.shots}-shot "

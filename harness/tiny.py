@@ -58,8 +58,16 @@ def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: 
     raise ValueError(f"unknown tiny arch {arch!r}; choose phi, llama or phi-mamba")
 
 
+def _scale_init(model, std: float) -> None:
+    """Same reason as ``build_config``'s ``init_std``: weights large enough that outputs depend on the prompt."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                p.normal_(0.0, std)
+
+
 def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_positions: int = 4096,
-                    layers: int = 2, hidden: int = 64, tokenizer=None) -> Path:
+                    layers: int = 2, hidden: int = 64, tokenizer=None, init_std: float = 0.2) -> Path:
     """Write a random-weight checkpoint and its tokenizer to ``out`` and return the path."""
     from transformers import AutoModelForCausalLM
 
@@ -72,8 +80,9 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
         cfg = PhiMambaConfig.tiny(vocab_size=len(tok), d_model=hidden, n_layer=layers,
                                   attn_layers=[layers - 1] if arch == "hybrid-phi-mamba" else [])
         model = PhiMambaForCausalLM(cfg)
+        _scale_init(model, init_std)
     else:
-        model = AutoModelForCausalLM.from_config(build_config(arch, len(tok), max_positions, layers, hidden))
+        model = AutoModelForCausalLM.from_config(build_config(arch, len(tok), max_positions, layers, hidden, init_std))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

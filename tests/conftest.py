@@ -46,3 +46,27 @@ def llama_backend(tiny_llama_dir):
     from harness.engine import load_backend
 
     return load_backend(tiny_llama_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi_mamba_dir(tmp_path_factory, tiny_tokenizer):
+    return _model_dir(tmp_path_factory, tiny_tokenizer, "phi-mamba", layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory, tiny_tokenizer):
+    return _model_dir(tmp_path_factory, tiny_tokenizer, "hybrid-phi-mamba", layers=3)
+
+
+@pytest.fixture(scope="session")
+def phi_mamba_backend(tiny_phi_mamba_dir):
+    from harness.engine import load_backend
+
+    return load_backend(tiny_phi_mamba_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hybrid_backend(tiny_hybrid_dir):
+    from harness.engine import load_backend
+
+    return load_backend(tiny_hybrid_dir, device="cpu", dtype="float32")

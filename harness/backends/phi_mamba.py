@@ -1,0 +1,55 @@
+"""Phi-Mamba / Hybrid-Phi-Mamba backend: the project's own model (harness.phi_mamba) in the shared loop."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from harness.backends.base import Backend, resolve_device, resolve_dtype
+from harness.backends.hf import load_tokenizer
+from harness.generation import last_real_index
+from harness.phi_mamba import PhiMambaForCausalLM, _mamba_ssm_scan
+
+log = logging.getLogger("harness")
+
+
+class PhiMambaBackend(Backend):
+    name = "phi-mamba"
+
+    def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
+                 model: PhiMambaForCausalLM | None = None, tok=None):
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
+        self.model = (model or PhiMambaForCausalLM.from_pretrained(path, dtype=self.dtype)).to(self.device, self.dtype)
+        self.model.eval()
+        cfg = self.model.config
+        # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
+        self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
+        self.scan_path = "mamba-ssm triton kernel" if (self.device.type == "cuda" and _mamba_ssm_scan()) else "pytorch"
+        log.info("phi-mamba: %d layers (%s attention), scan path: %s", cfg.n_layer,
+                 cfg.attn_layers or "no", self.scan_path)
+
+    def prefill(self, input_ids, attention_mask):
+        logits, state = self.model(input_ids, attention_mask, logits_to_keep=1)
+        return logits[:, -1], state
+
+    def step(self, state, input_ids, attention_mask):
+        logits, state = self.model(input_ids, attention_mask, state)
+        last = last_real_index(attention_mask[:, -input_ids.shape[1]:])
+        return logits[torch.arange(len(last), device=last.device), last]
+
+    def select(self, state, keep):
+        return state.select(keep)
+
+    def bytes_per_token(self) -> int:
+        cfg = self.model.config
+        elt = torch.finfo(self.dtype).bits // 8
+        kv = 2 * len(cfg.attn_layers) * cfg.d_model * elt
+        return kv + 8 * cfg.d_model * elt + (cfg.padded_vocab * 4) // 64
+
+    def describe(self):
+        cfg = self.model.config
+        return {"backend": self.name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "model_class": type(self.model).__name__, "attn_layers": cfg.attn_layers, "scan": self.scan_path,
+                "max_context": self.max_context, "parameters": sum(p.numel() for p in self.model.parameters())}

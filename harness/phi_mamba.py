@@ -1,0 +1,443 @@
+"""Phi-Mamba and Hybrid-Phi-Mamba (MOHAWK, arXiv 2408.10189), written for this project in plain PyTorch.
+
+Loads the ``goombalab/Phi-Mamba`` and ``goombalab/Hybrid-Phi-Mamba`` checkpoints with strict key matching.
+transformers has no class for them and the authors' code needs CUDA kernels and torch 2.1, so the model is
+here; mamba-ssm kernels are used for the scan when present on a GPU, and everything runs on the CPU without.
+
+Architecture (parameter names follow the checkpoints):
+  backbone.embedding → N blocks → backbone.final_layernorm → lm_head (with bias)
+  block: h + mixer(LN(h)) + mlp(LN(h))  (Phi's parallel block; one LayerNorm, ``input_layernorm``)
+  mixer: discrete Mamba-2 (``mixer.in_proj``, ``conv1d``, ``z_bias``, ``D``, ``out_proj``), or in the hybrid
+         Phi attention (``mixer.self_attn.{q,k,v}_proj``, ``dense``; partial rotary).
+Discrete Mamba-2, per head (P = head dim, N = d_state):
+  [xBC, z, a] = in_proj(u);  xBC = conv1d(xBC) (causal, no activation);  split xBC → x, B, C
+  h_t = exp(-softplus(a_t)) · h_{t-1} + x_t ⊗ B_t        y_t = C_t · h_t + D · x_t
+  out = out_proj(y · silu(z + z_bias))
+Padding: a padded position leaves the state untouched (decay 1, no input, zero conv input), so a left-padded
+batch gives every row what it would get alone; lm-eval's mamba backend ignores the mask, this does not.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("harness")
+
+MAMBA_CORE = "modules.mixers.discrete_mamba2"
+ATTN_CORE = "modules.mixers.phi_attention"
+
+
+# ------------------------------------------------------------------------------------------- config
+@dataclass
+class PhiMambaConfig:
+    vocab_size: int = 51200
+    pad_vocab_size_multiple: int = 8
+    d_model: int = 2048
+    n_layer: int = 24
+    attn_layers: list[int] = field(default_factory=list)
+    # discrete Mamba-2 mixer
+    d_state: int = 64
+    n_qk_heads: int = 32
+    n_v_heads: int = 32
+    d_conv: int = 4
+    expand: int = 1
+    chunk_size: int = 128
+    conv_bias: bool = True
+    # Phi attention (hybrid layers)
+    num_attention_heads: int = 32
+    partial_rotary_factor: float = 0.5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return self.vocab_size + (-self.vocab_size % m)
+
+    @classmethod
+    def tiny(cls, vocab_size: int, d_model: int = 64, n_layer: int = 2, attn_layers=(), chunk_size: int = 16):
+        return cls(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, attn_layers=list(attn_layers),
+                   d_state=16, n_qk_heads=4, n_v_heads=4, num_attention_heads=4, chunk_size=chunk_size,
+                   max_position_embeddings=1 << 20)
+
+    # The checkpoints' config.json: LanguageModel / MixerModel / Block1..BlockK, each block a run of layers.
+    @classmethod
+    def from_goombalab(cls, cfg: dict) -> "PhiMambaConfig":
+        try:
+            lm, mm = cfg["LanguageModel"]["input"], cfg["MixerModel"]["input"]
+            blocks = [cfg[k] for k in sorted((k for k in cfg if k.startswith("Block")), key=lambda k: int(k[5:]))]
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"not a Phi-Mamba config (LanguageModel/MixerModel/BlockN expected): {e}") from e
+        out = cls(vocab_size=lm["vocab_size"], pad_vocab_size_multiple=lm.get("pad_vocab_size_multiple", 8),
+                  d_model=mm["d_model"], n_layer=mm["n_layer"])
+        layer = 0
+        for b in blocks:
+            core = b.get("core_input", {})
+            if b["CoreType"] == ATTN_CORE:
+                out.attn_layers += list(range(layer, layer + b["n_layers"]))
+                for k in ("num_attention_heads", "partial_rotary_factor", "rope_theta", "max_position_embeddings"):
+                    if k in core:
+                        setattr(out, k, core[k])
+            elif b["CoreType"] == MAMBA_CORE:
+                for k in ("d_state", "n_qk_heads", "n_v_heads", "d_conv", "expand", "chunk_size", "conv_bias"):
+                    if k in core:
+                        setattr(out, k, core[k])
+                if core.get("activation", "identity") != "identity" or core.get("bias", False):
+                    raise ValueError("only the checkpoints' discrete Mamba-2 (identity activation, no bias) is supported")
+            else:
+                raise ValueError(f"unknown CoreType {b['CoreType']!r} in Phi-Mamba config")
+            layer += b["n_layers"]
+        if layer != out.n_layer:
+            raise ValueError(f"blocks hold {layer} layers but MixerModel.n_layer is {out.n_layer}")
+        return out
+
+    def to_goombalab(self) -> dict:
+        mamba_core = {"d_state": self.d_state, "n_v_heads": self.n_v_heads, "n_qk_heads": self.n_qk_heads,
+                      "d_conv": self.d_conv, "conv_bias": self.conv_bias, "expand": self.expand,
+                      "chunk_size": self.chunk_size, "activation": "identity", "bias": False}
+        attn_core = {"num_attention_heads": self.num_attention_heads, "rope_theta": self.rope_theta,
+                     "partial_rotary_factor": self.partial_rotary_factor,
+                     "max_position_embeddings": self.max_position_embeddings}
+        cfg = {"LanguageModel": {"input": {"vocab_size": self.vocab_size,
+                                           "pad_vocab_size_multiple": self.pad_vocab_size_multiple}},
+               "MixerModel": {"input": {"d_model": self.d_model, "n_layer": self.n_layer,
+                                        "lm_head_prenorm": "layer"}}}
+        runs: list[list] = []  # consecutive layers of one kind form one BlockN entry
+        for i in range(self.n_layer):
+            kind = ATTN_CORE if i in self.attn_layers else MAMBA_CORE
+            if runs and runs[-1][0] == kind:
+                runs[-1][1] += 1
+            else:
+                runs.append([kind, 1])
+        for n, (kind, count) in enumerate(runs, 1):
+            cfg[f"Block{n}"] = {"n_layers": count, "BlockType": "modules.phi_block",
+                                "block_input": {"resid_dropout": 0.0}, "CoreType": kind,
+                                "core_input": mamba_core if kind == MAMBA_CORE else attn_core}
+        return cfg
+
+
+# ------------------------------------------------------------------------------------------ kernels
+def _mamba_ssm_scan():
+    """mamba-ssm's chunked-scan Triton kernel, if installed and a GPU is present; else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # not installed, or built for another torch
+        return None
+    return mamba_chunk_scan_combined
+
+
+def ssd_chunked(x, log_a, B, C, h0, chunk: int):
+    """Chunked parallel scan (the SSD form of Mamba-2) in plain PyTorch.
+
+    x [b, l, h, p]; log_a [b, l, h] (<= 0); B, C [b, l, h, n]; h0 [b, h, p, n]. Returns y [b, l, h, p] and the
+    final state. Within a chunk the output is a masked (decay-weighted) attention-like product; between chunks
+    the state is carried by the plain recurrence, so the cost is linear in length."""
+    b, l, h, p = x.shape
+    pad = -l % chunk
+    if pad:
+        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+        log_a = F.pad(log_a, (0, 0, 0, pad))
+    nc = x.shape[1] // chunk
+    x, B, C = (t.reshape(b, nc, chunk, h, -1) for t in (x, B, C))
+    log_a = log_a.reshape(b, nc, chunk, h).permute(0, 1, 3, 2)  # b c h q
+    cum = torch.cumsum(log_a, dim=-1)  # b c h q
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    seg = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf"))  # b c h q k
+    decay = torch.exp(seg)
+    scores = torch.einsum("bcqhn,bckhn->bchqk", C, B) * decay
+    y = torch.einsum("bchqk,bckhp->bcqhp", scores, x)
+    # contribution of each chunk's inputs to its final state
+    to_end = torch.exp(cum[..., -1:] - cum)  # b c h q
+    chunk_states = torch.einsum("bchq,bcqhn,bcqhp->bchpn", to_end, B, x)
+    states, hcur = [], h0
+    chunk_decay = torch.exp(cum[..., -1])  # b c h
+    for c in range(nc):
+        states.append(hcur)
+        hcur = hcur * chunk_decay[:, c, :, None, None] + chunk_states[:, c]
+    prev = torch.stack(states, dim=1)  # b c h p n: state entering each chunk
+    y = y + torch.einsum("bcqhn,bchpn,bchq->bcqhp", C, prev, torch.exp(cum))
+    return y.reshape(b, nc * chunk, h, p)[:, :l], hcur
+
+
+def ssd_step(x, log_a, B, C, h):
+    """One recurrent step: x [b, h, p], log_a [b, h], B, C [b, h, n], h [b, h, p, n]."""
+    h = h * torch.exp(log_a)[..., None, None] + x[..., None] * B[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", h, C), h
+
+
+# ------------------------------------------------------------------------------------------- layers
+class DiscreteMamba2(nn.Module):
+    def __init__(self, cfg: PhiMambaConfig):
+        super().__init__()
+        self.cfg = cfg
+        d_inner = cfg.expand * cfg.d_model
+        self.d_inner, self.h, self.hqk, self.n = d_inner, cfg.n_v_heads, cfg.n_qk_heads, cfg.d_state
+        self.p = d_inner // cfg.n_v_heads
+        self.conv_dim = d_inner + 2 * cfg.n_qk_heads * cfg.d_state
+        self.in_proj = nn.Linear(cfg.d_model, 2 * d_inner + 2 * cfg.n_qk_heads * cfg.d_state + cfg.n_v_heads, bias=False)
+        self.z_bias = nn.Parameter(torch.zeros(d_inner))
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.d_conv, groups=self.conv_dim, bias=cfg.conv_bias,
+                                padding=cfg.d_conv - 1)
+        self.D = nn.Parameter(torch.ones(cfg.n_v_heads))
+        self.out_proj = nn.Linear(d_inner, cfg.d_model, bias=False)
+
+    def init_state(self, batch: int, device, dtype) -> dict:
+        return {"conv": torch.zeros(batch, self.conv_dim, self.cfg.d_conv - 1, device=device, dtype=dtype),
+                "ssm": torch.zeros(batch, self.h, self.p, self.n, device=device, dtype=torch.float32)}
+
+    def forward(self, u, mask, state: dict, last: torch.Tensor, scan: str = "auto"):
+        """u [b, l, d]; mask [b, l] (1 = real); state is read and replaced; ``last`` [b] = last real index."""
+        bsz, l, _ = u.shape
+        k = self.cfg.d_conv
+        xbc, z, a = self.in_proj(u).split([self.conv_dim, self.d_inner, self.h], dim=-1)
+        m = mask.bool()
+        xbc = torch.where(m[..., None], xbc, 0.0)
+        full = torch.cat([state["conv"].to(xbc.dtype), xbc.transpose(1, 2)], dim=2)  # b c (k-1+l)
+        w = self.conv1d.weight.squeeze(1)  # c k
+        if l == 1:
+            conv = (full * w).sum(-1, keepdim=True)
+        else:
+            conv = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)  # b c l
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias[:, None]
+        idx = (last[:, None] + 1 + torch.arange(k - 1, device=u.device))[:, None, :].expand(-1, self.conv_dim, -1)
+        state["conv"] = full.gather(2, idx)
+        x, B, C = conv.transpose(1, 2).split([self.d_inner, self.hqk * self.n, self.hqk * self.n], dim=-1)
+        x = x.reshape(bsz, l, self.h, self.p)
+        B = B.reshape(bsz, l, self.hqk, self.n).repeat_interleave(self.h // self.hqk, dim=2)
+        C = C.reshape(bsz, l, self.hqk, self.n).repeat_interleave(self.h // self.hqk, dim=2)
+        log_a = torch.where(m[..., None], -F.softplus(a.float()), 0.0)  # a pad neither decays nor adds
+        x_in = torch.where(m[..., None, None], x, 0.0).float()
+        if l == 1:
+            y, state["ssm"] = ssd_step(x_in[:, 0], log_a[:, 0], B[:, 0].float(), C[:, 0].float(), state["ssm"])
+            y = y[:, None]
+        else:
+            y, state["ssm"] = self._scan(x_in, log_a, B.float(), C.float(), state["ssm"], scan)
+        y = y.to(x.dtype) + self.D[:, None] * x
+        return self.out_proj(y.reshape(bsz, l, self.d_inner) * F.silu(z + self.z_bias))
+
+    def _scan(self, x, log_a, B, C, h0, scan):
+        kernel = _mamba_ssm_scan() if scan in ("auto", "kernel") else None
+        if kernel is not None and x.is_cuda:
+            # The kernel takes dt and multiplies the input by it; feed dt = -log_a and x / dt (dt = 0 on pads).
+            dt = -log_a
+            y, h = kernel(x / dt.clamp_min(1e-12)[..., None], dt, -torch.ones(self.h, device=x.device), B, C,
+                          chunk_size=self.cfg.chunk_size, initial_states=h0, return_final_states=True)
+            return y, h
+        return ssd_chunked(x, log_a, B, C, h0, self.cfg.chunk_size)
+
+
+class PhiAttentionMixer(nn.Module):
+    """Phi-1.5 attention (partial rotary, biased projections) with a plain tensor KV cache."""
+
+    def __init__(self, cfg: PhiMambaConfig):
+        super().__init__()
+        self.self_attn = nn.Module()
+        d = cfg.d_model
+        for name in ("q_proj", "k_proj", "v_proj", "dense"):
+            setattr(self.self_attn, name, nn.Linear(d, d, bias=True))
+        self.heads = cfg.num_attention_heads
+        self.head_dim = d // self.heads
+        self.rot = int(self.head_dim * cfg.partial_rotary_factor)
+        self.theta = cfg.rope_theta
+        self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
+
+    def rope_frequencies(self, device=None) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.rot, 2, dtype=torch.float32, device=device) / self.rot))
+
+    def init_state(self, batch: int, device, dtype) -> dict:
+        empty = torch.zeros(batch, self.heads, 0, self.head_dim, device=device, dtype=dtype)
+        return {"k": empty, "v": empty.clone()}
+
+    def _rotate(self, t, pos):
+        freqs = pos[..., None].float() * self.inv_freq  # b l r/2
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # b 1 l r
+        cos, sin = emb.cos().to(t.dtype), emb.sin().to(t.dtype)
+        r, rest = t[..., : self.rot], t[..., self.rot:]
+        half = self.rot // 2
+        rotated = torch.cat([-r[..., half:], r[..., :half]], dim=-1)
+        return torch.cat([r * cos + rotated * sin, rest], dim=-1)
+
+    def forward(self, u, full_mask, state: dict, pos):
+        b, l, _ = u.shape
+        sa = self.self_attn
+        q, k, v = (getattr(sa, n)(u).view(b, l, self.heads, self.head_dim).transpose(1, 2)
+                   for n in ("q_proj", "k_proj", "v_proj"))
+        q, k = self._rotate(q, pos), self._rotate(k, pos)
+        state["k"] = k = torch.cat([state["k"], k], dim=2)
+        state["v"] = v = torch.cat([state["v"], v], dim=2)
+        t = k.shape[2]
+        causal = torch.ones(l, t, dtype=torch.bool, device=u.device).tril(t - l)
+        allowed = causal[None] & full_mask.bool()[:, None, :]
+        own = torch.zeros(l, t, dtype=torch.bool, device=u.device)
+        own[torch.arange(l), t - l + torch.arange(l)] = True
+        allowed = allowed | own[None]  # a pad query sees itself: no all-masked row, so no NaN
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        return sa.dense(out.transpose(1, 2).reshape(b, l, -1))
+
+
+class PhiMLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: PhiMambaConfig, attention: bool):
+        super().__init__()
+        self.attention = attention
+        self.input_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.mixer = PhiAttentionMixer(cfg) if attention else DiscreteMamba2(cfg)
+        self.mlp = PhiMLP(cfg.d_model)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: PhiMambaConfig):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.padded_vocab, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i in cfg.attn_layers) for i in range(cfg.n_layer))
+        self.final_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+
+# -------------------------------------------------------------------------------------------- model
+class PhiMambaState:
+    """Decoding state: per layer a fixed-size (conv window + SSM state) or, for attention, a KV cache."""
+
+    def __init__(self, layers: list[dict], pos: torch.Tensor):
+        self.layers, self.pos = layers, pos  # pos: last position id per row
+
+    def select(self, keep: torch.Tensor) -> "PhiMambaState":
+        self.layers = [{k: v.index_select(0, keep) for k, v in s.items()} for s in self.layers]
+        self.pos = self.pos.index_select(0, keep)
+        return self
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for s in self.layers for v in s.values())
+
+
+class PhiMambaForCausalLM(nn.Module):
+    def __init__(self, config: PhiMambaConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = Backbone(config)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=True)
+        self.scan = "auto"  # "auto" | "kernel" | "torch"
+
+    def init_state(self, batch: int, device=None, dtype=None) -> PhiMambaState:
+        device = device or self.lm_head.weight.device
+        dtype = dtype or self.lm_head.weight.dtype
+        return PhiMambaState([blk.mixer.init_state(batch, device, dtype) for blk in self.backbone.layers],
+                             torch.full((batch,), -1, dtype=torch.long, device=device))
+
+    def forward(self, input_ids, attention_mask=None, state: PhiMambaState | None = None, logits_to_keep: int = 0):
+        """``attention_mask`` covers the state's past and this block ([b, past + l]; default all ones).
+        Returns (logits, state); the state is updated in place. Blocks after the first are right-padded."""
+        b, l = input_ids.shape
+        if state is None:
+            state = self.init_state(b)
+        if attention_mask is None:
+            past = state.layers[self.config.attn_layers[0]]["k"].shape[2] if self.config.attn_layers else 0
+            attention_mask = torch.ones(b, past + l, dtype=torch.long, device=input_ids.device)
+        block = attention_mask[:, -l:]
+        pos = state.pos[:, None] + block.cumsum(-1)
+        last = (block * torch.arange(1, l + 1, device=block.device)).argmax(-1)  # last real index per row
+        h = self.backbone.embedding(input_ids)
+        for blk, s in zip(self.backbone.layers, state.layers):
+            x = blk.input_layernorm(h)
+            if blk.attention:
+                mixed = blk.mixer(x, attention_mask, s, pos.clamp_min(0))
+            else:
+                mixed = blk.mixer(x, block, s, last, self.scan)
+            h = h + mixed + blk.mlp(x)
+        state.pos = pos.gather(1, last[:, None]).squeeze(1)
+        h = self.backbone.final_layernorm(h if not logits_to_keep else h[:, -logits_to_keep:])
+        return self.lm_head(h).float(), state
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save_pretrained(self, path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.config.to_goombalab(), indent=2))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, dtype=torch.float32, device="cpu") -> "PhiMambaForCausalLM":
+        folder = _resolve_folder(name_or_path)
+        cfg = PhiMambaConfig.from_goombalab(json.loads((folder / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = _read_weights(folder)
+        check_keys(model, state, str(folder))
+        model.load_state_dict(state, strict=True, assign=True)
+        model.backbone.layers.apply(_rebuild_buffers)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def _rebuild_buffers(module):
+    """Non-persistent buffers (rotary frequencies) were created on the meta device; compute them for real."""
+    if isinstance(module, PhiAttentionMixer):
+        module.inv_freq = module.rope_frequencies(device="cpu")
+
+
+def check_keys(model: nn.Module, state: dict, where: str) -> None:
+    """Strict loading with a readable error: every checkpoint tensor used, none missing, shapes equal."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(want) - set(state))
+    extra = sorted(set(state) - set(want))
+    bad = sorted(k for k in set(want) & set(state) if tuple(state[k].shape) != want[k])
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if extra:
+            parts.append(f"unexpected in the checkpoint: {', '.join(extra[:8])}" + (" ..." if len(extra) > 8 else ""))
+        if bad:
+            parts.append("shape mismatch: " + ", ".join(f"{k} {tuple(state[k].shape)} vs {want[k]}" for k in bad[:8]))
+        raise ValueError(f"checkpoint {where} does not match its config.json; " + "; ".join(parts))
+
+
+def _resolve_folder(name_or_path: str) -> Path:
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    except Exception as e:
+        raise OSError(f"could not find {name_or_path!r} locally, in the HF cache or on the hub ({type(e).__name__}: "
+                      f"{e}). Download it where the hub is reachable (huggingface-cli download {name_or_path}) "
+                      "or pass a local directory.") from e
+
+
+def _read_weights(folder: Path) -> dict:
+    st = sorted(folder.glob("*.safetensors"))
+    if st:
+        from safetensors.torch import load_file
+
+        out = {}
+        for f in st:
+            out.update(load_file(str(f)))
+        return out
+    bins = sorted(folder.glob("*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {folder}")
+    out = {}
+    for f in bins:
+        out.update(torch.load(f, map_location="cpu", weights_only=True))
+    return out
