@@ -35,6 +35,7 @@ class RunConfig:
     max_tool_calls: int = 4
     tool_timeout: float = 1.0
     tool_max_chars: int = 300
+    prefix_reuse: bool = True  # identical outputs either way, so not part of the resume hash
     template_sha256: str | None = None  # filled in by the engine from the resolved template file
 
     def to_dict(self) -> dict[str, Any]:

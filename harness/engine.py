@@ -16,12 +16,14 @@ from tqdm.auto import tqdm
 from evals import get_task
 from evals.base import DataError, Instance
 from harness.config import RunConfig
-from harness.generation import GenRequest
+from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
 from harness.results import (SampleLog, format_markdown, git_hash, metrics_table, summarize, versions,
                              write_predictions)
 
 log = logging.getLogger("harness")
+
+MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 
 
 def load_backend(model: str, device: str = "auto", dtype: str = "auto"):
@@ -151,6 +153,10 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
                     "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
         samples.write(_record(todo[i], prompts[i], len(prompt_ids[i]), None, None, skipped="prompt_too_long")
                       for i in too_long)
+    shared = common_prefix([prompt_ids[i] for i in fits]) if cfg.prefix_reuse and len(fits) > 1 else []
+    if len(shared) < MIN_SHARED_PREFIX:
+        shared = []
+    log.info("shared prompt prefix: %d tokens%s", len(shared), " (prefilled once, copied into each batch)" if shared else "")
     bs = cfg.batch_size if cfg.batch_size == "auto" else int(cfg.batch_size)
     batches = plan_batches([len(prompt_ids[i]) for i in fits], bs, backend.token_budget(), cfg.max_new_tokens)
     gen_s, new_tokens = 0.0, 0
@@ -162,7 +168,7 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
         reqs = [GenRequest(prompts[i], cfg.max_new_tokens, stop, tool, prompt_ids=prompt_ids[i])
                 for i, tool in zip(idx, tools)]
         t = time.perf_counter()
-        outs = backend.generate(reqs)
+        outs = backend.generate(reqs, shared_prefix=shared or None)
         gen_s += time.perf_counter() - t
         new_tokens += sum(o.new_tokens for o in outs)
         samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o, task.score(todo[i], o.text), tool=tool)

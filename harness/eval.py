@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tool-calls", type=int, default=4, help="tool calls allowed per sample (default: 4)")
     ap.add_argument("--tool-timeout", type=float, default=1.0, help="seconds before a regex search is stopped")
     ap.add_argument("--tool-max-chars", type=int, default=300, help="cap on one tool result's length")
+    ap.add_argument("--no-prefix-reuse", action="store_true",
+                    help="recompute the shared few-shot prefix for every batch (outputs are identical either way)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap
@@ -66,7 +68,8 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
                      positions=parse_positions(a.positions), shots=a.shots, template=a.template, limit=a.limit,
                      ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
                      dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,
-                     max_tool_calls=a.max_tool_calls, tool_timeout=a.tool_timeout, tool_max_chars=a.tool_max_chars)
+                     max_tool_calls=a.max_tool_calls, tool_timeout=a.tool_timeout, tool_max_chars=a.tool_max_chars,
+                     prefix_reuse=not a.no_prefix_reuse)
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,9 @@ class Stepper(Protocol):
     def select(self, state: Any, keep: torch.Tensor) -> Any:
         """Keep only the rows at indices ``keep`` (finished rows leave the batch)."""
 
+    def expand(self, state: Any, n: int) -> Any:
+        """A fresh copy of a one-row state repeated ``n`` times (the shared prefix, copied into each row)."""
+
 
 @dataclass
 class GenRequest:
@@ -54,6 +57,29 @@ class GenResult:
     tool_tokens: int = 0  # tokens inserted by the tool
     token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
     tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of inserted tokens in token_ids
+
+
+@dataclass
+class Prefix:
+    """A prompt prefix shared by every request, prefilled once; its state is copied into each batch."""
+
+    ids: list[int]
+    state: Any
+    logits: torch.Tensor
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """Longest common prefix, one token short of the shortest sequence so every row keeps a suffix."""
+    if not seqs:
+        return []
+    n = min(len(s) for s in seqs) - 1
+    first = seqs[0]
+    for s in seqs[1:]:
+        i = 0
+        while i < n and s[i] == first[i]:
+            i += 1
+        n = i
+    return list(first[:max(n, 0)])
 
 
 @dataclass
@@ -87,7 +113,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
 
 @torch.inference_mode()
 def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
-                    max_context: int | None = None) -> list[GenResult]:
+                    max_context: int | None = None, prefix: Prefix | None = None,
+                    stats: dict | None = None) -> list[GenResult]:
     """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order.
 
     Each step feeds every active row a block: its chosen token, followed by a tool result when that token
@@ -99,8 +126,18 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     eos_id = tokenizer.eos_token_id
     prompt_ids = [r.prompt_ids if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"] for r in requests]
     rows = [_Row(r, len(p)) for r, p in zip(requests, prompt_ids)]
-    ids, mask = left_pad(prompt_ids, pad_id, device)
-    logits, state = stepper.prefill(ids, mask)
+    n = len(prefix.ids) if prefix is not None else 0
+    if n and all(len(p) > n and p[:n] == prefix.ids for p in prompt_ids):
+        # Copy the prefix state into every row, then feed each row's own suffix as one right-padded block.
+        state = stepper.expand(prefix.state, len(rows))
+        ids, block_mask = right_pad([p[n:] for p in prompt_ids], pad_id, device)
+        mask = torch.cat([block_mask.new_ones((len(rows), n)), block_mask], dim=1)
+        logits = stepper.step(state, ids, mask)
+    else:
+        ids, mask = left_pad(prompt_ids, pad_id, device)
+        logits, state = stepper.prefill(ids, mask)
+    if stats is not None:
+        stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + ids.numel()
     active = list(range(len(rows)))
     for b in active:  # a request with no budget at all finishes before any step
         if rows[b].req.max_new_tokens <= 0:
@@ -137,6 +174,8 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
         block_ids, block_mask = right_pad(blocks, pad_id, mask.device)
         mask = torch.cat([mask, block_mask], dim=1)
         logits = stepper.step(state, block_ids, mask)
+        if stats is not None:
+            stats["decode_steps"] = stats.get("decode_steps", 0) + 1
     return [r.done for r in rows]
 
 

@@ -324,6 +324,11 @@ class PhiMambaState:
         self.pos = self.pos.index_select(0, keep)
         return self
 
+    def repeat(self, n: int) -> "PhiMambaState":
+        """A new state with this (one-row) state copied into ``n`` rows."""
+        return PhiMambaState([{k: v.repeat_interleave(n, dim=0) for k, v in s.items()} for s in self.layers],
+                             self.pos.repeat_interleave(n, dim=0))
+
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for s in self.layers for v in s.values())
 

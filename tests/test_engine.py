@@ -60,11 +60,11 @@ class _Interrupting:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def generate(self, reqs):
+    def generate(self, reqs, **kw):
         if self.calls == self.n:
             raise KeyboardInterrupt
         self.calls += 1
-        return self.inner.generate(reqs)
+        return self.inner.generate(reqs, **kw)
 
 
 def test_resume_after_interruption_regenerates_nothing_done(tiny_phi_dir, phi_backend, tmp_path):

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.generation import GenRequest, GenResult, greedy_generate
+from harness.generation import GenRequest, GenResult, Prefix, greedy_generate
 
 log = logging.getLogger("harness")
 
@@ -52,11 +52,30 @@ class Backend(ABC):
     @abstractmethod
     def select(self, state: Any, keep: torch.Tensor) -> Any: ...
 
+    @abstractmethod
+    def expand(self, state: Any, n: int) -> Any: ...
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text)["input_ids"])
 
-    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
-        return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context)
+    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None) -> list[GenResult]:
+        """``shared_prefix``: token ids every prompt starts with (the few-shot exemplars). Its state is
+        computed on the first call and copied into each later batch instead of being recomputed."""
+        if not hasattr(self, "stats"):
+            self.stats: dict[str, int] = {}
+        prefix = self._prefix_state(list(shared_prefix)) if shared_prefix else None
+        return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context,
+                               prefix=prefix, stats=self.stats)
+
+    @torch.inference_mode()
+    def _prefix_state(self, ids: list[int]) -> Prefix:
+        cached = getattr(self, "_prefix", None)
+        if cached is None or cached.ids != ids:
+            t = torch.tensor([ids], device=self.device)
+            logits, state = self.prefill(t, torch.ones_like(t))
+            self._prefix = cached = Prefix(ids, state, logits)
+            self.stats["prefix_tokens"] = self.stats.get("prefix_tokens", 0) + len(ids)
+        return cached
 
     def token_budget(self) -> int:
         """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``."""

@@ -1,6 +1,7 @@
 """transformers backend: any ``AutoModelForCausalLM`` checkpoint (Phi-1.5, Llama, GPT-2, ...)."""
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -50,6 +51,11 @@ class TransformersBackend(Backend):
         last = last_real_index(block_mask)
         state["pos"] = pos.gather(1, last[:, None]).squeeze(1)
         return out.logits[torch.arange(len(last), device=last.device), last].float()
+
+    def expand(self, state, n):
+        cache = copy.deepcopy(state["cache"])
+        cache.batch_repeat_interleave(n)
+        return {"cache": cache, "pos": state["pos"].repeat_interleave(n, dim=0)}
 
     def select(self, state, keep):
         state["cache"].batch_select_indices(keep)

@@ -42,6 +42,9 @@ class PhiMambaBackend(Backend):
     def select(self, state, keep):
         return state.select(keep)
 
+    def expand(self, state, n):
+        return state.repeat(n)
+
     def bytes_per_token(self) -> int:
         cfg = self.model.config
         elt = torch.finfo(self.dtype).bits // 8
