@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from evals import get_task
@@ -40,6 +42,15 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto"):
                       f"through the {spec.backend} backend: {e}\nWhere the hub is unreachable, download once with "
                       f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a local "
                       "checkpoint directory to --model.") from e
+
+
+def distributed_state():
+    """accelerate's process state when launched on several ranks (accelerate launch / torchrun), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> list[dict]:
@@ -96,22 +107,38 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     rows = select_rows(all_rows, cfg.ids, cfg.limit)
     instances = task.instances(rows, distractors=cfg.distractors, positions=cfg.positions, seed=cfg.seed,
                                pool_rows=all_rows)
-    samples = SampleLog(cfg.output, cfg.result_hash(), cfg.to_dict())
+    dist = distributed_state()
+    rank, world = (dist.process_index, dist.num_processes) if dist else (0, 1)
+    samples = SampleLog(cfg.output, cfg.result_hash(), cfg.to_dict(), shard=f"rank{rank}" if world > 1 else None)
+    if dist:
+        dist.wait_for_everyone()  # every rank has read the same "done" set before anyone writes
     todo = [ins for ins in instances if ins.key not in samples]
     log.info("task %s: %d questions x %d positions = %d instances (%d already done in %s)", cfg.task, len(rows),
              len({i.position for i in instances}), len(instances), len(instances) - len(todo), cfg.output)
+    n_todo = len(todo)
+    todo = todo[rank::world]  # a fixed split of what is left, so any number of ranks can resume any run
+    if world > 1:
+        log.info("rank %d of %d: %d instances", rank, world, len(todo))
 
     t_load = time.perf_counter()
     if backend is None and todo:
-        backend = load_backend(cfg.model, cfg.device, cfg.dtype)
+        device = cfg.device
+        if world > 1 and device == "auto" and torch.cuda.is_available():
+            device = f"cuda:{dist.local_process_index}"
+        backend = load_backend(cfg.model, device, cfg.dtype)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()
         log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", cfg.model, d.get("backend"),
                  d.get("device"), d.get("dtype"), cfg.batch_size)
 
-    gen_s, new_tokens = _generate_all(cfg, task, template, backend, todo, samples, stop, progress)
+    gen_s, new_tokens = _generate_all(cfg, task, template, backend, todo, samples, stop, progress and rank == 0)
     samples.close()
+    if dist:
+        dist.wait_for_everyone()
+        if rank != 0:
+            return {"rank": rank, "counts": {"generated": len(todo)}}
+    samples.merge([i.key for i in instances])
 
     records = [samples.records[i.key] for i in instances if i.key in samples.records]
     positions = list(dict.fromkeys(i.position for i in instances))
@@ -121,8 +148,8 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
         "task": cfg.task, "model": cfg.model, "config": cfg.to_dict(), "config_hash": cfg.result_hash(),
         "backend": backend.describe() if backend is not None else None,
         "metrics": by_pos,
-        "counts": {"questions": len(rows), "instances": len(instances), "generated": len(todo),
-                   "resumed": len(instances) - len(todo),
+        "counts": {"questions": len(rows), "instances": len(instances), "generated": n_todo,
+                   "resumed": len(instances) - n_todo, "ranks": world,
                    "skipped_too_long": sum(m["skipped_too_long"] for m in by_pos.values())},
         "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
                     "total_s": round(time.perf_counter() - t0, 3), "new_tokens": new_tokens,

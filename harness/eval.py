@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     except (DataError, UnknownModelError, TemplateError, ResumeMismatchError, ValueError, KeyError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if results.get("rank", 0) != 0:
+        return 0  # rank 0 merges and reports
     print(f"\n{cfg.model} on {cfg.task}, {cfg.distractors} distractors, {cfg.shots}-shot "
           f"({results['counts']['instances']} instances, {results['counts']['resumed']} resumed)\n")
     print(results["table"])

@@ -27,12 +27,16 @@ class ResumeMismatchError(RuntimeError):
 
 
 class SampleLog:
-    """Append-only JSONL keyed by ``id@position``; reopening it skips what is already there."""
+    """Append-only JSONL keyed by ``id@position``; reopening it skips what is already there.
 
-    def __init__(self, out_dir: str | Path, config_hash: str, config: dict):
+    With several ranks each appends to its own shard (``samples.rankN.jsonl``) and every rank reads all
+    shards, so a resumed run knows what is done whatever the number of ranks before; ``merge`` folds the
+    shards into one ``samples.jsonl``."""
+
+    def __init__(self, out_dir: str | Path, config_hash: str, config: dict, shard: str | None = None):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "samples.jsonl"
+        self.path = self.dir / ("samples.jsonl" if shard is None else f"samples.{shard}.jsonl")
         self.config_hash = config_hash
         meta = self.dir / "run.json"
         if meta.exists():
@@ -43,15 +47,20 @@ class SampleLog:
                     f"{config_hash}; changed: {_diff(prev.get('config', {}), config)}). Use a new --output, "
                     "or delete the directory to start over.")
         else:
-            meta.write_text(json.dumps({"config_hash": config_hash, "config": config}, indent=2, default=str))
+            tmp = meta.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"config_hash": config_hash, "config": config}, indent=2, default=str))
+            tmp.replace(meta)
         self.records: dict[str, dict] = {}
-        if self.path.exists():
-            self._load()
+        for f in self._files():
+            self._load(f, own=(f == self.path))
         self._fh = open(self.path, "a", encoding="utf-8")
 
-    def _load(self) -> None:
+    def _files(self) -> list[Path]:
+        return [f for f in [self.dir / "samples.jsonl", *sorted(self.dir.glob("samples.*.jsonl"))] if f.exists()]
+
+    def _load(self, path: Path, own: bool) -> None:
         good_bytes = 0
-        with open(self.path, "rb") as fh:
+        with open(path, "rb") as fh:
             for raw in fh:
                 try:
                     rec = json.loads(raw)
@@ -59,9 +68,9 @@ class SampleLog:
                     break  # a line cut short by a kill: drop it and everything after
                 self.records[rec["key"]] = rec
                 good_bytes += len(raw)
-        if good_bytes < self.path.stat().st_size:
-            log.warning("samples.jsonl ended in a partial line (interrupted write); it is dropped and redone")
-            with open(self.path, "r+b") as fh:
+        if own and good_bytes < path.stat().st_size:
+            log.warning("%s ended in a partial line (interrupted write); it is dropped and redone", path.name)
+            with open(path, "r+b") as fh:
                 fh.truncate(good_bytes)
 
     def __contains__(self, key: str) -> bool:
@@ -76,6 +85,22 @@ class SampleLog:
 
     def close(self) -> None:
         self._fh.close()
+
+    def merge(self, order: list[str]) -> None:
+        """Re-read every shard, write one samples.jsonl (``order`` first, then any other keys), drop shards."""
+        self.records = {}
+        files = self._files()
+        for f in files:
+            self._load(f, own=False)
+        keys = [k for k in order if k in self.records] + [k for k in self.records if k not in set(order)]
+        tmp = self.dir / "samples.jsonl.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for k in keys:
+                fh.write(json.dumps(self.records[k], ensure_ascii=False) + "\n")
+        tmp.replace(self.dir / "samples.jsonl")
+        for f in files:
+            if f.name != "samples.jsonl":
+                f.unlink()
 
 
 def _diff(a: dict, b: dict) -> str:

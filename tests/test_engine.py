@@ -37,7 +37,8 @@ def test_greedy_outputs_identical_for_batch_sizes_1_4_16(which, tmp_path, reques
 def test_run_directory_contents(tiny_phi_dir, phi_backend, tmp_path):
     res = run_eval(_cfg(tiny_phi_dir, tmp_path), backend=phi_backend, progress=False)
     assert list(res["metrics"]) == ["first", "last"]
-    assert res["counts"] == {"questions": 6, "instances": 12, "generated": 12, "resumed": 0, "skipped_too_long": 0}
+    assert res["counts"] == {"questions": 6, "instances": 12, "generated": 12, "resumed": 0, "ranks": 1,
+                             "skipped_too_long": 0}
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["config"]["distractors"] == 4 and saved["config"]["template"] == "hotpotqa_cot"
     assert {"torch", "transformers", "python"} <= set(saved["versions"])
