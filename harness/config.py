@@ -15,6 +15,7 @@ _RESULT_FIELDS = ("model", "task", "data", "split", "distractors", "shots", "tem
 @dataclass
 class RunConfig:
     model: str
+    backend: str = "auto"
     task: str = "hotpotqa"
     data: str | None = None
     split: str = "validation"

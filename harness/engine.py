@@ -28,18 +28,21 @@ log = logging.getLogger("harness")
 MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 
 
-def load_backend(model: str, device: str = "auto", dtype: str = "auto"):
-    """Resolve a model name through the registry and build its backend."""
+def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto"):
+    """Resolve a model name through the registry and build its backend (``backend`` overrides the default)."""
     from harness.backends import backend_class
     from harness.models import resolve_model
 
     spec = resolve_model(model)
-    cls = backend_class(spec.backend)
+    name = spec.backend if backend == "auto" else backend
+    if spec.backend == "phi-mamba" and name != "phi-mamba":
+        raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
+    cls = backend_class(name)
     try:
         return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
     except OSError as e:
         raise OSError(f"could not load model {model!r} (weights {spec.path}, tokenizer {spec.tokenizer or spec.path}) "
-                      f"through the {spec.backend} backend: {e}\nWhere the hub is unreachable, download once with "
+                      f"through the {name} backend: {e}\nWhere the hub is unreachable, download once with "
                       f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a local "
                       "checkpoint directory to --model.") from e
 
@@ -125,7 +128,7 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
         device = cfg.device
         if world > 1 and device == "auto" and torch.cuda.is_available():
             device = f"cuda:{dist.local_process_index}"
-        backend = load_backend(cfg.model, device, cfg.dtype)
+        backend = load_backend(cfg.model, device, cfg.dtype, cfg.backend)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()

@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
                     help=f"registered name ({', '.join(REGISTRY)}), a hub id (org/name) or a local checkpoint dir")
+    ap.add_argument("--backend", default="auto", choices=["auto", "transformers", "phi-mamba", "vllm"],
+                    help="model backend (default: the registry's choice; vllm is an optional GPU extra)")
     ap.add_argument("--task", default="hotpotqa", help="task name (default: hotpotqa)")
     ap.add_argument("--data", default=None,
                     help="HotpotQA JSON/JSONL in the official schema, 'fixture' (bundled invented data) or "
@@ -64,7 +66,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         raise ValueError(f"--batch-size must be a positive integer or 'auto', got {a.batch_size!r}")
     safe = a.model.rstrip("/").replace("/", "_")
     output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
-    return RunConfig(model=a.model, task=a.task, data=a.data, split=a.split, distractors=a.distractors,
+    return RunConfig(model=a.model, backend=a.backend, task=a.task, data=a.data, split=a.split, distractors=a.distractors,
                      positions=parse_positions(a.positions), shots=a.shots, template=a.template, limit=a.limit,
                      ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
                      dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,

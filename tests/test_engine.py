@@ -163,3 +163,17 @@ def test_plan_batches_auto_respects_budget():
     for b in auto:
         assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 50) <= 1900
     assert sorted(i for b in auto for i in b) == list(range(5))
+
+
+def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_phi_dir, tmp_path, capsys):
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is installed here; this test is for machines without it")
+    except ImportError:
+        pass
+    rc = eval_main(["--model", tiny_phi_dir, "--backend", "vllm", "--data", "fixture", "--limit", "1",
+                    "--output", str(tmp_path / "v")])
+    assert rc == 2
+    assert "icr-harness[vllm]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Phi-Mamba checkpoint"):
+        load_backend("phi-mamba", backend="vllm")

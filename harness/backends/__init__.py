@@ -10,6 +10,7 @@ from harness.backends.base import Backend
 BACKENDS = {
     "transformers": "harness.backends.hf:TransformersBackend",
     "phi-mamba": "harness.backends.phi_mamba:PhiMambaBackend",
+    "vllm": "harness.backends.vllm_backend:VLLMBackend",
 }
 
 
