@@ -190,6 +190,15 @@ class HotpotQA:
         rng.shuffle(mixed)
         return mixed
 
+    def make_tool(self, instance: Instance, cfg):
+        """With --retrieval: the regex tool over this instance's test paragraphs (never the exemplars)."""
+        if not cfg.retrieval:
+            return None
+        from retrieval import RetrievalTool
+
+        return RetrievalTool(instance.retrieval_units(), max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
+                             max_chars=cfg.tool_max_chars)
+
     # scoring -------------------------------------------------------------------------------------
     def score(self, instance: Instance, generation: str) -> dict[str, Any]:
         answer, found = metrics.extract_answer(generation)

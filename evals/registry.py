@@ -4,11 +4,12 @@ from __future__ import annotations
 
 def _tasks():
     from evals.hotpotqa import HotpotQA
+    from evals.istree import IsTree
 
-    return {"hotpotqa": HotpotQA}
+    return {"hotpotqa": HotpotQA, "istree": IsTree}
 
 
-TASKS = ("hotpotqa",)
+TASKS = ("hotpotqa", "istree")
 
 
 def get_task(name: str, **kwargs):

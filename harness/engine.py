@@ -87,19 +87,10 @@ def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: in
     return batches
 
 
-def make_tool(cfg: RunConfig, instance: Instance):
-    if not cfg.retrieval:
-        return None
-    from retrieval import RetrievalTool
-
-    return RetrievalTool(instance.retrieval_units(), max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
-                         max_chars=cfg.tool_max_chars)
-
-
 def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) one evaluation and write its run directory; returns the results dict."""
     t0 = time.perf_counter()
-    task = get_task(cfg.task, data=cfg.data, split=cfg.split)
+    task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
     template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
     cfg.template = cfg.template or template.name
     cfg.template_sha256 = template.sha256
@@ -194,14 +185,16 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
     bar.update(len(too_long))
     for batch in batches:
         idx = [fits[j] for j in batch]
-        tools = [make_tool(cfg, todo[i]) for i in idx]
+        tools = [task.make_tool(todo[i], cfg) for i in idx]
         reqs = [GenRequest(prompts[i], cfg.max_new_tokens, stop, tool, prompt_ids=prompt_ids[i])
                 for i, tool in zip(idx, tools)]
         t = time.perf_counter()
         outs = backend.generate(reqs, shared_prefix=shared or None)
         gen_s += time.perf_counter() - t
         new_tokens += sum(o.new_tokens for o in outs)
-        samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o, task.score(todo[i], o.text), tool=tool)
+        keep_stop = getattr(task, "include_stop", False)  # e.g. IsTree's verdict token is its stop string
+        samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o,
+                              task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else "")), tool=tool)
                       for i, o, tool in zip(idx, outs, tools))
         bar.update(len(idx))
     bar.close()

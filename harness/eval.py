@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="auto", choices=["auto", "transformers", "phi-mamba", "vllm"],
                     help="model backend (default: the registry's choice; vllm is an optional GPU extra)")
     ap.add_argument("--task", default="hotpotqa", help="task name (default: hotpotqa)")
+    ap.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="task option (repeatable), e.g. --task-arg nodes=16 --task-arg setup=retrieval for istree; "
+                         "for a checkpoint trained by harness.train they default to its training task")
     ap.add_argument("--data", default=None,
                     help="HotpotQA JSON/JSONL in the official schema, 'fixture' (bundled invented data) or "
                          "'hub' (datasets hotpot_qa/distractor; the default)")
@@ -64,14 +67,34 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
 
     if a.batch_size != "auto" and not (a.batch_size.isdigit() and int(a.batch_size) > 0):
         raise ValueError(f"--batch-size must be a positive integer or 'auto', got {a.batch_size!r}")
+    task_args = _task_args(a.task_arg, a.model, a.task)
     safe = a.model.rstrip("/").replace("/", "_")
     output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
-    return RunConfig(model=a.model, backend=a.backend, task=a.task, data=a.data, split=a.split, distractors=a.distractors,
+    return RunConfig(model=a.model, backend=a.backend, task=a.task, task_args=task_args, data=a.data, split=a.split, distractors=a.distractors,
                      positions=parse_positions(a.positions), shots=a.shots, template=a.template, limit=a.limit,
                      ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
                      dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,
                      max_tool_calls=a.max_tool_calls, tool_timeout=a.tool_timeout, tool_max_chars=a.tool_max_chars,
                      prefix_reuse=not a.no_prefix_reuse)
+
+
+def _task_args(pairs: list[str], model: str, task: str) -> dict:
+    """KEY=VALUE pairs; a checkpoint written by harness.train supplies its own task's options as defaults."""
+    import json
+    from pathlib import Path
+
+    out: dict = {}
+    meta = Path(model) / "icr_task.json"
+    if meta.is_file():
+        saved = json.loads(meta.read_text())
+        if saved.get("task") == task:
+            out.update(saved.get("args", {}))
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--task-arg expects KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k] = int(v) if v.isdigit() else v
+    return out
 
 
 def main(argv=None) -> int:

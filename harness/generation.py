@@ -57,6 +57,7 @@ class GenResult:
     tool_tokens: int = 0  # tokens inserted by the tool
     token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
     tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of inserted tokens in token_ids
+    stop_string: str | None = None  # the stop string that ended generation (cut from ``text``)
 
 
 @dataclass
@@ -205,7 +206,9 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
     tool = row.req.tool
     call_at = text.find(tool.call_end, row.scan_from) if tool is not None and row.calls < tool.max_calls else -1
     if hits and (call_at < 0 or min(hits) < call_at + len(tool.call_end)):
-        row.done = _finish(row, tokenizer, "stop", text=text[: min(hits)])
+        at = min(hits)
+        row.done = _finish(row, tokenizer, "stop", text=text[:at])
+        row.done.stop_string = next(s for s in row.req.stop if s and text.startswith(s, at))
         return
     if call_at >= 0:
         end = call_at + len(tool.call_end)

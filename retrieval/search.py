@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 MAX_PATTERN_CHARS = 512
+CAPTURE = -1  # ``max_matches`` value asking for the first match's captured group instead of whole units
 
 
 @dataclass
@@ -34,11 +35,16 @@ def _worker(conn) -> None:
             units = new_units
         rx = re.compile(pattern)
         found = []
-        for u in units:
-            if rx.search(u):
-                found.append(u)
-                if max_matches and len(found) >= max_matches:
-                    break
+        if max_matches == CAPTURE:  # first match over the joined text: its first group that matched
+            m = rx.search(units[0]) if units else None
+            if m:
+                found.append(next((g for g in m.groups() if g is not None), m.group(0)))
+        else:
+            for u in units:
+                if rx.search(u):
+                    found.append(u)
+                    if max_matches and len(found) >= max_matches:
+                        break
         conn.send(found)
 
 
@@ -72,7 +78,12 @@ class RegexSearcher:
         with self._lock:
             self._kill()
 
+    def capture(self, pattern: str, text: str) -> SearchOutcome:
+        """``re.search(pattern, text)``; ``matches`` holds its first participating group (or the whole match)."""
+        return self.search(pattern, [text], CAPTURE)
+
     def search(self, pattern: str, units: list[str], max_matches: int = 0) -> SearchOutcome:
+        """The units matching ``pattern`` (at most ``max_matches``; 0 = all), in order."""
         t0 = time.perf_counter()
         if not pattern:
             return SearchOutcome("error", error="empty pattern", seconds=time.perf_counter() - t0)

@@ -1,0 +1,366 @@
+"""IsTree: decide whether a graph on n nodes is a tree (the paper's synthetic in-context retrieval task).
+
+Formats follow the paper's public code (see ``shared/istree-notes.md``); sequences are whitespace-separated
+tokens so one WordLevel tokenizer serves training (ids built directly) and the eval engine (text):
+
+    direct     [BOS] u - v u - v ... [EOS] [TRUE]
+    cot        [BOS] edges [EOS] DFS Euler tour (Algorithm 1) [EOS] [TRUE]
+    retrieval  [BOS] edges [EOS] trace with [STARTSEARCH] query [ENDSEARCH] result ... [EOS] [TRUE]
+
+Retrieval queries (Algorithm 2) and their meaning, each answered by one Python ``re`` search through the
+project's retrieval machinery (``retrieval.RegexSearcher``, ``retrieval.parse_call``):
+    v ~      the X of the first record "v ~ X" already in the trace (v's DFS parent), else [FAILED]
+    v -      the other end of the first edge in the input list that contains v
+    v - u    the other end of the next edge containing v after the edge {u, v}, else [FAILED]
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from evals.base import Instance
+
+SPECIAL = ["[", "]", ",", "-", "[PAD]", "[EOS]", "[TRUE]", "[FALSE]", "[SPACE]", "[NEWLINE]", "[UNK]", "[BOS]",
+           "[STARTSEARCH]", "[ENDSEARCH]", "[FAILED]", "~"]  # 16, then node names 0..n: n + 17 tokens
+BOS, EOS, PAD, TRUE, FALSE = "[BOS]", "[EOS]", "[PAD]", "[TRUE]", "[FALSE]"
+START, END, FAILED = "[STARTSEARCH]", "[ENDSEARCH]", "[FAILED]"
+SETUPS = ("direct", "cot", "retrieval")
+GRAPHS = ("binary", "random")
+
+
+def vocabulary(n: int) -> list[str]:
+    return SPECIAL + [str(i) for i in range(n + 1)]
+
+
+def build_tokenizer(n: int):
+    """WordLevel tokenizer over the IsTree vocabulary. Its eos is [PAD]: [EOS] separates the sections of a
+    sample and must not end generation."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(vocabulary(n))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=PAD, bos_token=BOS,
+                                   unk_token="[UNK]", clean_up_tokenization_spaces=False)
+    fast.padding_side = "left"
+    return fast
+
+
+# ------------------------------------------------------------------------------------------ graphs
+@dataclass
+class Graph:
+    n: int
+    edges: list[tuple[int, int]]  # (u, v) with u > v, in the (shuffled) order they are written
+
+    @property
+    def is_tree(self) -> bool:
+        return is_tree(self.n, self.edges)
+
+    def tokens(self) -> list[str]:
+        return [t for u, v in self.edges for t in (str(u), "-", str(v))]
+
+
+def is_tree(n: int, edges) -> bool:
+    """n - 1 edges and no cycle (union-find), which together mean connected and acyclic."""
+    if len(edges) != n - 1:
+        return False
+    parent = list(range(n))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for u, v in edges:
+        ru, rv = find(u), find(v)
+        if ru == rv:
+            return False
+        parent[ru] = rv
+    return True
+
+
+def _finish(n, pairs, rng) -> Graph:
+    edges = [(max(u, v), min(u, v)) for u, v in pairs]
+    rng.shuffle(edges)
+    return Graph(n, edges)
+
+
+def binary_graph(n: int, rng: random.Random) -> Graph:
+    """Two stars plus one edge between consecutive shuffled non-centres: a tree when it joins the stars,
+    otherwise a triangle and two components (a hard negative: n - 1 edges either way)."""
+    if n < 4:
+        raise ValueError("binary IsTree graphs need at least 4 nodes")
+    nodes = list(range(n))
+    rng.shuffle(nodes)
+    c1, c2 = nodes[0], nodes[1]
+    pairs = [(x, rng.choice((c1, c2))) for x in nodes[2:]]
+    i = rng.randint(2, n - 2)
+    pairs.append((nodes[i], nodes[i + 1]))
+    return _finish(n, pairs, rng)
+
+
+def random_graph(n: int, rng: random.Random) -> Graph:
+    """Half random recursive trees; half the same with one random edge moved inside one of the two parts its
+    removal leaves, which closes a cycle and disconnects the graph (still n - 1 edges)."""
+    nodes = list(range(n))
+    rng.shuffle(nodes)
+    pairs = [(nodes[i], nodes[rng.randrange(i)]) for i in range(1, n)]
+    if rng.random() < 0.5:
+        return _finish(n, pairs, rng)
+    while True:
+        cut = pairs.pop(rng.randrange(len(pairs)))
+        part = _component(cut[0], pairs)
+        side = part if len(part) >= 3 else set(nodes) - part
+        present = {frozenset(p) for p in pairs}
+        options = [(u, v) for u in side for v in side if u < v and frozenset((u, v)) not in present]
+        if options:
+            pairs.append(rng.choice(sorted(options)))
+            return _finish(n, pairs, rng)
+        pairs.append(cut)  # both parts too small to hold a cycle: cut another edge
+
+
+def _component(start: int, pairs) -> set[int]:
+    adj: dict[int, list[int]] = {}
+    for u, v in pairs:
+        adj.setdefault(u, []).append(v)
+        adj.setdefault(v, []).append(u)
+    seen, todo = {start}, [start]
+    while todo:
+        for w in adj.get(todo.pop(), []):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+GENERATORS = {"binary": binary_graph, "random": random_graph}
+
+
+# ------------------------------------------------------------------------------------------ traces
+def _adjacency(g: Graph) -> dict[int, list[int]]:
+    adj: dict[int, list[int]] = {i: [] for i in range(g.n)}
+    for u, v in g.edges:
+        adj[u].append(v)
+        adj[v].append(u)
+    return adj
+
+
+class _Cycle(Exception):
+    pass
+
+
+def cot_trace(g: Graph) -> tuple[list[str], bool]:
+    """Algorithm 1: DFS from 0, neighbours in edge-list order; a node on entry and its parent again after each
+    child returns; stop at the first visited non-parent neighbour. Verdict: no cycle and every node seen."""
+    adj, seen, out = _adjacency(g), {0}, []
+
+    def visit(v, parent):
+        out.append(str(v))
+        for w in adj[v]:
+            if w == parent:
+                continue
+            if w in seen:
+                raise _Cycle
+            seen.add(w)
+            visit(w, v)
+            out.append(str(v))
+
+    try:
+        visit(0, None)
+        return out, len(seen) == g.n
+    except _Cycle:
+        return out, False
+
+
+def first_neighbour(edges, v):
+    for a, b in edges:
+        if v in (a, b):
+            return b if a == v else a
+    return None
+
+
+def next_neighbour(edges, v, u):
+    after = False
+    for a, b in edges:
+        if after and v in (a, b):
+            return b if a == v else a
+        if {a, b} == {u, v}:
+            after = True
+    return None
+
+
+def retrieval_trace(g: Graph) -> tuple[list[str], bool]:
+    """Algorithm 2: the DFS of Algorithm 1 where every fact about the graph or the DFS so far is looked up
+    with a query the tool answers; results are the gold answers of those queries."""
+    out: list[str] = []
+    records: dict[int, int] = {}
+
+    def ask(query: list[str], answer) -> None:
+        out.extend([START, *query, END, str(answer) if answer is not None else FAILED])
+
+    def visit(v):
+        p = records.get(v)
+        prev = None
+        while True:
+            out.append(str(v))
+            ask([str(v), "~"], p)
+            while True:
+                if prev is None:
+                    w = first_neighbour(g.edges, v)
+                    ask([str(v), "-"], w)
+                else:
+                    w = next_neighbour(g.edges, v, prev)
+                    ask([str(v), "-", str(prev)], w)
+                if w is None:
+                    return
+                if w == p:
+                    prev = w
+                    continue
+                break
+            pw = records.get(w)
+            ask([str(w), "~"], pw)
+            if pw is not None:
+                raise _Cycle
+            records[w] = v
+            out.extend([str(w), "~", str(v)])
+            visit(w)
+            prev = w
+
+    try:
+        visit(0)
+        return out, len(records) + 1 == g.n
+    except _Cycle:
+        return out, False
+
+
+def sample_tokens(g: Graph, setup: str) -> list[str]:
+    head = [BOS, *g.tokens(), EOS]
+    label = TRUE if g.is_tree else FALSE
+    if setup == "direct":
+        return head + [label]
+    trace, verdict = cot_trace(g) if setup == "cot" else retrieval_trace(g)
+    assert verdict == g.is_tree, "trace verdict disagrees with the graph"
+    return head + trace + [EOS, label]
+
+
+def loss_mask(tokens: list[str]) -> list[int]:
+    """1 where a token is a training target: after the first [EOS], not a tool result, not padding."""
+    mask, seen_eos, after_end = [], False, False
+    for t in tokens:
+        mask.append(int(seen_eos and not after_end and t != PAD))
+        after_end = t == END
+        seen_eos = seen_eos or t == EOS
+    return mask
+
+
+def stream(n: int, setup: str, graph: str, seed: int) -> Iterator[list[str]]:
+    """Fresh samples forever (never a fixed small set), labels about half and half."""
+    rng = random.Random(seed)
+    gen = GENERATORS[graph]
+    while True:
+        yield sample_tokens(gen(n, rng), setup)
+
+
+# --------------------------------------------------------------------------------------------- tool
+class IsTreeTool:
+    """The retrieval tool for IsTree: each query becomes one ``re`` search (edge list or trace so far)."""
+
+    call_end = END
+
+    def __init__(self, edges_text: str, max_calls: int = 10_000, timeout: float = 1.0):
+        from retrieval.search import shared_searcher
+
+        self.edges_text = " ".join(edges_text.split())
+        self.max_calls = max_calls
+        self.searcher = shared_searcher(timeout)
+        self.log: list[dict] = []
+
+    @staticmethod
+    def compile_query(query: str) -> tuple[str, str] | None:
+        """Query text → (regex, which text to search: 'edges' or 'trace'); None if not a valid query."""
+        q = query.split()
+        num = r"(\d+)"
+        if len(q) == 2 and q[0].isdigit() and q[1] == "~":
+            return rf"(?:^| ){q[0]} ~ {num}(?= |$)", "trace"
+        if len(q) == 2 and q[0].isdigit() and q[1] == "-":
+            v = q[0]
+            return rf"(?:^| )(?:{v} - {num}|{num} - {v})(?= |$)", "edges"
+        if len(q) == 3 and q[0].isdigit() and q[1] == "-" and q[2].isdigit():
+            v, u = q[0], q[2]
+            return rf"(?:^| )(?:{v} - {u}|{u} - {v})(?: \d+ - \d+)*? (?:{v} - {num}|{num} - {v})(?= |$)", "edges"
+        return None
+
+    def __call__(self, generated: str) -> str:
+        from retrieval.tool import parse_call
+
+        query, err = parse_call(generated, START, END)
+        compiled = self.compile_query(query) if query is not None else None
+        if compiled is None:
+            self.log.append({"pattern": query, "status": "error", "result": FAILED, "seconds": 0.0})
+            return f" {FAILED}"
+        pattern, where = compiled
+        text = self.edges_text if where == "edges" else _trace_text(generated)
+        out = self.searcher.capture(pattern, text)
+        result = out.matches[0] if out.status == "ok" else FAILED
+        self.log.append({"pattern": pattern, "status": out.status, "result": result, "seconds": round(out.seconds, 6)})
+        return f" {result}"
+
+
+def _trace_text(generated: str) -> str:
+    """The trace as the model wrote it, without the open query at its end."""
+    return " ".join(generated[: generated.rfind(START)].split()) if START in generated else " ".join(generated.split())
+
+
+# --------------------------------------------------------------------------------------------- task
+class IsTree:
+    """Held-out IsTree samples as an engine task (generation is greedy; the verdict is the first label)."""
+
+    name = "istree"
+    default_template = "istree"
+    retrieval_template = "istree"
+    stop = [TRUE, FALSE]
+    include_stop = True
+    metrics = ("accuracy",)
+
+    def __init__(self, data: str | None = None, split: str = "test", nodes: int = 16, setup: str = "cot",
+                 graph: str = "binary", samples: int = 5000, eval_seed: int = 0, **_):
+        if setup not in SETUPS:
+            raise ValueError(f"unknown IsTree setup {setup!r}; choose {', '.join(SETUPS)}")
+        if graph not in GRAPHS:
+            raise ValueError(f"unknown IsTree graph type {graph!r}; choose {', '.join(GRAPHS)}")
+        self.nodes, self.setup, self.graph = int(nodes), setup, graph
+        self.samples, self.eval_seed = int(samples), int(eval_seed)
+        self.default_max_new_tokens = {"direct": 2, "cot": 4 * self.nodes + 4, "retrieval": 60 * self.nodes}[setup]
+
+    def load(self) -> list[dict]:
+        # A seed namespace of its own, so held-out graphs never come from a training stream's sequence.
+        rng = random.Random(f"istree-eval:{self.graph}:{self.nodes}:{self.eval_seed}")
+        gen = GENERATORS[self.graph]
+        rows = []
+        for i in range(self.samples):
+            g = gen(self.nodes, rng)
+            rows.append({"_id": f"g{i:05d}", "edges": g.edges, "is_tree": g.is_tree})
+        return rows
+
+    def instances(self, rows, *, distractors=0, positions=None, seed=0, pool_rows=None) -> list[Instance]:
+        out = []
+        for r in rows:
+            g = Graph(self.nodes, [tuple(e) for e in r["edges"]])
+            prompt = " ".join([BOS, *g.tokens(), EOS])
+            out.append(Instance(id=r["_id"], position="all", question=prompt, answer=TRUE if r["is_tree"] else FALSE,
+                                paragraphs=[], meta={"n": self.nodes, "setup": self.setup, "gold_start": 0}))
+        return out
+
+    def make_tool(self, instance: Instance, cfg=None):
+        if self.setup != "retrieval":
+            return None
+        return IsTreeTool(instance.question.replace(BOS, "").replace(EOS, ""))
+
+    def score(self, instance: Instance, generation: str) -> dict:
+        m = re.search(r"\[(TRUE|FALSE)\]", generation)
+        pred = f"[{m.group(1)}]" if m else ""
+        return {"prediction": pred, "answer_found": bool(m), "accuracy": float(pred == instance.answer)}

@@ -1,0 +1,173 @@
+"""The trainer's small models: a Llama-style Transformer, Mamba, and Mamba + one attention layer, all from
+transformers' own classes, with the paper's frozen sinusoidal embedding tied to the output head so parameter
+counts do not grow with the vocabulary.
+
+Sizes (from the paper's code, see shared/istree-notes.md), trainable parameters in brackets:
+    size  Transformer d/FFN/layers/heads   Mamba d/layers        Hybrid d/Mamba layers (+1 Llama layer, 4 heads, FFN 256)
+    0.5M  64/256/8/4   (525,376)           64/16  (523,328)      64/13  (490,880)
+    1M    64/256/16/4  (1,050,688)         128/9  (1,049,600)    128/7  (980,480)
+    2M    128/256/12/4 (1,969,280)         128/18 (2,099,072)    128/14 (1,796,736)
+Two entries differ from the paper's table so that every architecture is within 10% of the Transformer, as
+the comparison needs: the 0.5M hybrid has 13 Mamba layers (paper: 12, 0.458M, -13%) and the 1M Mamba 9
+(paper: 10, 1.17M, +11%).
+transformers has no hybrid class that is exactly "Mamba stack, its norm, one Llama decoder layer, head"
+(Jamba puts an MLP after every Mamba mixer), so ``HybridForCausalLM`` composes MambaModel and
+LlamaDecoderLayer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MambaConfig,
+                          MambaForCausalLM, PretrainedConfig, PreTrainedModel)
+from transformers.modeling_outputs import CausalLMOutput
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.mamba.modeling_mamba import MambaModel
+
+ARCHS = ("transformer", "mamba", "hybrid")
+SIZES = {
+    # name: transformer (d, ffn, layers, heads), mamba (d, layers), hybrid (d, mamba layers, attention FFN)
+    "0.5M": {"transformer": (64, 256, 8, 4), "mamba": (64, 16), "hybrid": (64, 13, 256)},
+    "1M": {"transformer": (64, 256, 16, 4), "mamba": (128, 9), "hybrid": (128, 7, 256)},
+    "2M": {"transformer": (128, 256, 12, 4), "mamba": (128, 18), "hybrid": (128, 14, 256)},
+    # CPU-scale demo size, not from the paper (the hybrid's attention FFN shrinks to stay within 10%)
+    "smoke": {"transformer": (32, 128, 2, 4), "mamba": (32, 3), "hybrid": (32, 2, 96)},
+}
+HYBRID_ATTN_HEADS = 4
+
+
+def sinusoidal_table(vocab: int, d: int) -> torch.Tensor:
+    """E[i][2k] = sin(i / 10000^(2k/d)), E[i][2k+1] = cos(i / 10000^(2k/d))."""
+    pos = torch.arange(vocab, dtype=torch.float32)[:, None]
+    div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    e = torch.zeros(vocab, d)
+    e[:, 0::2] = torch.sin(pos * div)
+    e[:, 1::2] = torch.cos(pos * div)
+    return e
+
+
+def _mamba_config(vocab, d, layers) -> MambaConfig:
+    # mamba-ssm 1.x defaults: d_state 16, expand 2, d_conv 4, dt_rank ceil(d/16); RMSNorm; no linear biases.
+    # use_mambapy: without the CUDA kernels, transformers' sequential scan has a backward pass quadratic in
+    # length (each step's slice of a [B, D, L, N] tensor gets a full-size gradient); mambapy's parallel scan
+    # is linear-log (300 tokens: 37 s -> 1.6 s per backward on 2 CPU cores).
+    return MambaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, state_size=16, expand=2,
+                       conv_kernel=4, time_step_rank=math.ceil(d / 16), use_bias=False, use_conv_bias=True,
+                       tie_word_embeddings=True, pad_token_id=4, bos_token_id=11, eos_token_id=4, use_mambapy=True)
+
+
+class HybridConfig(PretrainedConfig):
+    model_type = "icr_hybrid"
+
+    def __init__(self, vocab_size=64, hidden_size=64, mamba_layers=12, attn_heads=4, attn_ffn=256,
+                 max_position_embeddings=8192, **kwargs):
+        kwargs.setdefault("tie_word_embeddings", True)
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_size, self.mamba_layers = vocab_size, hidden_size, mamba_layers
+        self.attn_heads, self.attn_ffn, self.max_position_embeddings = attn_heads, attn_ffn, max_position_embeddings
+
+    def mamba(self) -> MambaConfig:
+        return _mamba_config(self.vocab_size, self.hidden_size, self.mamba_layers)
+
+    def llama(self) -> LlamaConfig:
+        cfg = LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.attn_ffn,
+                          num_hidden_layers=1, num_attention_heads=self.attn_heads, num_key_value_heads=self.attn_heads,
+                          max_position_embeddings=self.max_position_embeddings)
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+
+class HybridForCausalLM(PreTrainedModel):
+    """Mamba stack (with its final norm) → one Llama decoder layer → tied head. ``cache_params`` is a pair
+    (Mamba cache, KV cache of the attention layer)."""
+
+    config_class = HybridConfig
+    base_model_prefix = "backbone"
+    _no_split_modules = ["MambaBlock", "LlamaDecoderLayer"]
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.backbone = MambaModel(config.mamba())
+        llama = config.llama()
+        self.attn = LlamaDecoderLayer(llama, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.embeddings
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache_params=None, use_cache=False,
+                logits_to_keep: int = 0, **kwargs):
+        from transformers import DynamicCache
+
+        b, l = input_ids.shape
+        mcache, kv = cache_params if cache_params is not None else (None, None)
+        if use_cache and kv is None:
+            kv = DynamicCache()
+        past = kv.get_seq_length() if kv is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(b, past + l, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -l:]
+        out = self.backbone(input_ids, attention_mask=attention_mask if l > 1 else None, cache_params=mcache,
+                            use_cache=use_cache)
+        h = out.last_hidden_state
+        t = past + l
+        causal = torch.ones(l, t, dtype=torch.bool, device=h.device).tril(t - l)
+        allowed = causal[None] & attention_mask.bool()[:, None, :]
+        own = torch.zeros(l, t, dtype=torch.bool, device=h.device)
+        own[torch.arange(l), t - l + torch.arange(l)] = True  # a pad query sees itself: no NaN rows
+        mask4d = (allowed | own[None])[:, None]
+        h = self.attn(h, attention_mask=mask4d, position_ids=position_ids, past_key_values=kv,
+                      position_embeddings=self.rotary(h, position_ids), use_cache=use_cache)
+        h = h[0] if isinstance(h, tuple) else h
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = h @ self.backbone.embeddings.weight.T
+        result = CausalLMOutput(logits=logits)
+        result.cache_params = (out.cache_params, kv) if use_cache else None
+        return result
+
+
+AutoConfig.register("icr_hybrid", HybridConfig)
+AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM)
+
+
+def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192) -> PreTrainedModel:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown --arch {arch!r}; choose {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown --size {size!r}; choose {', '.join(SIZES)}")
+    spec = SIZES[size][arch]
+    if arch == "transformer":
+        d, ffn, layers, heads = spec
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn,
+                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=heads, max_position_embeddings=max_positions,
+                                             tie_word_embeddings=True, pad_token_id=4, bos_token_id=11,
+                                             eos_token_id=4))
+    elif arch == "mamba":
+        model = MambaForCausalLM(_mamba_config(vocab, *spec))
+    else:
+        d, layers, ffn = spec
+        model = HybridForCausalLM(HybridConfig(vocab_size=vocab, hidden_size=d, mamba_layers=layers,
+                                               attn_heads=HYBRID_ATTN_HEADS, attn_ffn=ffn,
+                                               max_position_embeddings=max_positions))
+    freeze_sinusoidal_embedding(model)
+    return model
+
+
+def freeze_sinusoidal_embedding(model: PreTrainedModel) -> None:
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        emb.weight.copy_(sinusoidal_table(*emb.weight.shape))
+    emb.weight.requires_grad_(False)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and head.weight is not emb.weight:
+        raise RuntimeError("the output head must be tied to the frozen embedding")
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
