@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from evals.base import Instance
+from evals.base import Instance, word_level_tokenizer
 
 SPECIAL = ["[", "]", ",", "-", "[PAD]", "[EOS]", "[TRUE]", "[FALSE]", "[SPACE]", "[NEWLINE]", "[UNK]", "[BOS]",
            "[STARTSEARCH]", "[ENDSEARCH]", "[FAILED]", "~"]  # 16, then node names 0..n: n + 17 tokens
@@ -35,18 +35,7 @@ def vocabulary(n: int) -> list[str]:
 
 
 def build_tokenizer(n: int):
-    """WordLevel tokenizer over the IsTree vocabulary. Its eos is [PAD]: [EOS] separates the sections of a
-    sample and must not end generation."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(vocabulary(n))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=PAD, bos_token=BOS,
-                                   unk_token="[UNK]", clean_up_tokenization_spaces=False)
-    fast.padding_side = "left"
-    return fast
+    return word_level_tokenizer(vocabulary(n))
 
 
 # ------------------------------------------------------------------------------------------ graphs

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 
 def _tasks():
+    from functools import partial
+
     from evals.hotpotqa import HotpotQA
     from evals.istree import IsTree
+    from evals.retrieval_tasks import TASK_NAMES, RetrievalTask
 
-    return {"hotpotqa": HotpotQA, "istree": IsTree}
+    return {"hotpotqa": HotpotQA, "istree": IsTree, **{n: partial(RetrievalTask, n) for n in TASK_NAMES}}
 
 
-TASKS = ("hotpotqa", "istree")
+TASKS = ("hotpotqa", "istree", "index", "ar", "cgram", "counting")
 
 
 def get_task(name: str, **kwargs):

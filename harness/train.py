@@ -43,7 +43,8 @@ GRID_DEFAULTS = {"paper": {"samples": 5_000_000, "eval_samples": 5000},
 
 @dataclass
 class TrainConfig:
-    task: str = "istree"
+    task: str = "istree"  # or one of the retrieval tasks: index, ar, cgram, counting
+    length: int = 32  # sequence length for the retrieval tasks
     arch: str = "transformer"
     size: str = "0.5M"
     nodes: int = 16
@@ -60,7 +61,38 @@ class TrainConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.arch}-{self.size}-n{self.nodes}-{self.setup}"
+        if self.task == "istree":
+            return f"{self.arch}-{self.size}-n{self.nodes}-{self.setup}"
+        return f"{self.arch}-{self.size}-{self.task}-L{self.length}"
+
+
+class TrainTask:
+    """What the trainer needs from a task: its vocabulary, a fresh-sample stream, a length bound, and the
+    options under which the eval engine re-creates it (written to icr_task.json next to the checkpoint)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        if cfg.task == "istree":
+            self.vocab = istree.vocabulary(cfg.nodes)
+            self.max_len = {"direct": 4 * cfg.nodes, "cot": 8 * cfg.nodes, "retrieval": 64 * cfg.nodes}[cfg.setup]
+            self.eval_args = {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph, "samples": cfg.eval_samples}
+        else:
+            from evals.retrieval_tasks import RetrievalTask
+
+            self.impl = RetrievalTask(cfg.task, length=cfg.length, format="tokens")
+            self.vocab = self.impl.vocabulary()
+            self.max_len = 2 * cfg.length + 8
+            self.eval_args = {"length": cfg.length, "format": "tokens", "samples": cfg.eval_samples}
+
+    def stream(self, seed: int):
+        if self.cfg.task == "istree":
+            return istree.stream(self.cfg.nodes, self.cfg.setup, self.cfg.graph, seed)
+        return self.impl.stream(seed)
+
+    def tokenizer(self):
+        from evals.base import word_level_tokenizer
+
+        return word_level_tokenizer(self.vocab)
 
 
 def batch_from_tokens(samples: list[list[str]], vocab: dict[str, int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +128,9 @@ def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict
         return json.loads(done.read_text())
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(cfg.seed)
-    vocab_list = istree.vocabulary(cfg.nodes)
-    vocab = {t: i for i, t in enumerate(vocab_list)}
-    max_len = {"direct": 4 * cfg.nodes, "cot": 8 * cfg.nodes, "retrieval": 64 * cfg.nodes}[cfg.setup]
-    model = build_model(cfg.arch, cfg.size, len(vocab_list), max_positions=max(4096, 2 * max_len))
+    task = TrainTask(cfg)
+    vocab = {t: i for i, t in enumerate(task.vocab)}
+    model = build_model(cfg.arch, cfg.size, len(task.vocab), max_positions=max(4096, 2 * task.max_len))
     n_params = trainable_parameters(model)
     lr = cfg.lr or DEFAULT_LR[cfg.arch]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -107,7 +138,7 @@ def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict
     steps = max(1, cfg.samples // (cfg.batch_size * acc.num_processes))
     warm = max(1, cfg.warmup // (cfg.batch_size * acc.num_processes))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps, warm))
-    data = istree.stream(cfg.nodes, cfg.setup, cfg.graph, seed=cfg.seed * 1000 + acc.process_index)
+    data = task.stream(seed=cfg.seed * 1000 + acc.process_index)
     log.info("%s: %s trainable parameters, %d steps of %d, lr %g, on %s x%d", cfg.name, f"{n_params:,}", steps,
              cfg.batch_size, lr, acc.device, acc.num_processes)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,13 +167,12 @@ def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict
     result = None
     if acc.is_main_process:
         model = acc.unwrap_model(model).eval()
-        tok = istree.build_tokenizer(cfg.nodes)
+        tok = task.tokenizer()
         model.save_pretrained(out)
         tok.save_pretrained(out)
-        task_args = {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph, "samples": cfg.eval_samples}
-        (out / "icr_task.json").write_text(json.dumps({"task": "istree", "args": task_args}, indent=2))
+        (out / "icr_task.json").write_text(json.dumps({"task": cfg.task, "args": task.eval_args}, indent=2))
         t1 = time.perf_counter()
-        acc_eval = evaluate(model, tok, out, task_args, cfg.eval_batch_size, progress)
+        acc_eval = evaluate(model, tok, out, cfg.task, task.eval_args, cfg.eval_batch_size, progress)
         result = {**asdict(cfg), "lr": lr, "trainable_parameters": n_params, "steps": steps,
                   "final_loss": float(sum(losses[-20:]) / len(losses[-20:])), "first_loss": losses[0],
                   "train_seconds": round(train_s, 2), "eval_seconds": round(time.perf_counter() - t1, 2),
@@ -154,7 +184,7 @@ def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict
     return result or {}
 
 
-def evaluate(model, tok, run_dir: Path, task_args: dict, batch_size: int, progress: bool) -> dict:
+def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int, progress: bool) -> dict:
     """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval)."""
     from harness.backends.hf import TransformersBackend
     from harness.config import RunConfig
@@ -162,7 +192,7 @@ def evaluate(model, tok, run_dir: Path, task_args: dict, batch_size: int, progre
 
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
-    cfg = RunConfig(model=str(run_dir), task="istree", task_args=task_args, distractors=0, positions=["all"],
+    cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, distractors=0, positions=["all"],
                     batch_size=str(batch_size), output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
     return run_eval(cfg, backend=backend, progress=progress)
 
@@ -184,7 +214,7 @@ def write_grid_report(root: Path) -> str:
     """Collect every finished run under ``root`` into results.csv / results.md and the paper-style figure."""
     import pandas as pd
 
-    rows = [json.loads(p.read_text()) for p in sorted(root.glob("*/result.json"))]
+    rows = [r for r in (json.loads(p.read_text()) for p in sorted(root.glob("*/result.json"))) if r.get("task") == "istree"]
     if not rows:
         return ""
     df = pd.DataFrame(rows)[["setup", "nodes", "size", "arch", "trainable_parameters", "accuracy", "accuracy_se",
@@ -235,7 +265,9 @@ def plot_grid(df, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="istree", choices=["istree"])
+    ap.add_argument("--task", default="istree", choices=["istree", "index", "ar", "cgram", "counting"],
+                    help="IsTree, or one of the four retrieval tasks (trained on direct answers)")
+    ap.add_argument("--length", type=int, default=32, help="sequence length for the retrieval tasks")
     ap.add_argument("--arch", default="transformer", choices=["transformer", "mamba", "hybrid"])
     ap.add_argument("--size", default="0.5M", choices=["0.5M", "1M", "2M", "smoke"],
                     help="parameter budget; architectures are matched within 10%% (smoke: a CPU demo size)")
@@ -264,7 +296,7 @@ def main(argv=None) -> int:
     if a.grid:
         defaults.update(GRID_DEFAULTS[a.grid])
     pick = lambda k: getattr(a, k) if getattr(a, k) is not None else defaults[k]  # noqa: E731
-    base = TrainConfig(task=a.task, arch=a.arch, size=a.size, nodes=a.nodes, setup=a.setup, graph=a.graph,
+    base = TrainConfig(task=a.task, length=a.length, arch=a.arch, size=a.size, nodes=a.nodes, setup=a.setup, graph=a.graph,
                        samples=pick("samples"), batch_size=pick("batch_size"), lr=a.lr, warmup=pick("warmup"),
                        seed=a.seed, eval_samples=pick("eval_samples"))
     if a.grid:
@@ -279,7 +311,7 @@ def main(argv=None) -> int:
     res = train_one(base, not a.no_progress)
     if res:
         print(f"\n{base.name}: accuracy {100 * res['accuracy']:.1f}% ± {100 * res['accuracy_se']:.1f} on "
-              f"{base.eval_samples} held-out graphs; {res['trainable_parameters']:,} trainable parameters; "
+              f"{base.eval_samples} held-out samples; {res['trainable_parameters']:,} trainable parameters; "
               f"loss {res['first_loss']:.3f} -> {res['final_loss']:.3f}; wrote {base.output}")
     return 0
 
