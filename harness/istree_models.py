@@ -50,12 +50,71 @@ def sinusoidal_table(vocab: int, d: int) -> torch.Tensor:
 
 def _mamba_config(vocab, d, layers) -> MambaConfig:
     # mamba-ssm 1.x defaults: d_state 16, expand 2, d_conv 4, dt_rank ceil(d/16); RMSNorm; no linear biases.
-    # use_mambapy: without the CUDA kernels, transformers' sequential scan has a backward pass quadratic in
-    # length (each step's slice of a [B, D, L, N] tensor gets a full-size gradient); mambapy's parallel scan
-    # is linear-log (300 tokens: 37 s -> 1.6 s per backward on 2 CPU cores).
     return MambaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, state_size=16, expand=2,
                        conv_kernel=4, time_step_rank=math.ceil(d / 16), use_bias=False, use_conv_bias=True,
-                       tie_word_embeddings=True, pad_token_id=4, bos_token_id=11, eos_token_id=4, use_mambapy=True)
+                       tie_word_embeddings=True, pad_token_id=4, bos_token_id=11, eos_token_id=4)
+
+
+def selective_scan_linear(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                          return_last_state=False, **_):
+    """Mamba-1's selective scan, step by step, with a backward pass linear in length.
+
+    transformers' reference path (used when the CUDA kernels are absent) indexes ``discrete_A[:, :, t]`` at
+    every step, and autograd gives each slice a full-size gradient, so its backward is quadratic in length
+    (300 tokens: 37 s per backward on 2 CPU cores). ``unbind`` splits once and its backward is one stack.
+    Same arguments and results as ``transformers.models.mamba.modeling_mamba.mamba_selective_scan``."""
+    import torch.nn.functional as F
+
+    dtype = hidden_states.dtype
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    # hidden_states, dt: [b, d, l]; A: [d, n]; B, C: [b, n, l] (the kernel's layout). Work time-major and
+    # contiguous: elementwise ops on strided per-step slices are ~40x slower on CPU.
+    dt_t = dt.permute(2, 0, 1).float()  # l b d
+    dA = torch.exp(dt_t[..., None] * A.float()).unbind(0)  # l x [b, d, n]
+    dBu = ((dt_t * hidden_states.permute(2, 0, 1).float())[..., None] * B.permute(2, 0, 1).float()[:, :, None, :]).unbind(0)
+    Cs = C.permute(2, 0, 1).float().unbind(0)  # l x [b, n]
+    state = torch.zeros_like(dA[0])
+    ys = []
+    for a, bu, c in zip(dA, dBu, Cs):
+        state = a * state + bu
+        ys.append(torch.einsum("bdn,bn->bd", state, c))
+    y = torch.stack(ys, dim=-1)
+    if D is not None:
+        y = y + hidden_states * D[:, None]
+    if z is not None:
+        y = y * F.silu(z)
+    y = y.to(dtype)
+    return (y, state) if return_last_state else y
+
+
+def use_linear_scan_without_kernels() -> bool:
+    """Route transformers' Mamba reference scan to ``selective_scan_linear`` when no CUDA kernel can run.
+    A GPU with mamba-ssm keeps the kernel. Written by hand because the library's fallback is the slow part
+    (see above) and transformers exposes no option for it; the check below keeps it to signatures we know."""
+    import inspect
+
+    from transformers.models.mamba import modeling_mamba as mm
+
+    if torch.cuda.is_available():
+        try:
+            import mamba_ssm  # noqa: F401
+
+            return False
+        except ImportError:
+            pass
+    current = getattr(mm, "mamba_selective_scan", None)
+    if current is None or current is selective_scan_linear:
+        return current is selective_scan_linear
+    params = set(inspect.signature(current).parameters)
+    if not {"hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+            "return_last_state"} <= params:
+        return False
+    mm._reference_selective_scan = current
+    mm.mamba_selective_scan = selective_scan_linear
+    return True
 
 
 class HybridConfig(PretrainedConfig):
@@ -155,6 +214,8 @@ def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192) -> 
         model = HybridForCausalLM(HybridConfig(vocab_size=vocab, hidden_size=d, mamba_layers=layers,
                                                attn_heads=HYBRID_ATTN_HEADS, attn_ffn=ffn,
                                                max_position_embeddings=max_positions))
+    if arch != "transformer":
+        use_linear_scan_without_kernels()
     freeze_sinusoidal_embedding(model)
     return model
 

@@ -38,7 +38,7 @@ GRIDS = {
               "setup": ["direct", "cot", "retrieval"]},
 }
 GRID_DEFAULTS = {"paper": {"samples": 5_000_000, "eval_samples": 5000},
-                 "smoke": {"samples": 4800, "eval_samples": 200, "batch_size": 32, "warmup": 480}}
+                 "smoke": {"samples": 1600, "eval_samples": 200, "batch_size": 16, "warmup": 160}}
 
 
 @dataclass
@@ -162,6 +162,7 @@ def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict
                 bar.set_postfix(loss=f"{loss.item():.4f}")
                 logf.write(json.dumps({"step": step, "samples": (step + 1) * cfg.batch_size * acc.num_processes,
                                        "loss": round(loss.item(), 6), "lr": sched.get_last_lr()[0]}) + "\n")
+                logf.flush()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     result = None
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", type=int, default=16, help="graph size n (paper: 16, 32, 64)")
     ap.add_argument("--setup", default="cot", choices=list(istree.SETUPS))
     ap.add_argument("--graph", default="binary", choices=list(istree.GRAPHS))
-    ap.add_argument("--samples", type=int, default=None, help="training samples (default 5,000,000; smoke 4,800)")
+    ap.add_argument("--samples", type=int, default=None, help="training samples (default 5,000,000; smoke 1,600)")
     ap.add_argument("--batch-size", type=int, default=None, help="per-process batch (default 64)")
     ap.add_argument("--lr", type=float, default=None, help="peak lr (default 1e-3 Transformer, 3e-4 others)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up samples (default 10,000)")
