@@ -83,10 +83,34 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
     return list(first[:max(n, 0)])
 
 
+class IncrementalDetokenizer:
+    """Text of a growing token list, decoding only a few tokens per step (as vLLM and TGI do).
+
+    A token's text can depend on its neighbours (SentencePiece's leading space, UTF-8 bytes split across
+    byte-level tokens), so each step decodes a window starting a little before the new tokens and appends
+    the difference, holding back text that ends in an incomplete character."""
+
+    def __init__(self, tokenizer):
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no per-call Python overhead
+        self._decode = (lambda ids: backend.decode(ids, skip_special_tokens=False)) if backend is not None else \
+            (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+        self.text = ""
+        self._prefix = self._read = 0
+
+    def update(self, ids: list[int]) -> str:
+        prefix_text = self._decode(ids[self._prefix:self._read])
+        new_text = self._decode(ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(ids)
+        return self.text
+
+
 @dataclass
 class _Row:
     req: GenRequest
     prompt_len: int
+    detok: IncrementalDetokenizer
     ids: list[int] = field(default_factory=list)
     forced: list[int] = field(default_factory=list)
     scan_from: int = 0  # character offset from which stop strings and tool calls are searched
@@ -126,7 +150,7 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     prompt_ids = [r.prompt_ids if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"] for r in requests]
-    rows = [_Row(r, len(p)) for r, p in zip(requests, prompt_ids)]
+    rows = [_Row(r, len(p), IncrementalDetokenizer(tokenizer)) for r, p in zip(requests, prompt_ids)]
     n = len(prefix.ids) if prefix is not None else 0
     if n and all(len(p) > n and p[:n] == prefix.ids for p in prompt_ids):
         # Copy the prefix state into every row, then feed each row's own suffix as one right-padded block.
@@ -201,7 +225,7 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         row.ids.pop()
         row.done = _finish(row, tokenizer, "eos", eos=True)
         return
-    text = tokenizer.decode(row.ids, skip_special_tokens=False)
+    text = row.detok.update(row.ids)
     hits = [i for i in (text.find(s, row.scan_from) for s in row.req.stop if s) if i >= 0]
     tool = row.req.tool
     call_at = text.find(tool.call_end, row.scan_from) if tool is not None and row.calls < tool.max_calls else -1
@@ -217,7 +241,7 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         row.forced = tokenizer(result, add_special_tokens=False)["input_ids"]
         row.tool_spans.append((len(row.ids), len(row.ids) + len(row.forced)))
         # Search for the next call / stop only in what the model writes after the inserted result.
-        row.scan_from = len(tokenizer.decode(row.ids + row.forced, skip_special_tokens=False))
+        row.scan_from = len(row.detok.update(row.ids + row.forced))
         return
     if row.new_tokens >= row.req.max_new_tokens:
         row.done = _finish(row, tokenizer, "length", text=text)
@@ -225,6 +249,6 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
 
 def _finish(row: _Row, tokenizer, reason: str, text: str | None = None, eos: bool = False) -> GenResult:
     if text is None:
-        text = tokenizer.decode(row.ids, skip_special_tokens=False)
+        text = row.detok.update(row.ids)
     return GenResult(text=text, finish_reason=reason, prompt_tokens=row.prompt_len, new_tokens=row.new_tokens,
                      tool_tokens=row.tool_tokens, token_ids=list(row.ids), tool_spans=list(row.tool_spans))

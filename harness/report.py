@@ -42,7 +42,8 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
     for d in run_dirs:
         results, samples = load_run(d)
         cfg = results["config"]
-        metrics = tuple(k for k in ("em", "f1", "contains") if k in next(iter(results["metrics"].values()), {}))
+        first = next(iter(results["metrics"].values()), {})
+        metrics = tuple(k for k in first if f"{k}_se" in first)
         by_pos = summarize(samples, metrics, cfg.get("positions") if cfg.get("distractors") else None,
                            keep_ids=keep_ids, seed=cfg.get("seed", 0))
         label = cfg["model"] + (" +retrieval" if cfg.get("retrieval") else "") + \
@@ -84,23 +85,24 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", help="run directories written by harness.eval")
     ap.add_argument("--subset", nargs="+", default=None, metavar="ORACLE_RUN",
                     help="keep only questions every one of these oracle runs answered correctly")
-    ap.add_argument("--metric", default="em", choices=["em", "f1", "contains"], help="metric to plot")
+    ap.add_argument("--metric", default=None, help="metric to plot (default: em, or the task's first metric)")
     ap.add_argument("--out", default="reports/latest", help="directory for report.md, report.csv and the plot")
     a = ap.parse_args(argv)
     try:
-        keep = oracle_subset(a.subset, a.metric) if a.subset else None
+        keep = oracle_subset(a.subset, a.metric or "em") if a.subset else None
         df = merge(a.runs, keep)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    metrics = tuple(m for m in ("em", "f1", "contains") if m in df.columns)
+    metric = a.metric or ("em" if "em" in df.columns else next(c[:-3] for c in df.columns if c.endswith("_se")))
+    metrics = tuple(c[:-3] for c in df.columns if c.endswith("_se") and c[:-3] in df.columns)
     df.to_csv(out / "report.csv", index=False)
     table = format_markdown(df, metrics, id_cols=("model", "position"))
     header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
     (out / "report.md").write_text(header + table + "\n")
-    png = plot(df, a.metric, out / f"{a.metric}_by_position.png")
+    png = plot(df, metric, out / f"{metric}_by_position.png")
     print(header + table)
     print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {png}")
     return 0

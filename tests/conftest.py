@@ -34,18 +34,20 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
     return _model_dir(tmp_path_factory, tiny_tokenizer, "llama")
 
 
-@pytest.fixture(scope="session")
-def phi_backend(tiny_phi_dir):
+def _backend(model_dir):
     from harness.engine import load_backend
 
-    return load_backend(tiny_phi_dir, device="cpu", dtype="float32")
+    return load_backend(model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def phi_backend(tiny_phi_dir):
+    return _backend(tiny_phi_dir)
 
 
 @pytest.fixture(scope="session")
 def llama_backend(tiny_llama_dir):
-    from harness.engine import load_backend
-
-    return load_backend(tiny_llama_dir, device="cpu", dtype="float32")
+    return _backend(tiny_llama_dir)
 
 
 @pytest.fixture(scope="session")
@@ -60,13 +62,9 @@ def tiny_hybrid_dir(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def phi_mamba_backend(tiny_phi_mamba_dir):
-    from harness.engine import load_backend
-
-    return load_backend(tiny_phi_mamba_dir, device="cpu", dtype="float32")
+    return _backend(tiny_phi_mamba_dir)
 
 
 @pytest.fixture(scope="session")
 def hybrid_backend(tiny_hybrid_dir):
-    from harness.engine import load_backend
-
-    return load_backend(tiny_hybrid_dir, device="cpu", dtype="float32")
+    return _backend(tiny_hybrid_dir)

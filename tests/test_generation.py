@@ -61,3 +61,23 @@ def test_stop_strings_eos_and_length(phi_backend):
     assert stopped.text == free[0].text[: free[0].text.find(target)]
     zero = phi_backend.generate([GenRequest(prompts[1], 0)])[0]
     assert zero.text == "" and zero.new_tokens == 0
+
+
+def test_incremental_detokenizer_equals_full_decode(tiny_tokenizer):
+    from evals.istree import build_tokenizer
+    from harness.generation import IncrementalDetokenizer
+
+    rng = random.Random(0)
+    text = FIXTURE_PATH.read_text() + " naïve café — 東京 ✓ "
+    for tok in (tiny_tokenizer, build_tokenizer(8)):
+        for _ in range(50):
+            if tok is tiny_tokenizer:
+                ids = tok(text[rng.randrange(0, 500):][:300])["input_ids"]
+                ids += [rng.randrange(len(tok)) for _ in range(20)]  # arbitrary tokens, partial UTF-8 included
+            else:
+                ids = [rng.randrange(len(tok)) for _ in range(40)]
+            d = IncrementalDetokenizer(tok)
+            for k in range(1, len(ids) + 1):
+                d.update(ids[:k])
+            full = tok.decode(ids, skip_special_tokens=False)
+            assert d.text == full or (full.endswith("\ufffd") and full.startswith(d.text))

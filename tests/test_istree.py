@@ -23,23 +23,24 @@ def _connected(n, edges):
     return len(seen) == n
 
 
-def _acyclic(n, edges):
-    return len(edges) == n - 1 and _connected(n, edges) or (len(edges) < n and not _has_cycle(n, edges))
-
-
 def _has_cycle(n, edges):
-    parent = list(range(n))
-
-    def find(x):
-        while parent[x] != x:
-            x = parent[x]
-        return x
-
+    """Independent of evals.istree: a graph has a cycle iff some component has as many edges as nodes."""
+    adj = {i: set() for i in range(n)}
     for u, v in edges:
-        a, b = find(u), find(v)
-        if a == b:
+        adj[u].add(v)
+        adj[v].add(u)
+    seen = set()
+    for s in range(n):
+        if s in seen:
+            continue
+        comp, todo = {s}, [s]
+        while todo:
+            for w in adj[todo.pop()] - comp:
+                comp.add(w)
+                todo.append(w)
+        seen |= comp
+        if sum(len(adj[x]) for x in comp) // 2 >= len(comp):
             return True
-        parent[a] = b
     return False
 
 
