@@ -234,17 +234,17 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         row.done = _finish(row, tokenizer, "stop", text=text[:at])
         row.done.stop_string = next(s for s in row.req.stop if s and text.startswith(s, at))
         return
+    if row.new_tokens >= row.req.max_new_tokens:  # before any tool call: a model that calls on every token
+        row.done = _finish(row, tokenizer, "length", text=text)  # must still stop
+        return
     if call_at >= 0:
         end = call_at + len(tool.call_end)
-        result = tool(text[row.scan_from:end])
+        result = tool(text[:end])
         row.calls += 1
         row.forced = tokenizer(result, add_special_tokens=False)["input_ids"]
         row.tool_spans.append((len(row.ids), len(row.ids) + len(row.forced)))
         # Search for the next call / stop only in what the model writes after the inserted result.
         row.scan_from = len(row.detok.update(row.ids + row.forced))
-        return
-    if row.new_tokens >= row.req.max_new_tokens:
-        row.done = _finish(row, tokenizer, "length", text=text)
 
 
 def _finish(row: _Row, tokenizer, reason: str, text: str | None = None, eos: bool = False) -> GenResult:

@@ -153,3 +153,30 @@ def test_engine_counts_tool_calls_per_position(tiny_phi_dir, phi_backend, tmp_pa
         calls = [c for r in recs if r["position"] == pos for c in r["tool_calls"]]
         assert m["tool_calls"] == len(calls)
         assert m["tool_ok"] + m["tool_no_match"] + m["tool_error"] + m["tool_timeout"] == len(calls)
+
+
+class _EveryToken:
+    """A tool 'called' after every model token (empty closing tag), that records what it was given."""
+
+    call_end = ""
+    max_calls = 10_000
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, generated: str) -> str:
+        self.seen.append(generated)
+        return "!"
+
+
+def test_tool_gets_the_whole_generation_and_length_still_bounds_a_tool_happy_model(phi_backend):
+    from tests.test_generation import _diverse_prompts
+
+    tool = _EveryToken()
+    (r,) = phi_backend.generate([GenRequest(_diverse_prompts(1, seed=4)[0], 7, tool=tool)])
+    assert r.finish_reason == "length" and r.new_tokens == 7
+    assert len(tool.seen) == 6  # a call after each model token but the last
+    for a, b in zip(tool.seen, tool.seen[1:]):
+        assert b.startswith(a) and b.endswith("!") and len(b) > len(a)  # everything so far, results included
+    assert tool.seen[-1].count("!") == 5
+    assert r.text.count("!") == 6
