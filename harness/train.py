@@ -1,7 +1,7 @@
 """``python -m harness.train``: train the small IsTree models and evaluate them with the eval engine.
 
     python -m harness.train --task istree --arch mamba --size 0.5M --nodes 16 --setup retrieval --output runs/x
-    python -m harness.train --grid smoke                       # CPU demo: 3 archs x 3 setups at n=8
+    python -m harness.train --grid smoke                       # CPU demo: 3 archs x 3 setups at n=6
     accelerate launch -m harness.train --grid paper            # the 81-run grid, data parallel over GPUs
 
 Defaults follow the paper's code: AdamW (weight decay 0), cosine schedule with a 10,000-sample warm-up, batch
@@ -34,11 +34,12 @@ DEFAULT_LR = {"transformer": 1e-3, "mamba": 3e-4, "hybrid": 3e-4}
 GRIDS = {
     "paper": {"arch": ["transformer", "mamba", "hybrid"], "size": ["0.5M", "1M", "2M"], "nodes": [16, 32, 64],
               "setup": ["direct", "cot", "retrieval"]},
-    "smoke": {"arch": ["transformer", "mamba", "hybrid"], "size": ["smoke"], "nodes": [8],
+    "smoke": {"arch": ["transformer", "mamba", "hybrid"], "size": ["smoke"], "nodes": [6],
               "setup": ["direct", "cot", "retrieval"]},
 }
 GRID_DEFAULTS = {"paper": {"samples": 5_000_000, "eval_samples": 5000},
-                 "smoke": {"samples": 1600, "eval_samples": 200, "batch_size": 16, "warmup": 160}}
+                 # a CPU demo: 150 steps, so a hotter lr than the paper's 5M-sample runs
+                 "smoke": {"samples": 4800, "eval_samples": 200, "batch_size": 32, "warmup": 480, "lr": 3e-3}}
 
 
 @dataclass
@@ -275,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", type=int, default=16, help="graph size n (paper: 16, 32, 64)")
     ap.add_argument("--setup", default="cot", choices=list(istree.SETUPS))
     ap.add_argument("--graph", default="binary", choices=list(istree.GRAPHS))
-    ap.add_argument("--samples", type=int, default=None, help="training samples (default 5,000,000; smoke 1,600)")
+    ap.add_argument("--samples", type=int, default=None, help="training samples (default 5,000,000; smoke 4,800)")
     ap.add_argument("--batch-size", type=int, default=None, help="per-process batch (default 64)")
     ap.add_argument("--lr", type=float, default=None, help="peak lr (default 1e-3 Transformer, 3e-4 others)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up samples (default 10,000)")
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--grid", choices=list(GRIDS), default=None,
                     help="run a whole grid under --output (finished runs are skipped): paper = 81 runs, "
-                         "smoke = 9 small CPU runs at n=8")
+                         "smoke = 9 small CPU runs at n=6 (about 5 minutes on 2 cores)")
     ap.add_argument("--output", default=None, help="run directory (a grid's root with --grid)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -293,12 +294,12 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    defaults = {"samples": 5_000_000, "batch_size": 64, "warmup": 10_000, "eval_samples": 5000}
+    defaults = {"samples": 5_000_000, "batch_size": 64, "warmup": 10_000, "eval_samples": 5000, "lr": None}
     if a.grid:
         defaults.update(GRID_DEFAULTS[a.grid])
     pick = lambda k: getattr(a, k) if getattr(a, k) is not None else defaults[k]  # noqa: E731
     base = TrainConfig(task=a.task, length=a.length, arch=a.arch, size=a.size, nodes=a.nodes, setup=a.setup, graph=a.graph,
-                       samples=pick("samples"), batch_size=pick("batch_size"), lr=a.lr, warmup=pick("warmup"),
+                       samples=pick("samples"), batch_size=pick("batch_size"), lr=pick("lr"), warmup=pick("warmup"),
                        seed=a.seed, eval_samples=pick("eval_samples"))
     if a.grid:
         root = Path(a.output or f"runs/grid-{a.grid}")
