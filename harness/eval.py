@@ -68,7 +68,10 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
     if a.batch_size != "auto" and not (a.batch_size.isdigit() and int(a.batch_size) > 0):
         raise ValueError(f"--batch-size must be a positive integer or 'auto', got {a.batch_size!r}")
     task_args = _task_args(a.task_arg, a.model, a.task)
-    safe = a.model.rstrip("/").replace("/", "_")
+    from pathlib import Path
+
+    local = Path(a.model).expanduser()
+    safe = local.resolve().name if local.is_dir() else a.model.rstrip("/").replace("/", "_")
     output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
     return RunConfig(model=a.model, backend=a.backend, task=a.task, task_args=task_args, data=a.data, split=a.split, distractors=a.distractors,
                      positions=parse_positions(a.positions), shots=a.shots, template=a.template, limit=a.limit,
