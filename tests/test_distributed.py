@@ -72,8 +72,17 @@ def test_killed_rank_then_resume_with_another_world_size(tiny_phi_dir, single_ra
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # both ranks die mid-run, as a lost node would take the job down
-    proc.wait()
+    import psutil
+
+    ranks = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "harness.eval" in " ".join(p.cmdline())}
+    ranks["1"].kill()  # one rank dies mid-run; torchrun then tears the job down
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
     done_before = sum(f.read_text().count("\n") for f in out.glob("samples*.jsonl"))
     assert 0 < done_before < 24
     res = run_eval(RunConfig(model=tiny_phi_dir, data="fixture", distractors=4, positions=["first", "last"],
