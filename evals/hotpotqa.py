@@ -7,7 +7,6 @@ positions, so position effects are not confounded with different distractors."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any, Iterable

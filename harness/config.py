@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Fields that change what a sample's generation is; a resumed run must agree on all of them.
-_RESULT_FIELDS = ("model", "task", "task_args", "data", "split", "distractors", "shots", "template", "max_new_tokens",
+_RESULT_FIELDS = ("model", "backend", "task", "task_args", "data", "split", "distractors", "shots", "template", "max_new_tokens",
                   "dtype", "seed", "stop", "retrieval", "max_tool_calls", "tool_timeout", "tool_max_chars")
 
 

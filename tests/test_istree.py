@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evals import istree
-from harness.istree_models import ARCHS, SIZES, build_model, trainable_parameters
+from harness.istree_models import ARCHS, build_model, trainable_parameters
 
 
 def _connected(n, edges):
@@ -134,8 +134,6 @@ def test_embedding_is_frozen_sinusoidal_and_tied():
         m = build_model(arch, "smoke", 25)
         emb = m.get_input_embeddings().weight
         assert not emb.requires_grad and torch.allclose(emb, sinusoidal_table(25, emb.shape[1]))
-        ids = torch.randint(0, 25, (1, 5))
-        h = torch.randn(1, 5, emb.shape[1])
         assert trainable_parameters(m) == sum(p.numel() for n, p in m.named_parameters() if "embed" not in n)
 
 

@@ -63,9 +63,14 @@ class Backend(ABC):
         computed on the first call and copied into each later batch instead of being recomputed."""
         if not hasattr(self, "stats"):
             self.stats: dict[str, int] = {}
-        prefix = self._prefix_state(list(shared_prefix)) if shared_prefix else None
+        use_prefix = shared_prefix and self.prefix_reuse_pays()
+        prefix = self._prefix_state(list(shared_prefix)) if use_prefix else None
         return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context,
                                prefix=prefix, stats=self.stats)
+
+    def prefix_reuse_pays(self) -> bool:
+        """Whether feeding each row's suffix as one block after a copied prefix beats a full prefill."""
+        return True
 
     @torch.inference_mode()
     def _prefix_state(self, ids: list[int]) -> Prefix:

@@ -59,6 +59,9 @@ class TransformersBackend(Backend):
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float(), {"cache": out.past_key_values, "pos": pos[:, -1]}
 
+    def prefix_reuse_pays(self) -> bool:
+        return not self.recurrent  # transformers' Mamba would take the suffix one token per call
+
     def _positions(self, pos):
         return {"position_ids": pos} if self.model.config.model_type == "icr_hybrid" else {}
 
