@@ -180,6 +180,9 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
     log.info("shared prompt prefix: %d tokens%s", len(shared), " (prefilled once, copied into each batch)" if shared else "")
     bs = cfg.batch_size if cfg.batch_size == "auto" else int(cfg.batch_size)
     batches = plan_batches([len(prompt_ids[i]) for i in fits], bs, backend.token_budget(), cfg.max_new_tokens)
+    if batches:
+        sizes = [len(b) for b in batches]
+        log.info("%d batches of %d-%d prompts (batch size %s)", len(batches), min(sizes), max(sizes), cfg.batch_size)
     gen_s, new_tokens = 0.0, 0
     bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample", disable=not progress)
     bar.update(len(too_long))

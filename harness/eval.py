@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"registered name ({', '.join(REGISTRY)}), a hub id (org/name) or a local checkpoint dir")
     ap.add_argument("--backend", default="auto", choices=["auto", "transformers", "phi-mamba", "vllm"],
                     help="model backend (default: the registry's choice; vllm is an optional GPU extra)")
-    ap.add_argument("--task", default="hotpotqa", help="task name (default: hotpotqa)")
+    ap.add_argument("--task", default="hotpotqa",
+                    help="hotpotqa (default), istree, or a retrieval task: index, ar, cgram, counting")
     ap.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="task option (repeatable), e.g. --task-arg nodes=16 --task-arg setup=retrieval for istree; "
                          "for a checkpoint trained by harness.train they default to its training task")

@@ -99,7 +99,12 @@ def _free_text(backend, prompt, n=24):
     return backend.generate([GenRequest(prompt, n)])[0]
 
 
-@pytest.mark.parametrize("which", ["phi", "llama"])
+def _last_logits(model, ids):
+    out = model(input_ids=torch.tensor([ids]))
+    return (out.logits if hasattr(out, "logits") else out[0])[0, -1]  # transformers, or Phi-Mamba's (logits, state)
+
+
+@pytest.mark.parametrize("which", ["phi", "llama", "phi_mamba", "hybrid"])
 def test_tool_loop_resumes_from_cache_exactly(which, request):
     """A random model never writes <search>, so the call tags are taken from text it does write; the search,
     insertion and resume are all real. The continuation after each inserted result must equal greedy decoding
@@ -125,7 +130,7 @@ def test_tool_loop_resumes_from_cache_exactly(which, request):
             for j, tok in enumerate(r.token_ids):
                 if j in forced:
                     continue
-                logits = backend.model(input_ids=torch.tensor([prompt_ids + r.token_ids[:j]])).logits[0, -1]
+                logits = _last_logits(backend.model, prompt_ids + r.token_ids[:j])
                 assert tok == int(logits.argmax()), f"token {j} differs from an uncached greedy pass"
             if tool is not None:
                 assert len(tool.log) == len(r.tool_spans) >= 1
