@@ -20,7 +20,7 @@ import torch
 
 from evals.hotpotqa import HotpotQA, load_rows, parse_positions
 from harness.engine import load_backend, plan_batches
-from harness.generation import GenRequest, common_prefix
+from harness.generation import GenRequest, common_prefix, first_stop
 from harness.prompting import PromptTemplate
 from harness.tiny import make_tiny_model
 
@@ -28,8 +28,8 @@ STOP = HotpotQA.stop
 
 
 def cut(text: str) -> str:
-    hits = [i for i in (text.find(s) for s in STOP) if i >= 0]
-    return text[: min(hits)] if hits else text
+    hit = first_stop(text, STOP)
+    return text[: hit[0]] if hit else text
 
 
 def run_harness(backend, prompts, max_new, reuse: bool):

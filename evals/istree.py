@@ -113,10 +113,7 @@ def random_graph(n: int, rng: random.Random) -> Graph:
 
 
 def _component(start: int, pairs) -> set[int]:
-    adj: dict[int, list[int]] = {}
-    for u, v in pairs:
-        adj.setdefault(u, []).append(v)
-        adj.setdefault(v, []).append(u)
+    adj = _adjacency(pairs)
     seen, todo = {start}, [start]
     while todo:
         for w in adj.get(todo.pop(), []):
@@ -130,11 +127,12 @@ GENERATORS = {"binary": binary_graph, "random": random_graph}
 
 
 # ------------------------------------------------------------------------------------------ traces
-def _adjacency(g: Graph) -> dict[int, list[int]]:
-    adj: dict[int, list[int]] = {i: [] for i in range(g.n)}
-    for u, v in g.edges:
-        adj[u].append(v)
-        adj[v].append(u)
+def _adjacency(pairs, n: int = 0) -> dict[int, list[int]]:
+    """Neighbours in the order their edges are listed (the DFS order of Algorithm 1)."""
+    adj: dict[int, list[int]] = {i: [] for i in range(n)}
+    for u, v in pairs:
+        adj.setdefault(u, []).append(v)
+        adj.setdefault(v, []).append(u)
     return adj
 
 
@@ -145,7 +143,7 @@ class _Cycle(Exception):
 def cot_trace(g: Graph) -> tuple[list[str], bool]:
     """Algorithm 1: DFS from 0, neighbours in edge-list order; a node on entry and its parent again after each
     child returns; stop at the first visited non-parent neighbour. Verdict: no cycle and every node seen."""
-    adj, seen, out = _adjacency(g), {0}, []
+    adj, seen, out = _adjacency(g.edges, g.n), {0}, []
 
     def visit(v, parent):
         out.append(str(v))

@@ -186,6 +186,7 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
     gen_s, new_tokens = 0.0, 0
     bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample", disable=not progress)
     bar.update(len(too_long))
+    keep_stop = getattr(task, "include_stop", False)  # e.g. IsTree's verdict token is its stop string
     for batch in batches:
         idx = [fits[j] for j in batch]
         tools = [task.make_tool(todo[i], cfg) for i in idx]
@@ -195,7 +196,6 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
         outs = backend.generate(reqs, shared_prefix=shared or None)
         gen_s += time.perf_counter() - t
         new_tokens += sum(o.new_tokens for o in outs)
-        keep_stop = getattr(task, "include_stop", False)  # e.g. IsTree's verdict token is its stop string
         samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o,
                               task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else "")), tool=tool)
                       for i, o, tool in zip(idx, outs, tools))

@@ -185,7 +185,7 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
             row.tool_tokens += len(row.forced)
             row.forced = []
             if max_context is not None and row.prompt_len + len(row.ids) > max_context:
-                row.done = _finish(row, tokenizer, "context")
+                row.done = _finish(row, "context")
                 continue
             blocks.append(block)
             keep.append(j)
@@ -219,23 +219,45 @@ def last_real_index(block_mask: torch.Tensor) -> torch.Tensor:
     return block_mask.sum(dim=1) - 1
 
 
+def logits_at_last_real(logits: torch.Tensor, block_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] logits of a right-padded block → [B, V] at each row's last real token."""
+    last = last_real_index(block_mask)
+    return logits[torch.arange(len(last), device=last.device), last]
+
+
+def block_attention_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean [B, 1, q_len, T] mask for the last ``q_len`` queries over all T positions: causal and
+    padding-aware. A padded query may see itself, so no row is all-masked (which would give NaN)."""
+    t = attention_mask.shape[1]
+    dev = attention_mask.device
+    allowed = torch.ones(q_len, t, dtype=torch.bool, device=dev).tril(t - q_len)[None] & attention_mask.bool()[:, None]
+    own = torch.zeros(q_len, t, dtype=torch.bool, device=dev)
+    own[torch.arange(q_len), t - q_len + torch.arange(q_len)] = True
+    return (allowed | own[None])[:, None]
+
+
+def first_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in ``text[start:]``, or None."""
+    hits = [(i, s) for s in stops if s for i in [text.find(s, start)] if i >= 0]
+    return min(hits) if hits else None
+
+
 def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
     """Decide whether a row stops, calls its tool, or goes on, after the model chose ``tok``."""
     if eos_id is not None and tok == eos_id:
         row.ids.pop()
-        row.done = _finish(row, tokenizer, "eos", eos=True)
+        row.done = _finish(row, "eos")
         return
     text = row.detok.update(row.ids)
-    hits = [i for i in (text.find(s, row.scan_from) for s in row.req.stop if s) if i >= 0]
+    hit = first_stop(text, row.req.stop, row.scan_from)
     tool = row.req.tool
     call_at = text.find(tool.call_end, row.scan_from) if tool is not None and row.calls < tool.max_calls else -1
-    if hits and (call_at < 0 or min(hits) < call_at + len(tool.call_end)):
-        at = min(hits)
-        row.done = _finish(row, tokenizer, "stop", text=text[:at])
-        row.done.stop_string = next(s for s in row.req.stop if s and text.startswith(s, at))
+    if hit and (call_at < 0 or hit[0] < call_at + len(tool.call_end)):
+        row.done = _finish(row, "stop", text=text[:hit[0]])
+        row.done.stop_string = hit[1]
         return
     if row.new_tokens >= row.req.max_new_tokens:  # before any tool call: a model that calls on every token
-        row.done = _finish(row, tokenizer, "length", text=text)  # must still stop
+        row.done = _finish(row, "length", text=text)  # must still stop
         return
     if call_at >= 0:
         end = call_at + len(tool.call_end)
@@ -247,7 +269,7 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         row.scan_from = len(row.detok.update(row.ids + row.forced))
 
 
-def _finish(row: _Row, tokenizer, reason: str, text: str | None = None, eos: bool = False) -> GenResult:
+def _finish(row: _Row, reason: str, text: str | None = None) -> GenResult:
     if text is None:
         text = row.detok.update(row.ids)
     return GenResult(text=text, finish_reason=reason, prompt_tokens=row.prompt_len, new_tokens=row.new_tokens,

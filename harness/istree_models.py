@@ -26,6 +26,8 @@ from transformers.modeling_outputs import CausalLMOutput
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.mamba.modeling_mamba import MambaModel
 
+from harness.generation import block_attention_mask
+
 ARCHS = ("transformer", "mamba", "hybrid")
 SIZES = {
     # name: transformer (d, ffn, layers, heads), mamba (d, layers), hybrid (d, mamba layers, attention FFN)
@@ -173,13 +175,7 @@ class HybridForCausalLM(PreTrainedModel):
         out = self.backbone(input_ids, attention_mask=attention_mask if l > 1 else None, cache_params=mcache,
                             use_cache=use_cache)
         h = out.last_hidden_state
-        t = past + l
-        causal = torch.ones(l, t, dtype=torch.bool, device=h.device).tril(t - l)
-        allowed = causal[None] & attention_mask.bool()[:, None, :]
-        own = torch.zeros(l, t, dtype=torch.bool, device=h.device)
-        own[torch.arange(l), t - l + torch.arange(l)] = True  # a pad query sees itself: no NaN rows
-        mask4d = (allowed | own[None])[:, None]
-        h = self.attn(h, attention_mask=mask4d, position_ids=position_ids, past_key_values=kv,
+        h = self.attn(h, attention_mask=block_attention_mask(attention_mask, l), position_ids=position_ids, past_key_values=kv,
                       position_embeddings=self.rotary(h, position_ids), use_cache=use_cache)
         h = h[0] if isinstance(h, tuple) else h
         if logits_to_keep:

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.generation import block_attention_mask
+
 log = logging.getLogger("harness")
 
 MAMBA_CORE = "modules.mixers.discrete_mamba2"
@@ -275,13 +277,7 @@ class PhiAttentionMixer(nn.Module):
         q, k = self._rotate(q, pos), self._rotate(k, pos)
         state["k"] = k = torch.cat([state["k"], k], dim=2)
         state["v"] = v = torch.cat([state["v"], v], dim=2)
-        t = k.shape[2]
-        causal = torch.ones(l, t, dtype=torch.bool, device=u.device).tril(t - l)
-        allowed = causal[None] & full_mask.bool()[:, None, :]
-        own = torch.zeros(l, t, dtype=torch.bool, device=u.device)
-        own[torch.arange(l), t - l + torch.arange(l)] = True
-        allowed = allowed | own[None]  # a pad query sees itself: no all-masked row, so no NaN
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_attention_mask(full_mask, l))
         return sa.dense(out.transpose(1, 2).reshape(b, l, -1))
 
 

@@ -30,7 +30,7 @@ def _worker(conn) -> None:
             msg = conn.recv()
         except EOFError:
             return
-        _key, new_units, pattern, max_matches = msg
+        new_units, pattern, max_matches = msg
         if new_units is not None:
             units = new_units
         rx = re.compile(pattern)
@@ -98,7 +98,7 @@ class RegexSearcher:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
             key = hash(tuple(units))  # content, not identity: a freed list's id can be reused
-            self._conn.send((key, None if key == self._units_key else units, pattern, max_matches))
+            self._conn.send((None if key == self._units_key else units, pattern, max_matches))
             self._units_key = key
             if not self._conn.poll(self.timeout):
                 self._kill()

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from harness.backends.base import Backend, resolve_device, resolve_dtype
-from harness.generation import last_real_index
+from harness.generation import last_real_index, logits_at_last_real
 
 log = logging.getLogger("harness")
 
@@ -93,9 +93,8 @@ class TransformersBackend(Backend):
         pos = state["pos"][:, None] + block_mask.cumsum(-1)  # pads (right of the real tokens) are masked anyway
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                          past_key_values=state["cache"], use_cache=True)
-        last = last_real_index(block_mask)
-        state["pos"] = pos.gather(1, last[:, None]).squeeze(1)
-        return out.logits[torch.arange(len(last), device=last.device), last].float()
+        state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
+        return logits_at_last_real(out.logits, block_mask).float()
 
     def expand(self, state, n):
         cache = copy.deepcopy(state["cache"])

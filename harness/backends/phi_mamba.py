@@ -7,7 +7,7 @@ import torch
 
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.hf import load_tokenizer
-from harness.generation import last_real_index
+from harness.generation import logits_at_last_real
 from harness.phi_mamba import PhiMambaForCausalLM, _mamba_ssm_scan
 
 log = logging.getLogger("harness")
@@ -36,8 +36,7 @@ class PhiMambaBackend(Backend):
 
     def step(self, state, input_ids, attention_mask):
         logits, state = self.model(input_ids, attention_mask, state)
-        last = last_real_index(attention_mask[:, -input_ids.shape[1]:])
-        return logits[torch.arange(len(last), device=last.device), last]
+        return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 
     def select(self, state, keep):
         return state.select(keep)
