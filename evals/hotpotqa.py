@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evals import metrics
+from evals.metrics import ANSWER_PHRASE
 from evals.base import DataError, Instance
 from evals.fixture import FIXTURE_PATH
 
@@ -84,17 +85,30 @@ def validate_row(row: Any, index: int) -> None:
             raise DataError(f"{where}: missing field {key!r}")
         if not isinstance(row[key], typ):
             raise DataError(f"{where}: field {key!r} must be a {typ.__name__}, got {type(row[key]).__name__}")
+    for key in ("_id", "question", "answer"):
+        _check_text(row[key], where, key)
     titles = set()
     for j, para in enumerate(row["context"]):
         if not (isinstance(para, (list, tuple)) and len(para) == 2 and isinstance(para[0], str)
                 and isinstance(para[1], list) and all(isinstance(s, str) for s in para[1])):
             raise DataError(f"{where}: field 'context[{j}]' must be [title, [sentence, ...]]")
         titles.add(para[0])
+        for k, text in enumerate([para[0], *para[1]]):
+            _check_text(text, where, f"context[{j}]" + ("[0]" if k == 0 else f"[1][{k - 1}]"))
     for j, fact in enumerate(row["supporting_facts"]):
         if not (isinstance(fact, (list, tuple)) and len(fact) == 2 and isinstance(fact[0], str)):
             raise DataError(f"{where}: field 'supporting_facts[{j}]' must be [title, sentence_index]")
         if fact[0] not in titles:
             raise DataError(f"{where}: field 'supporting_facts[{j}]' names title {fact[0]!r}, absent from 'context'")
+
+
+def _check_text(text: str, where: str, field: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800") that no UTF-8 file or tokenizer can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: field {field!r} holds an invalid character ({e.reason} at offset {e.start}: "
+                        f"{text[max(0, e.start - 20):e.start]!r}...); fix or drop that text in the data file") from None
 
 
 # ----------------------------------------------------------------------------------------- positions
@@ -136,6 +150,7 @@ class HotpotQA:
     stop = ["\n\n", "\nQuestion:", "\nParagraph:"]
     default_max_new_tokens = 96
     metrics = ("em", "f1", "contains")
+    writes_predictions = True  # the official prediction format, one file per position
 
     def __init__(self, data: str | None = None, split: str = "validation"):
         self.data, self.split = data, split
@@ -199,9 +214,11 @@ class HotpotQA:
                              max_chars=cfg.tool_max_chars)
 
     # scoring -------------------------------------------------------------------------------------
-    def score(self, instance: Instance, generation: str) -> dict[str, Any]:
-        answer, found = metrics.extract_answer(generation)
-        return {"prediction": answer, "answer_found": found, **metrics.score(answer, instance.answer)}
+    answer_phrase = ANSWER_PHRASE  # a template's ``{% set answer_phrase = ... %}`` overrides it
+
+    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict[str, Any]:
+        answer, found = metrics.extract_answer(generation, answer_phrase or self.answer_phrase)
+        return {"prediction": answer, "answer_found": found, **metrics.score(answer, instance.answer, found)}
 
 
 def _para(title: str, sentences: list[str], gold: bool) -> dict:

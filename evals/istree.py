@@ -281,10 +281,10 @@ class IsTreeTool:
             return rf"(?:^| )(?:{v} - {u}|{u} - {v})(?: \d+ - \d+)*? (?:{v} - {num}|{num} - {v})(?= |$)", "edges"
         return None
 
-    def __call__(self, generated: str) -> str:
+    def __call__(self, generated: str, start: int = 0) -> str:
         from retrieval.tool import parse_call
 
-        query, err = parse_call(generated, START, END)
+        query, err = parse_call(generated[start:], START, END)
         compiled = self.compile_query(query) if query is not None else None
         if compiled is None:
             self.log.append({"pattern": query, "status": "error", "result": FAILED, "seconds": 0.0})

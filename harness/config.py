@@ -1,15 +1,22 @@
-"""One run, as data: every flag of ``harness.eval`` lands in a RunConfig, which is written into results.json."""
+"""One run, as data: every flag of ``harness.eval`` lands in a RunConfig, which is written into results.json.
+
+``validate`` checks every flag before anything is written; ``resolved`` turns the settings that decide a
+sample's generation into content (absolute paths, the dtype and device type that will really be used, the
+data's and the template's hashes), so two spellings of one run are one run and a resumed run can never mix
+rows made under different settings."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-# Fields that change what a sample's generation is; a resumed run must agree on all of them.
-_RESULT_FIELDS = ("model", "backend", "task", "task_args", "data", "split", "distractors", "shots", "template", "max_new_tokens",
-                  "dtype", "seed", "stop", "retrieval", "max_tool_calls", "tool_timeout", "tool_max_chars")
+
+class ConfigError(ValueError):
+    """A flag's value cannot work; the message names the flag and the fix."""
 
 
 @dataclass
@@ -43,9 +50,82 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def result_hash(self) -> str:
-        """Hash of what determines outputs (not positions, limits, batch size or device), for safe resume."""
-        d = self.to_dict()
-        key = {k: d[k] for k in _RESULT_FIELDS}
-        key["template_sha256"] = self.template_sha256
-        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    def validate(self) -> None:
+        """Raise ConfigError for the first flag whose value cannot work."""
+        def bad(flag, value, need):
+            raise ConfigError(f"{flag} {value!r}: {need}")
+
+        if self.batch_size != "auto" and not (str(self.batch_size).isdigit() and int(self.batch_size) > 0):
+            bad("--batch-size", self.batch_size, "use a positive integer or 'auto'")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            bad("--max-new-tokens", self.max_new_tokens, "use a positive number of tokens (or leave it out for "
+                "the task's default)")
+        if self.limit is not None and self.limit < 1:
+            bad("--limit", self.limit, "use a positive number of questions (or leave it out for all)")
+        if self.shots < 0:
+            bad("--shots", self.shots, "use 0 or more exemplars")
+        if self.distractors < 0:
+            bad("--distractors", self.distractors, "use 0 (oracle: gold paragraphs only) or more")
+        if not (isinstance(self.tool_timeout, (int, float)) and math.isfinite(self.tool_timeout)
+                and self.tool_timeout > 0):
+            bad("--tool-timeout", self.tool_timeout, "use a positive, finite number of seconds, e.g. 1.0")
+        if self.max_tool_calls < 1:
+            bad("--max-tool-calls", self.max_tool_calls, "use 1 or more (leave out --retrieval for no tool)")
+        if self.tool_max_chars < 4:
+            bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            bad("--stop", self.stop, "stop strings must be non-empty")
+        self.resolved_device()
+
+    def resolved_device(self):
+        import torch
+
+        from harness.backends.base import resolve_device
+
+        try:
+            dev = resolve_device(self.device)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"--device {self.device!r} is not a device torch knows ({e}); use auto, cpu, cuda, "
+                              "cuda:N or mps") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device!r}: no CUDA GPU is visible to torch "
+                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use "
+                              "--device cpu or auto, or a CUDA build of torch on a GPU machine")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {self.device!r}: only {torch.cuda.device_count()} GPU(s) are visible")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ConfigError(f"--device {self.device!r}: MPS is not available here; use --device cpu or auto")
+        return dev
+
+    def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None) -> dict[str, Any]:
+        """What determines a sample's generation, as content: the key of the resume hash. Positions, limits,
+        ids, batch size and prefix reuse are left out: they choose which rows exist, not what a row holds."""
+        from harness.backends.base import resolve_dtype
+
+        dev = self.resolved_device()
+        try:
+            dtype = str(resolve_dtype(self.dtype, dev)).replace("torch.", "")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        model = model_path or self.model
+        local = Path(model).expanduser()
+        return {"model": str(local.resolve()) if local.is_dir() else model, "backend": self.backend,
+                "task": self.task, "task_args": self.task_args, "data_sha256": data_sha256,
+                "split": self.split, "distractors": self.distractors, "shots": self.shots,
+                "template_sha256": template_sha256, "max_new_tokens": self.max_new_tokens, "dtype": dtype,
+                "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
+                "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
+                "tool_max_chars": self.tool_max_chars}
+
+
+def settings_hash(resolved: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def content_sha256(rows: list) -> str:
+    """Hash of the loaded data (not its path): an edited data file is a different run, a moved one is not."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+        h.update(b"\n")
+    return h.hexdigest()[:16]

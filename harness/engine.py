@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,11 +18,12 @@ from tqdm.auto import tqdm
 
 from evals import get_task
 from evals.base import DataError, Instance
-from harness.config import RunConfig
+from harness.config import RunConfig, content_sha256, settings_hash
 from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
-from harness.results import (SampleLog, format_markdown, git_hash, metrics_table, summarize, versions,
-                             write_predictions)
+from harness.results import format_markdown, git_hash, metrics_table, summarize, versions, write_predictions
+from harness.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, write_atomic,
+                            write_run_meta)
 
 log = logging.getLogger("harness")
 
@@ -41,10 +43,22 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     try:
         return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
     except OSError as e:
-        raise OSError(f"could not load model {model!r} (weights {spec.path}, tokenizer {spec.tokenizer or spec.path}) "
-                      f"through the {name} backend: {e}\nWhere the hub is unreachable, download once with "
-                      f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a local "
-                      "checkpoint directory to --model.") from e
+        raise ModelLoadError(f"could not load model {model!r} (weights {spec.path}, tokenizer "
+                             f"{spec.tokenizer or spec.path}) through the {name} backend: {e}\nWhere the hub is "
+                             f"unreachable, download once with `huggingface-cli download {spec.path}` elsewhere and "
+                             "copy the HF cache, or pass a local checkpoint directory to --model.") from e
+    except ImportError:
+        raise
+    except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
+        files = ", ".join(sorted(p.name for p in Path(spec.path).glob("*") if p.is_file())[:12]) \
+            if Path(spec.path).is_dir() else spec.path
+        raise ModelLoadError(f"could not load model {model!r} from {spec.path} ({files}) through the {name} backend: "
+                             f"{type(e).__name__}: {e}\nCheck that the checkpoint files are complete (re-save or "
+                             "re-download them); --verbose shows the full traceback.") from e
+
+
+class ModelLoadError(ValueError):
+    """A model's files exist but cannot be loaded; the message names the directory and its files."""
 
 
 def distributed_state():
@@ -58,6 +72,8 @@ def distributed_state():
 
 def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> list[dict]:
     if ids_file:
+        if not Path(ids_file).is_file():
+            raise DataError(f"--ids {ids_file}: no such file; give a file of question ids, one per line or a JSON list")
         text = Path(ids_file).read_text()
         wanted = json.loads(text) if text.lstrip().startswith("[") else [l.strip() for l in text.splitlines() if l.strip()]
         have = {r["_id"] for r in rows}
@@ -87,26 +103,88 @@ def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: in
     return batches
 
 
+def _check_unique(instances: list[Instance], source: str | None) -> None:
+    counts = Counter(i.key for i in instances)
+    dup = sorted({k.rsplit("@", 1)[0] for k, n in counts.items() if n > 1})
+    if dup:
+        raise DataError(f"{len(dup)} question id(s) occur more than once in the data {source or ''} ({', '.join(dup[:5])}"
+                        f"{', ...' if len(dup) > 5 else ''}); each would be counted twice and resume by id is "
+                        "ambiguous. Give every row a unique _id.")
+
+
+def _backend_settings(resolved: dict, backend) -> dict:
+    """The dtype and device type a given backend really runs with override what the flags resolve to."""
+    if backend is None:
+        return resolved
+    d = backend.describe()
+    out = dict(resolved)
+    if d.get("dtype"):
+        out["dtype"] = d["dtype"]
+    if d.get("device"):
+        out["device_type"] = torch.device(d["device"]).type
+    return out
+
+
 def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) one evaluation and write its run directory; returns the results dict."""
+    """Run (or resume) one evaluation and write its run directory; returns the results dict.
+
+    Everything that can be checked is checked before anything is written: flags, data, the template on every
+    prompt, the run directory's settings, and (for a new run) the model."""
     t0 = time.perf_counter()
+    cfg.validate()
     task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
     template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
     cfg.template = cfg.template or template.name
     cfg.template_sha256 = template.sha256
     cfg.max_new_tokens = cfg.max_new_tokens or task.default_max_new_tokens
     stop = cfg.stop if cfg.stop is not None else task.stop
+    answer_phrase = template.declared("answer_phrase")
+    score_kw = {"answer_phrase": answer_phrase} if answer_phrase else {}
 
     all_rows = task.load()
     rows = select_rows(all_rows, cfg.ids, cfg.limit)
+    if not rows:
+        raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
+                        f"--limit/--ids ({cfg.ids or cfg.limit})")
     instances = task.instances(rows, distractors=cfg.distractors, positions=cfg.positions, seed=cfg.seed,
                                pool_rows=all_rows)
+    _check_unique(instances, cfg.data)
+    prompts = {i.key: template.render(**i.template_vars(), shots=cfg.shots) for i in instances}
+    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256), backend)
+    config_hash = settings_hash(resolved)
+
     dist = distributed_state()
     rank, world = (dist.process_index, dist.num_processes) if dist else (0, 1)
-    samples = SampleLog(cfg.output, cfg.result_hash(), cfg.to_dict(), shard=f"rank{rank}" if world > 1 else None)
+    out = Path(cfg.output)
+    lock = RunLock(out).acquire() if rank == 0 else None
+    try:
+        return _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, resolved, config_hash,
+                           dist, rank, world, progress, t0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, resolved, config_hash, dist, rank,
+                world, progress, t0) -> dict[str, Any]:
+    out = Path(cfg.output)
+    has_meta = check_run_meta(out, config_hash, resolved)
+    samples = SampleLog(out, shard=f"rank{rank}" if world > 1 else None)
+    foreign = Counter(r["config_hash"] for r in samples.records.values() if r.get("config_hash", config_hash) != config_hash)
+    if foreign:
+        raise ResumeMismatchError(
+            f"{out}/samples.jsonl holds {sum(foreign.values())} row(s) made with other settings (config hash "
+            f"{', '.join(foreign)} vs {config_hash} now); they would mix with this run's. Use a new --output, or "
+            "move samples.jsonl away to start over.")
+    by_key = {i.key: i for i in instances}
+    stale = [k for k, i in by_key.items() if k in samples and _is_stale(samples.records[k], i, prompts[k])]
+    if stale:
+        log.warning("%d finished row(s) were made from a prompt or gold answer that differs from what the data "
+                    "and template give now (e.g. %s); they are regenerated", len(stale), stale[0])
+    stale_set = set(stale)
     if dist:
         dist.wait_for_everyone()  # every rank has read the same "done" set before anyone writes
-    todo = [ins for ins in instances if ins.key not in samples]
+    todo = [ins for ins in instances if ins.key not in samples or ins.key in stale_set]
     log.info("task %s: %d questions x %d positions = %d instances (%d already done in %s)", cfg.task, len(rows),
              len({i.position for i in instances}), len(instances), len(instances) - len(todo), cfg.output)
     n_todo = len(todo)
@@ -115,7 +193,7 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
         log.info("rank %d of %d: %d instances", rank, world, len(todo))
 
     t_load = time.perf_counter()
-    if backend is None and todo:
+    if backend is None and (todo or not has_meta):
         device = cfg.device
         if world > 1 and device == "auto" and torch.cuda.is_available():
             device = f"cuda:{dist.local_process_index}"
@@ -125,45 +203,65 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
         d = backend.describe()
         log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", cfg.model, d.get("backend"),
                  d.get("device"), d.get("dtype"), cfg.batch_size)
+    if not has_meta and rank == 0:
+        write_run_meta(out, config_hash, resolved, cfg.to_dict())  # only now: model, data, template, flags all work
 
-    gen_s, new_tokens = _generate_all(cfg, task, template, backend, todo, samples, stop, progress and rank == 0)
+    gen_s, new_tokens = _generate_all(cfg, task, backend, todo, prompts, samples, stop, score_kw, config_hash,
+                                      progress and rank == 0)
     samples.close()
     if dist:
         dist.wait_for_everyone()
         if rank != 0:
             return {"rank": rank, "counts": {"generated": len(todo)}}
     samples.merge([i.key for i in instances])
+    missing = [i.key for i in instances if i.key not in samples.records]
+    if missing:
+        raise RunDirError(f"{out}: {len(missing)} instance(s) have no record after the run ({', '.join(missing[:5])}"
+                          f"{', ...' if len(missing) > 5 else ''}); rerun the same command to generate them")
 
-    records = [samples.records[i.key] for i in instances if i.key in samples.records]
+    records = [samples.records[i.key] for i in instances]
     positions = list(dict.fromkeys(i.position for i in instances))
     by_pos = summarize(records, task.metrics, positions, seed=cfg.seed)
-    out = Path(cfg.output)
     results = {
-        "task": cfg.task, "model": cfg.model, "config": cfg.to_dict(), "config_hash": cfg.result_hash(),
-        "backend": backend.describe() if backend is not None else None,
+        "task": cfg.task, "model": cfg.model, "config": cfg.to_dict(), "config_hash": config_hash,
+        "resolved": resolved, "backend": backend.describe() if backend is not None else None,
         "metrics": by_pos,
         "counts": {"questions": len(rows), "instances": len(instances), "generated": n_todo,
-                   "resumed": len(instances) - n_todo, "ranks": world,
+                   "resumed": len(instances) - n_todo, "stale_regenerated": len(stale), "ranks": world,
                    "skipped_too_long": sum(m["skipped_too_long"] for m in by_pos.values())},
+        "selection": {"ids": list(dict.fromkeys(i.id for i in instances)), "positions": positions},
         "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
                     "total_s": round(time.perf_counter() - t0, 3), "new_tokens": new_tokens,
                     "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None},
         "seed": cfg.seed, "versions": versions(), "git": git_hash(),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    write_predictions(records, out)
     df = metrics_table(by_pos, task.metrics)
-    df.to_csv(out / "table.csv", index=False)
     results["table"] = format_markdown(df, task.metrics)
-    (out / "table.md").write_text(results["table"] + "\n")
+    if getattr(task, "writes_predictions", False):
+        write_predictions(records, out, positions)
+    write_atomic(out / "table.csv", df.to_csv(index=False))
+    write_atomic(out / "table.md", results["table"] + "\n")
+    write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))  # last: it marks the run finished
     return results
 
 
-def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -> tuple[float, int]:
+def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:
+    """A finished row whose prompt or gold answer is not what this run would use (its prompt hash is checked
+    whenever the row carries one)."""
+    sha = rec.get("prompt_sha256")
+    return (sha is not None and sha != _sha(prompt)[:len(sha)]) or rec.get("gold") != ins.answer
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score_kw, config_hash,
+                  progress) -> tuple[float, int]:
     if not todo:
         return 0.0, 0
-    prompts = [template.render(**ins.template_vars(), shots=cfg.shots) for ins in todo]
+    prompts = [prompts_by_key[ins.key] for ins in todo]
     prompt_ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
     limit = backend.max_context
     fits, too_long = [], []
@@ -172,8 +270,8 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
     if too_long:
         log.warning("%d prompt(s) do not fit the model's %d-token context with %d new tokens; they are skipped "
                     "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
-        samples.write(_record(todo[i], prompts[i], len(prompt_ids[i]), None, None, skipped="prompt_too_long")
-                      for i in too_long)
+        samples.write(_record(todo[i], prompts[i], len(prompt_ids[i]), None, None, config_hash,
+                              skipped="prompt_too_long") for i in too_long)
     shared = common_prefix([prompt_ids[i] for i in fits]) if cfg.prefix_reuse and len(fits) > 1 else []
     if len(shared) < MIN_SHARED_PREFIX:
         shared = []
@@ -197,17 +295,18 @@ def _generate_all(cfg, task, template, backend, todo, samples, stop, progress) -
         gen_s += time.perf_counter() - t
         new_tokens += sum(o.new_tokens for o in outs)
         samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o,
-                              task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else "")), tool=tool)
+                              task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else ""), **score_kw),
+                              config_hash, tool=tool)
                       for i, o, tool in zip(idx, outs, tools))
         bar.update(len(idx))
     bar.close()
     return gen_s, new_tokens
 
 
-def _record(ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, skipped: str | None = None,
-            tool=None) -> dict:
+def _record(ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,
+            skipped: str | None = None, tool=None) -> dict:
     rec = {"key": ins.key, "id": ins.id, "position": ins.position, "gold_start": ins.meta.get("gold_start"),
-           "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:16], "prompt_tokens": prompt_tokens,
+           "config_hash": config_hash, "prompt_sha256": _sha(prompt), "prompt_tokens": prompt_tokens,
            "gold": ins.answer, "skipped": skipped, "prompt": prompt}
     if out is not None:
         rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,

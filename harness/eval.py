@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from harness.config import RunConfig
+from harness.config import ConfigError, RunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--distractors", type=int, default=8,
                     help="distractor paragraphs per test context; >8 draws extra ones (seeded) from other "
                          "questions; 0 = oracle mode, gold paragraphs only (default: 8)")
-    ap.add_argument("--positions", default="first,middle,last",
+    ap.add_argument("--positions", default=None,
                     help="where the two gold paragraphs go: first, middle, last, random, an index (0 = first), "
-                         "or a comma list swept in one run (default: first,middle,last)")
+                         "or a comma list swept in one run (default: first,middle,last; not with --distractors 0)")
     ap.add_argument("--shots", type=int, default=4, help="few-shot exemplars shown (default: 4)")
     ap.add_argument("--template", default=None,
                     help="prompt template: a name in prompts/ or a path to a .j2 file (default: the task's)")
@@ -53,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run directory; rerunning with the same one resumes (default: runs/MODEL-TASK-kK)")
     ap.add_argument("--retrieval", action="store_true",
                     help="let the model call the in-context regex search tool (<search>PATTERN</search>)")
-    ap.add_argument("--max-tool-calls", type=int, default=4, help="tool calls allowed per sample (default: 4)")
-    ap.add_argument("--tool-timeout", type=float, default=1.0, help="seconds before a regex search is stopped")
-    ap.add_argument("--tool-max-chars", type=int, default=300, help="cap on one tool result's length")
+    ap.add_argument("--max-tool-calls", type=int, default=4, help="tool calls allowed per sample, >= 1 (default: 4)")
+    ap.add_argument("--tool-timeout", type=float, default=1.0,
+                    help="seconds before a regex search is stopped, > 0 (default: 1.0)")
+    ap.add_argument("--tool-max-chars", type=int, default=300, help="cap on one tool result's length (default: 300)")
     ap.add_argument("--no-prefix-reuse", action="store_true",
                     help="recompute the shared few-shot prefix for every batch (outputs are identical either way)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -66,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> RunConfig:
     from evals.hotpotqa import parse_positions
 
-    if a.batch_size != "auto" and not (a.batch_size.isdigit() and int(a.batch_size) > 0):
-        raise ValueError(f"--batch-size must be a positive integer or 'auto', got {a.batch_size!r}")
+    if a.distractors == 0 and a.positions is not None:
+        raise ConfigError(f"--positions {a.positions} has no effect with --distractors 0 (oracle mode: the gold "
+                          "paragraphs alone, position 'oracle'); drop --positions or use --distractors 1 or more")
     task_args = _task_args(a.task_arg, a.model, a.task)
     from pathlib import Path
 
@@ -75,7 +77,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
     safe = local.resolve().name if local.is_dir() else a.model.rstrip("/").replace("/", "_")
     output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
     return RunConfig(model=a.model, backend=a.backend, task=a.task, task_args=task_args, data=a.data, split=a.split, distractors=a.distractors,
-                     positions=parse_positions(a.positions), shots=a.shots, template=a.template, limit=a.limit,
+                     positions=parse_positions(a.positions or "first,middle,last"), shots=a.shots, template=a.template, limit=a.limit,
                      ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
                      dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,
                      max_tool_calls=a.max_tool_calls, tool_timeout=a.tool_timeout, tool_max_chars=a.tool_max_chars,
@@ -93,29 +95,46 @@ def _task_args(pairs: list[str], model: str, task: str) -> dict:
         saved = json.loads(meta.read_text())
         if saved.get("task") == task:
             out.update(saved.get("args", {}))
+    known = task_options(task)
     for pair in pairs:
         if "=" not in pair:
-            raise ValueError(f"--task-arg expects KEY=VALUE, got {pair!r}")
+            raise ConfigError(f"--task-arg expects KEY=VALUE, got {pair!r}")
         k, v = pair.split("=", 1)
+        if known is not None and k not in known:
+            raise ConfigError(f"--task-arg {pair!r}: task {task!r} has no option {k!r}; its options: "
+                              f"{', '.join(sorted(known)) or 'none'}")
         out[k] = int(v) if v.isdigit() else v
     return out
+
+
+def task_options(task: str) -> set[str] | None:
+    """The keyword options a task's constructor takes (data and split have flags of their own)."""
+    import inspect
+
+    from evals.registry import _tasks
+
+    cls = _tasks().get(task)
+    if cls is None:
+        return None
+    params = inspect.signature(cls).parameters.values()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"data", "split"}
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from evals.base import DataError
     from harness.engine import run_eval
-    from harness.models import UnknownModelError
-    from harness.prompting import TemplateError
-    from harness.results import ResumeMismatchError
+    from harness.runlog import RunDirError
 
     try:
         cfg = config_from_args(a)
         results = run_eval(cfg, progress=not a.no_progress)
-    except (DataError, UnknownModelError, TemplateError, ResumeMismatchError, ValueError, KeyError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, OSError, RunDirError) as e:  # DataError, ConfigError, TemplateError, ...
+        if a.verbose:
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     if results.get("rank", 0) != 0:
         return 0  # rank 0 merges and reports

@@ -9,6 +9,7 @@ per-row tokens mid-generation, and the Phi-Mamba backend needs the same loop ove
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -16,12 +17,17 @@ import torch
 
 
 class Tool(Protocol):
-    """Something the model calls by writing text that ends in ``call_end``; returns text to insert."""
+    """Something the model calls by writing text that ends in ``call_end``; returns text to insert.
+
+    ``text`` is the whole generation up to and including ``call_end``; ``start`` is where the model's own
+    writing since the previous tool result begins, so a call is parsed from that part only (a pattern can
+    never swallow an earlier result). Calls of one decoding step run concurrently, so a tool must be safe
+    to call from a worker thread."""
 
     call_end: str
     max_calls: int
 
-    def __call__(self, segment: str) -> str: ...
+    def __call__(self, text: str, start: int = 0) -> str: ...
 
 
 class Stepper(Protocol):
@@ -57,6 +63,9 @@ class GenResult:
     tool_tokens: int = 0  # tokens inserted by the tool
     token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
     tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of inserted tokens in token_ids
+    # [start, end) of tokens fed in place of a model token that ran past a call's closing tag (the call text
+    # re-tokenized up to the tag end): the model chose their text, not these exact tokens
+    retokenized_spans: list[tuple[int, int]] = field(default_factory=list)
     stop_string: str | None = None  # the stop string that ended generation (cut from ``text``)
 
 
@@ -97,6 +106,16 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix = self._read = 0
 
+    def reset(self, ids: list[int]) -> str:
+        """Restart from a token list that was edited (not only extended): one full decode."""
+        self.text = self._decode(ids)
+        self._read = len(ids)
+        self._prefix = max(0, self._read - 6)
+        prefix_text = self._decode(ids[self._prefix:self._read])
+        if not self.text.endswith(prefix_text) or prefix_text.endswith("\ufffd"):
+            self._prefix = self._read  # no clean window: continue from here with no look-back
+        return self.text
+
     def update(self, ids: list[int]) -> str:
         prefix_text = self._decode(ids[self._prefix:self._read])
         new_text = self._decode(ids[self._prefix:])
@@ -111,13 +130,15 @@ class _Row:
     req: GenRequest
     prompt_len: int
     detok: IncrementalDetokenizer
-    ids: list[int] = field(default_factory=list)
-    forced: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # generated and inserted tokens
+    fed: int = 0  # how many of ``ids`` the model has been fed
     scan_from: int = 0  # character offset from which stop strings and tool calls are searched
+    call: tuple[str, int] | None = None  # (text, end of call_end) of a call completed by the last token
     calls: int = 0
     new_tokens: int = 0
     tool_tokens: int = 0
     tool_spans: list[tuple[int, int]] = field(default_factory=list)
+    retokenized_spans: list[tuple[int, int]] = field(default_factory=list)
     done: GenResult | None = None
 
 
@@ -172,18 +193,17 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
         blocks, keep = [], []
         for j, b in enumerate(active):
             row = rows[b]
+            if row.done is None:
+                row.ids.append(choice[j])
+                row.new_tokens += 1
+                _after_model_token(row, choice[j], tokenizer, eos_id)
+        _run_tool_calls([rows[b] for b in active if rows[b].done is None and rows[b].call is not None], tokenizer)
+        for j, b in enumerate(active):
+            row = rows[b]
             if row.done is not None:
                 continue
-            tok = choice[j]
-            row.ids.append(tok)
-            row.new_tokens += 1
-            _after_model_token(row, tok, tokenizer, eos_id)
-            if row.done is not None:
-                continue
-            block = [tok] + row.forced
-            row.ids += row.forced
-            row.tool_tokens += len(row.forced)
-            row.forced = []
+            block = row.ids[row.fed:]
+            row.fed = len(row.ids)
             if max_context is not None and row.prompt_len + len(row.ids) > max_context:
                 row.done = _finish(row, "context")
                 continue
@@ -260,17 +280,54 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         row.done = _finish(row, "length", text=text)  # must still stop
         return
     if call_at >= 0:
-        end = call_at + len(tool.call_end)
-        result = tool(text[:end])
-        row.calls += 1
-        row.forced = tokenizer(result, add_special_tokens=False)["input_ids"]
-        row.tool_spans.append((len(row.ids), len(row.ids) + len(row.forced)))
-        # Search for the next call / stop only in what the model writes after the inserted result.
-        row.scan_from = len(row.detok.update(row.ids + row.forced))
+        row.call = (text, call_at + len(tool.call_end))
+
+
+_TOOL_POOL: ThreadPoolExecutor | None = None
+
+
+def _run_tool_calls(rows: list[_Row], tokenizer) -> None:
+    """Run the calls completed in this step side by side (a slow search costs the batch one timeout, not
+    one per row), then queue each row's tokens to feed: its call text up to the closing tag, then the result."""
+    global _TOOL_POOL
+    if not rows:
+        return
+    args = [(r.req.tool, r.call[0][:r.call[1]], r.scan_from) for r in rows]
+    if len(rows) == 1:
+        results = [args[0][0](args[0][1], args[0][2])]
+    else:
+        if _TOOL_POOL is None:
+            _TOOL_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="icr-tool")
+        results = list(_TOOL_POOL.map(lambda a: a[0](a[1], a[2]), args))
+    for row, result in zip(rows, results):
+        _feed_tool_result(row, result, tokenizer)
+
+
+def _feed_tool_result(row: _Row, result: str, tokenizer) -> None:
+    """The token that completed the call has not been fed to the model yet. When it also carries text past
+    the closing tag (GPT-2's BPE has ``><`` as one token, so ``</search><result>`` ends in it), feed the
+    tokens of the text up to the tag end instead: the model then sees exactly ``...</search><result>...``."""
+    text, end = row.call
+    row.call = None
+    row.calls += 1
+    if len(text) > end:
+        before = row.detok.reset(row.ids[:-1])
+        if text.startswith(before) and len(before) < end:
+            piece = tokenizer(text[len(before):end], add_special_tokens=False)["input_ids"]
+            row.ids[-1:] = piece
+            row.retokenized_spans.append((len(row.ids) - len(piece), len(row.ids)))
+        row.detok.reset(row.ids)
+    result_ids = tokenizer(result, add_special_tokens=False)["input_ids"]
+    row.tool_spans.append((len(row.ids), len(row.ids) + len(result_ids)))
+    row.ids += result_ids
+    row.tool_tokens += len(result_ids)
+    # Search for the next call / stop only in what the model writes after the inserted result.
+    row.scan_from = len(row.detok.update(row.ids))
 
 
 def _finish(row: _Row, reason: str, text: str | None = None) -> GenResult:
     if text is None:
         text = row.detok.update(row.ids)
     return GenResult(text=text, finish_reason=reason, prompt_tokens=row.prompt_len, new_tokens=row.new_tokens,
-                     tool_tokens=row.tool_tokens, token_ids=list(row.ids), tool_spans=list(row.tool_spans))
+                     tool_tokens=row.tool_tokens, token_ids=list(row.ids), tool_spans=list(row.tool_spans),
+                     retokenized_spans=list(row.retokenized_spans))

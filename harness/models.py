@@ -47,7 +47,14 @@ def resolve_model(name: str) -> ModelSpec:
         if not cfg_file.is_file():
             raise UnknownModelError(f"model directory {str(path)!r} has no config.json; save it with "
                                     "save_pretrained() or point --model at a checkpoint directory")
-        return ModelSpec(name, str(path), _backend_for_config(json.loads(cfg_file.read_text())))
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UnknownModelError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt or was cut "
+                                    "short: save it again with save_pretrained()") from None
+        if not isinstance(cfg, dict):
+            raise UnknownModelError(f"{cfg_file} must hold a JSON object (a model config), got {type(cfg).__name__}")
+        return ModelSpec(name, str(path), _backend_for_config(cfg))
     if _HUB_ID.match(name) and not name.startswith((".", "/")):
         return ModelSpec(name, name, "transformers")
     known = "\n".join(f"  {s.name:18s} {s.path:28s} {s.description}" for s in REGISTRY.values())

@@ -1,4 +1,8 @@
-"""Finding and rendering Jinja prompt templates. Templates are text only; nothing is declared in Python."""
+"""Finding and rendering Jinja prompt templates. Templates are text only; nothing is declared in Python.
+
+A template may declare settings the scorer needs with a top-level constant, e.g.
+``{% set answer_phrase = "The answer is:" %}``: the engine reads it (``PromptTemplate.declared``) so a user
+template with its own answer phrase is scored by it without touching Python."""
 from __future__ import annotations
 
 import hashlib
@@ -49,6 +53,13 @@ class PromptTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"template {self.path} does not parse: line {e.lineno}: {e.message}") from e
         self.sha256 = hashlib.sha256(self.source.encode()).hexdigest()[:16]
+        self._declared = {n.target.name: n.node.value for n in env.parse(self.source).body
+                          if isinstance(n, jinja2.nodes.Assign) and isinstance(n.target, jinja2.nodes.Name)
+                          and isinstance(n.node, jinja2.nodes.Const)}
+
+    def declared(self, name: str, default=None):
+        """A constant the template sets at top level (``{% set name = "..." %}``), or ``default``."""
+        return self._declared.get(name, default)
 
     @property
     def name(self) -> str:

@@ -1,4 +1,4 @@
-"""Run outputs: samples.jsonl appended as batches finish (the resume log), and the summaries built from it.
+"""Run outputs built from the resume log (``harness.runlog``): per-condition statistics and output formats.
 
 Files in a run directory:
   samples.jsonl      one line per (question, position): prompt, generation, answer, scores, tool calls
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import subprocess
 from collections import defaultdict
@@ -18,103 +17,20 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evals.metrics import bootstrap_se
+from harness.runlog import write_atomic
 
 log = logging.getLogger("harness")
 
 
-class ResumeMismatchError(RuntimeError):
-    pass
-
-
-class SampleLog:
-    """Append-only JSONL keyed by ``id@position``; reopening it skips what is already there.
-
-    With several ranks each appends to its own shard (``samples.rankN.jsonl``) and every rank reads all
-    shards, so a resumed run knows what is done whatever the number of ranks before; ``merge`` folds the
-    shards into one ``samples.jsonl``."""
-
-    def __init__(self, out_dir: str | Path, config_hash: str, config: dict, shard: str | None = None):
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / ("samples.jsonl" if shard is None else f"samples.{shard}.jsonl")
-        self.config_hash = config_hash
-        meta = self.dir / "run.json"
-        if meta.exists():
-            prev = json.loads(meta.read_text())
-            if prev.get("config_hash") != config_hash:
-                raise ResumeMismatchError(
-                    f"{self.dir} holds a run with different settings (config hash {prev.get('config_hash')} vs "
-                    f"{config_hash}; changed: {_diff(prev.get('config', {}), config)}). Use a new --output, "
-                    "or delete the directory to start over.")
-        else:
-            tmp = meta.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"config_hash": config_hash, "config": config}, indent=2, default=str))
-            tmp.replace(meta)
-        self.records: dict[str, dict] = {}
-        for f in self._files():
-            self._load(f, own=(f == self.path))
-        self._fh = open(self.path, "a", encoding="utf-8")
-
-    def _files(self) -> list[Path]:
-        return [f for f in [self.dir / "samples.jsonl", *sorted(self.dir.glob("samples.*.jsonl"))] if f.exists()]
-
-    def _load(self, path: Path, own: bool) -> None:
-        good_bytes = 0
-        with open(path, "rb") as fh:
-            for raw in fh:
-                try:
-                    rec = json.loads(raw)
-                except json.JSONDecodeError:
-                    break  # a line cut short by a kill: drop it and everything after
-                self.records[rec["key"]] = rec
-                good_bytes += len(raw)
-        if own and good_bytes < path.stat().st_size:
-            log.warning("%s ended in a partial line (interrupted write); it is dropped and redone", path.name)
-            with open(path, "r+b") as fh:
-                fh.truncate(good_bytes)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.records
-
-    def write(self, records: Iterable[dict]) -> None:
-        for rec in records:
-            self.records[rec["key"]] = rec
-            self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        self._fh.close()
-
-    def merge(self, order: list[str]) -> None:
-        """Re-read every shard, write one samples.jsonl (``order`` first, then any other keys), drop shards."""
-        self.records = {}
-        files = self._files()
-        for f in files:
-            self._load(f, own=False)
-        keys = [k for k in order if k in self.records] + [k for k in self.records if k not in set(order)]
-        tmp = self.dir / "samples.jsonl.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for k in keys:
-                fh.write(json.dumps(self.records[k], ensure_ascii=False) + "\n")
-        tmp.replace(self.dir / "samples.jsonl")
-        for f in files:
-            if f.name != "samples.jsonl":
-                f.unlink()
-
-
-def _diff(a: dict, b: dict) -> str:
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in ("positions", "limit", "ids",
-                                                                               "batch_size", "device", "output"))
-    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys) or "unknown"
-
-
 def summarize(records: Iterable[dict], metrics: tuple[str, ...], positions: list[str] | None = None,
-              keep_ids: set[str] | None = None, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Per position: n scored, n skipped (and why), mean and bootstrap SE of each metric, tool-call counts."""
+              keep_ids: set[str] | None = None, seed: int = 0,
+              keep_keys: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Per position: n scored, n skipped (and why), mean and bootstrap SE of each metric, the rate at which
+    an answer was found, tool-call counts. ``{metric}_skipped_as_0`` counts skipped prompts as wrong, as the
+    official HotpotQA script does for questions without a prediction."""
     by_pos: dict[str, list[dict]] = defaultdict(list)
     for r in records:
-        if keep_ids is None or r["id"] in keep_ids:
+        if (keep_ids is None or r["id"] in keep_ids) and (keep_keys is None or r["key"] in keep_keys):
             by_pos[r["position"]].append(r)
     order = positions or sorted(by_pos, key=lambda p: _mean([r.get("gold_start", 0) for r in by_pos[p]]))
     out = {}
@@ -127,8 +43,9 @@ def summarize(records: Iterable[dict], metrics: tuple[str, ...], positions: list
             vals = [float(r["scores"][m]) for r in scored]
             row[m] = _mean(vals)
             row[f"{m}_se"] = bootstrap_se(vals, seed=seed) if vals else float("nan")
+            row[f"{m}_skipped_as_0"] = sum(vals) / len(recs) if recs else float("nan")
+        row["answer_found"] = _mean([float(r.get("answer_found", False)) for r in scored])
         if scored:
-            row["answer_found"] = _mean([float(r.get("answer_found", False)) for r in scored])
             row["prompt_tokens"] = _mean([r["prompt_tokens"] for r in scored])
             row["gold_start"] = _mean([r.get("gold_start", 0) for r in scored])
             calls = [c for r in scored for c in r.get("tool_calls", [])]
@@ -136,6 +53,8 @@ def summarize(records: Iterable[dict], metrics: tuple[str, ...], positions: list
                 row["tool_calls"] = len(calls)
                 for status in ("ok", "no_match", "error", "timeout"):
                     row[f"tool_{status}"] = sum(1 for c in calls if c["status"] == status)
+        elif recs:
+            row["gold_start"] = _mean([r.get("gold_start", 0) for r in recs])
         out[pos] = row
     return out
 
@@ -166,20 +85,21 @@ def git_hash() -> str | None:
         return None
 
 
-def write_predictions(records: Iterable[dict], out_dir: Path) -> list[Path]:
-    """Official HotpotQA prediction files ({"answer": {id: text}, "sp": {id: []}}), one per position."""
-    by_pos: dict[str, dict] = defaultdict(lambda: {"answer": {}, "sp": {}})
+def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[str]) -> list[Path]:
+    """Official HotpotQA prediction files ({"answer": {id: text}, "sp": {id: []}}), one per position, written
+    for every position (empty if nothing was scored); files of positions no longer in the run are removed."""
+    by_pos: dict[str, dict] = {p: {"answer": {}, "sp": {}} for p in positions}
     for r in records:
-        if not r.get("skipped"):
+        if not r.get("skipped") and r["position"] in by_pos:
             by_pos[r["position"]]["answer"][r["id"]] = r["prediction"]
             by_pos[r["position"]]["sp"][r["id"]] = []
     pred_dir = out_dir / "predictions"
     pred_dir.mkdir(exist_ok=True)
-    paths = []
-    for pos, preds in by_pos.items():
-        p = pred_dir / f"{pos}.json"
-        p.write_text(json.dumps(preds, indent=1, ensure_ascii=False))
-        paths.append(p)
+    paths = [write_atomic(pred_dir / f"{pos}.json", json.dumps(preds, indent=1, ensure_ascii=False))
+             for pos, preds in by_pos.items()]
+    for stale in set(pred_dir.glob("*.json")) - set(paths):
+        stale.unlink()
+        log.info("removed %s: position %s is not part of this run", stale, stale.stem)
     return paths
 
 
@@ -189,7 +109,7 @@ def metrics_table(by_position: dict[str, dict], metrics: tuple[str, ...]):
 
     rows = []
     for pos, m in by_position.items():
-        row = {"position": pos, "n": m["n"], "skipped": m["skipped"]}
+        row = {"position": pos, "n": m["n"], "skipped": m["skipped"], "answer_found": m.get("answer_found")}
         for k in metrics:
             row[k] = m[k]
             row[f"{k}_se"] = m[f"{k}_se"]
@@ -198,7 +118,11 @@ def metrics_table(by_position: dict[str, dict], metrics: tuple[str, ...]):
 
 
 def format_markdown(df, metrics: tuple[str, ...], id_cols=("position",)) -> str:
+    """Metrics in percent as 'mean ± SE'; ``answer found`` is the share of scored generations in which the
+    answer rule found an answer (a low rate means format failures, not wrong answers)."""
     shown = df[[*id_cols, "n", "skipped"]].copy()
+    if "answer_found" in df:
+        shown["answer found"] = [f"{100 * v:.1f}" if v == v and v is not None else "n/a" for v in df["answer_found"]]
     for m in metrics:
         shown[m] = [f"{100 * v:.1f} ± {100 * s:.1f}" if v == v else "n/a" for v, s in zip(df[m], df[f"{m}_se"])]
     return shown.to_markdown(index=False)

@@ -1,18 +1,29 @@
 """Python ``re`` search with a hard time limit.
 
 ``re`` cannot be interrupted from inside the process (a catastrophic backtrack holds the interpreter in C
-code), so the match runs in a persistent worker process that is killed and replaced when a search overruns.
-A worker is reused across calls, so the usual cost is a pipe round trip, not a process start."""
+code), so matches run in worker processes that are killed and replaced when a search overruns. Workers are
+reused across calls (the usual cost is a pipe round trip), one per concurrent search, so the searches of one
+decoding step run side by side and a batch of timeouts costs one timeout of wall time.
+
+A worker never outlives the evaluation: it asks the kernel for SIGKILL when its parent dies (Linux
+``PR_SET_PDEATHSIG``; a thread watching the parent pid elsewhere), whatever killed the parent. That signal
+follows the *thread* that forked the worker, so every worker is forked by one long-lived thread."""
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import re
+import signal
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 MAX_PATTERN_CHARS = 512
 CAPTURE = -1  # ``max_matches`` value asking for the first match's captured group instead of whole units
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -23,12 +34,30 @@ class SearchOutcome:
     seconds: float = 0.0
 
 
-def _worker(conn) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    else:  # best effort where the kernel offers no parent-death signal
+        def watch():
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(0)
+
+
+def _worker(conn, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     units: list[str] = []
     while True:
         try:
             msg = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         new_units, pattern, max_matches = msg
         if new_units is not None:
@@ -48,35 +77,72 @@ def _worker(conn) -> None:
         conn.send(found)
 
 
-class RegexSearcher:
-    """Search a list of text units for a pattern; return the units that match, in order."""
-
-    def __init__(self, timeout: float = 1.0):
-        self.timeout = timeout
-        self._proc = None
-        self._conn = None
-        self._units_key = None
-        self._lock = threading.Lock()
-
-    def _start(self) -> None:
+class _Worker:
+    def __init__(self):
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(child,), daemon=True)
-        self._proc.start()
+        self.proc = ctx.Process(target=_worker, args=(child, os.getpid()), daemon=True)
+        self.proc.start()
         child.close()
-        self._conn = parent
-        self._units_key = None
+        self.conn = parent
+        self.units_key = None
 
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(timeout=1)
-        self._proc = self._conn = None
-        self._units_key = None
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=1)
+        self.conn.close()
+
+
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icr-regex-spawn")
+
+
+class RegexSearcher:
+    """Search a list of text units for a pattern; return the units that match, in order. Thread-safe:
+    concurrent calls each take an idle worker (or a new one)."""
+
+    def __init__(self, timeout: float = 1.0):
+        if not (timeout > 0 and timeout != float("inf")):
+            raise ValueError(f"the search timeout must be a positive finite number of seconds, got {timeout!r}")
+        self.timeout = timeout
+        self._idle: list[_Worker] = []
+        self._busy: set[_Worker] = set()
+        self._lock = threading.Lock()
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            while self._idle:
+                w = self._idle.pop()
+                if w.proc.is_alive():
+                    self._busy.add(w)
+                    return w
+                w.kill()
+        w = _SPAWNER.submit(_Worker).result()
+        with self._lock:
+            self._busy.add(w)
+        return w
+
+    def _release(self, w: _Worker, ok: bool) -> None:
+        with self._lock:
+            self._busy.discard(w)
+            if ok:
+                self._idle.append(w)
+        if not ok:
+            w.kill()
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the live workers (idle and busy), for tests and diagnostics."""
+        with self._lock:
+            return [w.pid for w in [*self._idle, *self._busy] if w.proc.is_alive()]
 
     def close(self) -> None:
         with self._lock:
-            self._kill()
+            workers, self._idle, self._busy = [*self._idle, *self._busy], [], set()
+        for w in workers:
+            w.kill()
 
     def capture(self, pattern: str, text: str) -> SearchOutcome:
         """``re.search(pattern, text)``; ``matches`` holds its first participating group (or the whole match)."""
@@ -94,31 +160,42 @@ class RegexSearcher:
             re.compile(pattern)
         except (re.error, RecursionError, OverflowError) as e:
             return SearchOutcome("error", error=f"invalid pattern: {e}", seconds=time.perf_counter() - t0)
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
-            key = hash(tuple(units))  # content, not identity: a freed list's id can be reused
-            self._conn.send((None if key == self._units_key else units, pattern, max_matches))
-            self._units_key = key
-            if not self._conn.poll(self.timeout):
-                self._kill()
+        key = hash(tuple(units))  # content, not identity: a freed list's id can be reused
+        w = self._take()
+        try:
+            try:
+                w.conn.send((None if key == w.units_key else units, pattern, max_matches))
+            except (BrokenPipeError, OSError):  # died while idle: nothing was lost, use a fresh one
+                self._release(w, ok=False)
+                w = self._take()
+                w.conn.send((units, pattern, max_matches))
+            w.units_key = key
+            if not w.conn.poll(self.timeout):
+                self._release(w, ok=False)
                 return SearchOutcome("timeout", error=f"search stopped after {self.timeout:g}s",
                                      seconds=time.perf_counter() - t0)
-            matches = self._conn.recv()
+            matches = w.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
+            self._release(w, ok=False)
+            return SearchOutcome("error", error=f"the regex worker died mid-search ({type(e).__name__}); "
+                                 "a fresh worker takes the next search", seconds=time.perf_counter() - t0)
+        self._release(w, ok=True)
         return SearchOutcome("ok" if matches else "no_match", matches, seconds=time.perf_counter() - t0)
 
     def __del__(self):
         try:
-            self._kill()
+            self.close()
         except Exception:
             pass
 
 
 _shared: dict[float, RegexSearcher] = {}
+_shared_lock = threading.Lock()
 
 
 def shared_searcher(timeout: float = 1.0) -> RegexSearcher:
-    """One worker per timeout setting per process, so many tools do not fork many workers."""
-    if timeout not in _shared:
-        _shared[timeout] = RegexSearcher(timeout)
-    return _shared[timeout]
+    """One worker pool per timeout setting per process, so many tools do not fork many workers."""
+    with _shared_lock:
+        if timeout not in _shared:
+            _shared[timeout] = RegexSearcher(timeout)
+        return _shared[timeout]

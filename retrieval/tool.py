@@ -46,8 +46,9 @@ class RetrievalTool:
         self.no_match, self.separator = no_match, separator
         self.log: list[dict] = []
 
-    def __call__(self, segment: str) -> str:
-        pattern, err = parse_call(segment, self.call_open, self.call_end)
+    def __call__(self, text: str, start: int = 0) -> str:
+        """``text`` ends with a call; only ``text[start:]`` (written since the previous result) is parsed."""
+        pattern, err = parse_call(text[start:], self.call_open, self.call_end)
         if err is not None:
             body, status, secs = f"[error: {err}]", "error", 0.0
         else:

@@ -7,7 +7,7 @@ from harness.engine import load_backend, plan_batches, run_eval
 from harness.eval import main as eval_main
 from harness.models import REGISTRY, UnknownModelError, resolve_model
 from harness.prompting import PromptTemplate
-from harness.results import ResumeMismatchError
+from harness.runlog import ResumeMismatchError
 
 
 def _cfg(model_dir, out, **kw):
@@ -38,7 +38,7 @@ def test_run_directory_contents(tiny_phi_dir, phi_backend, tmp_path):
     res = run_eval(_cfg(tiny_phi_dir, tmp_path), backend=phi_backend, progress=False)
     assert list(res["metrics"]) == ["first", "last"]
     assert res["counts"] == {"questions": 6, "instances": 12, "generated": 12, "resumed": 0, "ranks": 1,
-                             "skipped_too_long": 0}
+                             "skipped_too_long": 0, "stale_regenerated": 0}
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["config"]["distractors"] == 4 and saved["config"]["template"] == "hotpotqa_cot"
     assert {"torch", "transformers", "python"} <= set(saved["versions"])

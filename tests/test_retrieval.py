@@ -126,7 +126,7 @@ def test_tool_loop_resumes_from_cache_exactly(which, request):
     with torch.inference_mode():
         for p, r, tool in zip(prompts, results, tools):
             prompt_ids = backend.tokenizer(p)["input_ids"]
-            forced = {j for a, b in r.tool_spans for j in range(a, b)}
+            forced = {j for a, b in r.tool_spans + r.retokenized_spans for j in range(a, b)}
             for j, tok in enumerate(r.token_ids):
                 if j in forced:
                     continue
@@ -169,7 +169,7 @@ class _EveryToken:
     def __init__(self):
         self.seen = []
 
-    def __call__(self, generated: str) -> str:
+    def __call__(self, generated: str, start: int = 0) -> str:
         self.seen.append(generated)
         return "!"
 

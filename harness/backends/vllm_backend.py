@@ -66,6 +66,7 @@ class VLLMBackend(Backend):
         texts = [""] * len(requests)
         new_tokens = [0] * len(requests)
         calls = [0] * len(requests)
+        since = [0] * len(requests)  # where the model's text since its last tool result begins
         results: list[GenResult | None] = [None] * len(requests)
         active = list(range(len(requests)))
         while active:
@@ -86,12 +87,13 @@ class VLLMBackend(Backend):
                 texts[i] += o.text
                 reason = o.stop_reason
                 if r.tool is not None and reason == r.tool.call_end:
-                    result = r.tool(texts[i])
+                    result = r.tool(texts[i], since[i])
                     calls[i] += 1
                     ids = self.tokenizer(result, add_special_tokens=False)["input_ids"]
                     spans[i].append((len(gen[i]), len(gen[i]) + len(ids)))
                     gen[i] += ids
                     texts[i] += result
+                    since[i] = len(texts[i])
                     if new_tokens[i] < r.max_new_tokens:
                         still.append(i)
                         continue

@@ -1,0 +1,225 @@
+"""A run directory's integrity: one writer at a time, a resume log that never loses a finished row, and
+outputs replaced atomically.
+
+  .lock / .lock.json   held by the run writing the directory (who: pid, host, start time)
+  run.json             the resolved settings the rows were made with; written once a run has been validated
+  samples.jsonl        one JSON line per finished instance, appended and fsync'd batch by batch
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable
+
+log = logging.getLogger("harness")
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked; the message names the directory, the cause and the fix."""
+
+
+class ResumeMismatchError(RunDirError):
+    pass
+
+
+class RunLockedError(RunDirError):
+    pass
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write to a temporary file beside ``path``, fsync, then rename over it: a kill leaves old or new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as a run writes to it.
+
+    ``filelock`` takes an OS lock (flock), which the kernel drops when its holder dies however it dies, so a
+    lock left by a killed run is simply taken over. Who holds it lives in a side file, because filelock
+    truncates the lock file itself when it opens it."""
+
+    def __init__(self, run_dir: str | Path):
+        from filelock import FileLock
+
+        self.dir = Path(run_dir)
+        self.info = self.dir / ".lock.json"
+        self._lock = FileLock(str(self.dir / ".lock"))
+
+    def acquire(self) -> "RunLock":
+        from filelock import Timeout
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise RunLockedError(f"{self.dir} is in use by another run ({self._holder()}); wait for it to finish, "
+                                 "or pass another --output") from None
+        if self.info.exists():
+            log.warning("%s: took over the lock of a run that ended without releasing it (%s)", self.dir,
+                        self._holder())
+        write_atomic(self.info, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                            "argv": sys.argv}))
+        return self
+
+    def _holder(self) -> str:
+        try:
+            h = json.loads(self.info.read_text())
+            return f"pid {h.get('pid')} on {h.get('host')}, started {h.get('started')}"
+        except (OSError, ValueError):
+            return "holder unknown"
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            self.info.unlink(missing_ok=True)
+            self._lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# ----------------------------------------------------------------------------------------------- run.json
+def check_run_meta(run_dir: Path, config_hash: str, hashed: dict) -> bool:
+    """Raise ResumeMismatchError naming every changed setting if ``run_dir`` holds another run; True if it
+    holds this one, False if it holds none yet."""
+    meta = run_dir / "run.json"
+    if not meta.exists():
+        return False
+    try:
+        prev = json.loads(meta.read_text())
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"{meta} is unreadable ({e}); move it away to resume from samples.jsonl alone (rows "
+                          "made with other settings are still refused, by their own hash)") from e
+    if prev.get("config_hash") != config_hash:
+        raise ResumeMismatchError(
+            f"{run_dir} holds a run with different settings (config hash {prev.get('config_hash')} vs {config_hash};"
+            f" changed: {diff_settings(prev.get('hashed', {}), hashed)}). Use a new --output, or delete the "
+            "directory to start over.")
+    return True
+
+
+def write_run_meta(run_dir: Path, config_hash: str, hashed: dict, config: dict) -> None:
+    write_atomic(run_dir / "run.json", json.dumps({"config_hash": config_hash, "hashed": hashed, "config": config},
+                                                  indent=2, default=str))
+
+
+def diff_settings(a: dict, b: dict) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys) or "unknown (run.json predates hashing)"
+
+
+# ------------------------------------------------------------------------------------------- samples.jsonl
+class SampleLog:
+    """Append-only JSONL keyed by ``id@position``; reopening it skips what is already there.
+
+    Reading never deletes a finished row: a line that does not parse (garbage, a blank line, a cut UTF-8
+    character, a record without ``key``) is skipped and reported by line number, and only an unterminated
+    final line, what a kill mid-write leaves, is cut off. With several ranks each appends to its own shard
+    (``samples.rankN.jsonl``) and every rank reads all shards, so a resumed run knows what is done whatever
+    the number of ranks before; ``merge`` folds the shards into one ``samples.jsonl``."""
+
+    def __init__(self, out_dir: str | Path, shard: str | None = None):
+        self.dir = Path(out_dir)
+        self.path = self.dir / ("samples.jsonl" if shard is None else f"samples.{shard}.jsonl")
+        self.records: dict[str, dict] = {}
+        self.bad_lines: dict[Path, list[tuple[int, bytes]]] = {}
+        self.duplicates = 0
+        for f in self._files():
+            self._load(f, own=(f == self.path))
+        self._fh = None
+
+    def _files(self) -> list[Path]:
+        return [f for f in [self.dir / "samples.jsonl", *sorted(self.dir.glob("samples.rank*.jsonl"))] if f.exists()]
+
+    def _load(self, path: Path, own: bool) -> None:
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        tail = lines.pop()  # b"" when the file ends in a newline; else an unterminated last line
+        bad = []
+        for lineno, raw in enumerate(lines, 1):
+            rec = _parse(raw)
+            if rec is None:
+                bad.append((lineno, raw))
+                continue
+            if rec["key"] in self.records:
+                self.duplicates += 1
+            self.records[rec["key"]] = rec
+        if tail:
+            rec = _parse(tail)
+            if rec is not None and own:  # complete JSON, only its newline was lost: keep it
+                self.records[rec["key"]] = rec
+                with open(path, "ab") as fh:
+                    fh.write(b"\n")
+            elif own:
+                log.warning("%s: its last line (line %d) was cut short by an interrupted write; it is dropped and "
+                            "that instance redone", path, len(lines) + 1)
+                with open(path, "r+b") as fh:
+                    fh.truncate(len(data) - len(tail))
+            elif rec is not None:
+                self.records[rec["key"]] = rec
+        if bad:
+            self.bad_lines[path] = bad
+            nums = ", ".join(str(n) for n, _ in bad[:10]) + (", ..." if len(bad) > 10 else "")
+            log.warning("%s: %d unreadable line(s) skipped (line %s); every other row is kept", path, len(bad), nums)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.records
+
+    def write(self, records: Iterable[dict]) -> None:
+        if self._fh is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")
+        for rec in records:
+            self.records[rec["key"]] = rec
+            self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def merge(self, order: list[str]) -> None:
+        """Re-read every shard, write one samples.jsonl (``order`` first, then any other keys), drop shards.
+        Unreadable lines are moved to ``samples.rejected.txt`` with their file and line number, never dropped."""
+        self.records, self.bad_lines, self.duplicates = {}, {}, 0
+        files = self._files()
+        for f in files:
+            self._load(f, own=False)
+        if self.bad_lines:
+            with open(self.dir / "samples.rejected.txt", "ab") as fh:
+                for f, bad in self.bad_lines.items():
+                    for n, raw in bad:
+                        fh.write(f"{f.name}:{n}: ".encode() + raw + b"\n")
+            log.warning("%s: unreadable lines moved to samples.rejected.txt", self.dir)
+        ordered = set(order)
+        keys = [k for k in order if k in self.records] + [k for k in self.records if k not in ordered]
+        write_atomic(self.dir / "samples.jsonl",
+                     "".join(json.dumps(self.records[k], ensure_ascii=False) + "\n" for k in keys))
+        for f in files:
+            if f.name != "samples.jsonl":
+                f.unlink()
+
+
+def _parse(raw: bytes) -> dict | None:
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("key"), str) else None
