@@ -39,11 +39,41 @@ def build_tokenizer(vocab_size: int = 1024):
     return fast
 
 
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def gpt2_tokenizer_from_tiktoken(ranks_file: str | Path):
+    """GPT-2's byte-level BPE (Phi-1.5's, less its added whitespace tokens) from a tiktoken ranks file such as
+    the ``whisper/assets/gpt2.tiktoken`` that the openai-whisper sdist ships. transformers' TikTokenConverter
+    derives the merges; the file is read here (base64 token, rank) so ``tiktoken`` is not needed."""
+    import base64
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class _Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(path):
+            ranks = {}
+            for line in Path(path).read_bytes().splitlines():
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+            return ranks
+
+    tok = _Converter(str(ranks_file), pattern=GPT2_PATTERN, extra_special_tokens=[EOS]).converted()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS,
+                                   clean_up_tokenization_spaces=False)
+    fast.padding_side = "left"
+    return fast
+
+
 def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: int = 2, hidden: int = 64,
-                 init_std: float = 0.2):
-    """``init_std`` is 10x the usual 0.02 so a random model's output depends on its whole prompt; with the
+                 init_std: float = 0.5):
+    """``init_std`` is 25x the usual 0.02 so a random model's output depends on its whole prompt; with the
     default, attention is near uniform and every prompt yields the same text, which would let tests of
-    padding, caching and batching pass vacuously."""
+    padding, caching and batching pass vacuously (at 0.2 the tiny Phi gave 2 distinct generations over 16
+    fixture prompts, at 0.5 all 16 differ)."""
     from transformers import LlamaConfig, PhiConfig
 
     if arch == "phi":
@@ -67,7 +97,7 @@ def _scale_init(model, std: float) -> None:
 
 
 def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_positions: int = 4096,
-                    layers: int = 2, hidden: int = 64, tokenizer=None, init_std: float = 0.2) -> Path:
+                    layers: int = 2, hidden: int = 64, tokenizer=None, init_std: float = 0.5) -> Path:
     """Write a random-weight checkpoint and its tokenizer to ``out`` and return the path."""
     from transformers import AutoModelForCausalLM
 

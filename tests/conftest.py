@@ -68,3 +68,46 @@ def phi_mamba_backend(tiny_phi_mamba_dir):
 @pytest.fixture(scope="session")
 def hybrid_backend(tiny_hybrid_dir):
     return _backend(tiny_hybrid_dir)
+
+
+# ------------------------------------------------------------------------------- a real GPT-2 byte-level BPE
+WHISPER_SDIST = "openai-whisper==20250625"  # ships whisper/assets/gpt2.tiktoken (GPT-2's ranks, MIT)
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer():
+    """GPT-2's real BPE, built once from the ranks file in the openai-whisper sdist fetched from the package
+    index and cached under ~/.cache/icr-harness (never committed). Skipped, saying so, where no index answers."""
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    from harness.tiny import gpt2_tokenizer_from_tiktoken
+
+    cache = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness")) / "gpt2-bpe"
+    if not (cache / "tokenizer.json").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--no-build-isolation", "-q", "-d", tmp, WHISPER_SDIST],
+                                 capture_output=True, text=True, timeout=300)
+            sdists = list(Path(tmp).glob("*.tar.gz"))
+            if res.returncode != 0 or not sdists:
+                pytest.skip(f"GPT-2 BPE fixture: could not fetch {WHISPER_SDIST} from the package index "
+                            f"({res.stderr.strip()[-300:]})")
+            with tarfile.open(sdists[0]) as tar:
+                member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
+                ranks = Path(tmp) / "gpt2.tiktoken"
+                ranks.write_bytes(tar.extractfile(member).read())
+            gpt2_tokenizer_from_tiktoken(ranks).save_pretrained(cache)
+    tok = PreTrainedTokenizerFast.from_pretrained(cache)
+    assert len(tok) == 50257 and tok("Hello world")["input_ids"] == [15496, 995]  # GPT-2's own ids
+    return tok
+
+
+@pytest.fixture(scope="session")
+def gpt2_phi_dir(tmp_path_factory, gpt2_tokenizer):
+    return _model_dir(tmp_path_factory, gpt2_tokenizer, "phi")

@@ -12,6 +12,7 @@ import pytest
 
 from harness.config import RunConfig
 from harness.engine import run_eval
+from tests.helpers import assert_varied
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,6 +56,7 @@ def test_two_ranks_merge_to_the_single_rank_result(tiny_phi_dir, single_rank, tm
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log
     assert sorted(p.name for p in out.glob("samples*.jsonl")) == ["samples.jsonl"]  # shards merged away
+    assert_varied(_samples(out1).values())
     assert _samples(out) == _samples(out1)
     res2 = json.loads((out / "results.json").read_text())
     assert res2["counts"]["ranks"] == 2 and res2["counts"]["generated"] == 24

@@ -8,6 +8,7 @@ from harness.eval import main as eval_main
 from harness.models import REGISTRY, UnknownModelError, resolve_model
 from harness.prompting import PromptTemplate
 from harness.runlog import ResumeMismatchError
+from tests.helpers import assert_varied
 
 
 def _cfg(model_dir, out, **kw):
@@ -31,6 +32,7 @@ def test_greedy_outputs_identical_for_batch_sizes_1_4_16(which, tmp_path, reques
         run_eval(_cfg(model_dir, out, batch_size=bs, limit=8), backend=backend, progress=False)
         runs[bs] = _gens(out)
     assert len(runs["1"]) == 16
+    assert_varied(runs["1"].values())
     assert runs["1"] == runs["4"] == runs["16"]
 
 
@@ -79,6 +81,7 @@ def test_resume_after_interruption_regenerates_nothing_done(tiny_phi_dir, phi_ba
         fh.write('{"key": "fx0005@last", "truncated')  # a write cut short by the kill
     res = run_eval(_cfg(tiny_phi_dir, part), backend=phi_backend, progress=False)
     assert res["counts"]["resumed"] == 8 and res["counts"]["generated"] == 4
+    assert_varied(_gens(full).values())
     assert _gens(part) == _gens(full)
     again = run_eval(_cfg(tiny_phi_dir, part), backend=None, progress=False)  # all done: no model is loaded
     assert again["counts"]["generated"] == 0

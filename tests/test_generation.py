@@ -6,6 +6,7 @@ import torch
 
 from evals.fixture import FIXTURE_PATH
 from harness.generation import GenRequest
+from tests.helpers import assert_varied
 
 
 def _diverse_prompts(n=16, seed=0):
@@ -24,6 +25,8 @@ def _reference_greedy(backend, prompt, max_new):
     out = []
     for _ in range(max_new):
         logits = backend.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
+        if int(logits.argmax()) == backend.tokenizer.eos_token_id:
+            break  # the loop stops at EOS and does not keep it
         out.append(int(logits.argmax()))
     return out
 
@@ -46,8 +49,23 @@ def test_batch_size_invariance_on_varied_lengths(which, request):
     results = {}
     for bs in (1, 4, 16):
         results[bs] = [r.text for i in range(0, 16, bs) for r in backend.generate(reqs[i:i + bs])]
+    assert_varied(results[1])
     assert results[1] == results[4] == results[16]
-    assert len(set(results[1])) > 8  # prompts lead to different texts, so equality means something
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_left_padded_batch_logits_equal_each_prompt_alone(which, request):
+    """Token equality can hide small padding leaks (argmax is robust to them); the logits cannot."""
+    from harness.generation import left_pad
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    seqs = [backend.tokenizer(p)["input_ids"] for p in _diverse_prompts(6, seed=7)]
+    with torch.inference_mode():
+        ids, mask = left_pad(seqs, backend.tokenizer.pad_token_id, "cpu")
+        batch, _ = backend.prefill(ids, mask)
+        alone = torch.cat([backend.prefill(*left_pad([s], 0, "cpu"))[0] for s in seqs])
+    assert_varied([int(a) for a in alone.argmax(-1)], "next tokens")
+    assert torch.allclose(batch, alone, atol=1e-4), (batch - alone).abs().max()
 
 
 def test_stop_strings_eos_and_length(phi_backend):

@@ -7,6 +7,7 @@ from harness.generation import GenRequest
 from harness.models import resolve_model
 from harness.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
 from tests.test_generation import _diverse_prompts, _reference_greedy
+from tests.helpers import assert_varied
 
 
 @pytest.mark.parametrize("length,chunk", [(37, 8), (64, 16), (5, 16), (130, 128)])
@@ -75,8 +76,8 @@ def test_left_padded_batch_equals_each_prompt_alone(which, request):
     prompts = _diverse_prompts(6, seed=5)
     batch = backend.generate([GenRequest(p, 12) for p in prompts])
     alone = [backend.generate([GenRequest(p, 12)])[0] for p in prompts]
+    assert_varied([r.token_ids for r in batch])
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
-    assert len({tuple(r.token_ids) for r in batch}) > 3
 
 
 @pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])

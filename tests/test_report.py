@@ -23,7 +23,7 @@ def test_report_merges_models_into_table_csv_and_plot(tiny_phi_dir, tiny_llama_d
     df = merge([str(a), str(b)])
     assert len(df) == 6 and set(df.position) == {"first", "middle", "last"}
     assert (out / "report.csv").exists() and (out / "em_by_position.png").stat().st_size > 10_000
-    assert tiny_llama_dir in (out / "report.md").read_text()
+    assert "llama0/ckpt" in (out / "report.md").read_text()  # short legend names, unambiguous
     assert "first" in capsys.readouterr().out
 
 
@@ -43,3 +43,83 @@ def test_subset_keeps_only_questions_every_oracle_run_answered(tiny_phi_dir, phi
     assert keep == {"fx0002", "fx0004"}
     df = merge([str(run)], keep)
     assert list(df.n) == [2, 2]
+
+
+def test_three_runs_are_three_labelled_lines_with_readable_ticks(tiny_phi_dir, tiny_llama_dir, phi_backend,
+                                                                 llama_backend, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from unittest import mock
+
+    from harness.report import plot
+
+    runs = [tmp_path / "phi-k10", tmp_path / "llama-k10", tmp_path / "llama-k20"]
+    _run(tiny_phi_dir, phi_backend, runs[0], distractors=10, positions=["first", "middle", "last"])
+    _run(tiny_llama_dir, llama_backend, runs[1], distractors=10, positions=["first", "middle", "last"])
+    _run(tiny_llama_dir, llama_backend, runs[2], distractors=20, positions=["first", "middle", "last"])
+    df = merge([str(r) for r in runs])
+    assert list(dict.fromkeys(df.run)) == ["phi0/ckpt k=10", "llama0/ckpt k=10", "llama0/ckpt k=20"]
+    captured = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def grab(fig, *a, **kw):
+        ax = fig.axes[0]
+        captured["lines"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        captured["ticks"] = {int(x): lab.get_text() for x, lab in zip(ax.get_xticks(), ax.get_xticklabels())}
+        captured["title"] = ax.get_title()
+        return real_savefig(fig, *a, **kw)
+
+    with mock.patch.object(matplotlib.figure.Figure, "savefig", grab):
+        plot(df, "f1", tmp_path / "f1.png")
+    assert captured["lines"] == ["phi0/ckpt k=10", "llama0/ckpt k=10", "llama0/ckpt k=20"]
+    assert sorted(captured["ticks"]) == list(range(21))  # one tick per slot
+    assert captured["ticks"][0] == "0\nfirst" and captured["ticks"][5] == "5\nmiddle"
+    assert captured["ticks"][10] == "10\nlast\nmiddle" and captured["ticks"][20] == "20\nlast"  # shared slot: one label
+    assert captured["ticks"][7] == "7" and captured["title"].startswith("F1 by gold-paragraph position")
+
+
+def test_an_empty_subset_is_a_clear_message(tiny_phi_dir, phi_backend, tmp_path, capsys):
+    oracle, run = tmp_path / "oracle", tmp_path / "run"
+    _run(tiny_phi_dir, phi_backend, oracle, distractors=0)
+    _run(tiny_phi_dir, phi_backend, run, distractors=3, positions=["first"])
+    assert oracle_subset([str(oracle)]) == set()  # a random model answers nothing
+    rc = report_main([str(run), "--subset", str(oracle), "--out", str(tmp_path / "rep")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --subset kept no question") and "Traceback" not in err
+    assert report_main([str(run), "--metric", "nope", "--out", str(tmp_path / "rep")]) == 2
+    assert "--metric 'nope'" in capsys.readouterr().err
+
+
+def test_official_gold_reproduces_the_harness_numbers_with_the_official_division(tiny_phi_dir, phi_backend,
+                                                                                  tmp_path):
+    """The official script averages over every gold row and scores a row without a prediction as 0. With the
+    gold cut to the scored ids it must print the harness's EM/F1; with the full gold, the skipped-as-0 figure."""
+    from evals.hotpotqa import HotpotQA
+    from evals.metrics import exact_match, f1_score
+
+    run = tmp_path / "run"
+    res = _run(tiny_phi_dir, phi_backend, run, distractors=3, positions=["first", "last"])
+    recs = [json.loads(l) for l in open(run / "samples.jsonl")]
+    for r in recs[:4]:  # give some rows right answers so the numbers are not all zero
+        r["prediction"], r["scores"] = r["gold"], {"em": 1.0, "f1": 1.0, "contains": 1.0}
+    recs[5]["skipped"] = "prompt_too_long"  # and one skipped prompt
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "results.json").unlink()
+    res = _run(tiny_phi_dir, phi_backend, run, distractors=3, positions=["first", "last"])
+    assert report_main([str(run), "--official-gold", str(tmp_path / "gold"), "--out", str(tmp_path / "rep")]) == 0
+    all_gold = {r["_id"]: r for r in HotpotQA(data="fixture").load()}
+    for pos in ("first", "last"):
+        pred = json.loads((run / "predictions" / f"{pos}.json").read_text())["answer"]
+        gold = json.loads((tmp_path / "gold" / "run" / f"{pos}.json").read_text())
+
+        def official(gold_rows):
+            em = sum(exact_match(pred[g["_id"]], g["answer"]) if g["_id"] in pred else 0 for g in gold_rows)
+            f1 = sum(f1_score(pred[g["_id"]], g["answer"]) if g["_id"] in pred else 0 for g in gold_rows)
+            return em / len(gold_rows), f1 / len(gold_rows)
+
+        m = res["metrics"][pos]
+        assert len(gold) == m["n"] and official(gold) == (m["em"], m["f1"])
+        full = [all_gold[i] for i in res["selection"]["ids"]]
+        assert official(full)[0] == m["em_skipped_as_0"]
+    assert res["metrics"]["first"]["em"] > 0 and res["metrics"]["last"]["skipped"] + res["metrics"]["first"]["skipped"] == 1

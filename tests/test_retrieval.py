@@ -7,6 +7,7 @@ import torch
 from harness.generation import GenRequest
 from harness.prompting import PromptTemplate
 from retrieval import RegexSearcher, RetrievalTool, parse_call
+from tests.helpers import assert_varied
 
 UNITS = ["Alvar Everly: Alvar Everly (born 1886) is a poet from Harrowgate Fen, Ostland.",
          "Karvell: Karvell is a town in the north of Dunholm.",
@@ -122,6 +123,7 @@ def test_tool_loop_resumes_from_cache_exactly(which, request):
         tools.append(tool)
         reqs.append(GenRequest(p, 24, tool=tool))
     results = backend.generate(reqs)
+    assert_varied([r.text for r in results])
     called = 0
     with torch.inference_mode():
         for p, r, tool in zip(prompts, results, tools):
@@ -185,3 +187,12 @@ def test_tool_gets_the_whole_generation_and_length_still_bounds_a_tool_happy_mod
         assert b.startswith(a) and b.endswith("!") and len(b) > len(a)  # everything so far, results included
     assert tool.seen[-1].count("!") == 5
     assert r.text.count("!") == 6
+
+
+def test_a_call_is_parsed_only_from_text_written_since_the_previous_result():
+    tool = RetrievalTool(UNITS)
+    text = "<search>Karvell</search><result>Karvell: x</result> then ^Pellin</search>"
+    start = text.index("</result>") + len("</result>")
+    assert tool(text, start) == "<result>[error: </search> without an opening <search>]</result>"
+    assert tool(text) != tool(text, start)  # parsed across the result, the pattern would swallow it
+    assert tool.log[0]["pattern"] is None and "</result>" in tool.log[1]["pattern"]

@@ -1,0 +1,102 @@
+"""Shared test helpers: a guard that makes equality tests meaningful, and a scripted model.
+
+``ScriptedBackend`` runs a real backend's forward passes (cache, padding, prefix copies and tool-result
+blocks all real) but replaces each row's next-token logits with a one-hot on the token a script says the
+model writes next, so the tool loop can be driven exactly as a model imitating the exemplars would drive it."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from harness.backends.base import Backend
+from retrieval.tool import RESULT_CLOSE
+
+
+def assert_varied(values: Sequence, what: str = "generations") -> None:
+    """Equality across batch sizes, caches or ranks proves little if every prompt gives the same output."""
+    values = list(values)
+    distinct = len(set(map(repr, values)))
+    assert distinct * 2 >= len(values), f"only {distinct} distinct {what} among {len(values)}: the comparison is vacuous"
+
+
+class _Row:
+    def __init__(self, fed: list[int]):
+        self.fed = list(fed)
+        self.prompt_len: int | None = None
+
+
+class ScriptedBackend(Backend):
+    """``script_for(prompt_text)`` gives the segments the model writes: segment k is what it writes after the
+    k-th tool result (a segment may run past a call's closing tag, as ``</search><result>`` does; the engine
+    must cut it). After the last segment the model writes EOS. ``None`` for a text that is not a prompt."""
+
+    name = "scripted"
+
+    def __init__(self, inner: Backend, script_for: Callable[[str], list[str]]):
+        self.inner, self.script_for = inner, script_for
+        self.tokenizer, self.device, self.max_context = inner.tokenizer, inner.device, inner.max_context
+
+    def describe(self):
+        return self.inner.describe()
+
+    def token_budget(self):
+        return self.inner.token_budget()
+
+    def prefix_reuse_pays(self):
+        return self.inner.prefix_reuse_pays()
+
+    # stepper ---------------------------------------------------------------------------------------------
+    def prefill(self, input_ids, attention_mask):
+        logits, state = self.inner.prefill(input_ids, attention_mask)
+        rows = [_Row(ids[m.bool()].tolist()) for ids, m in zip(input_ids, attention_mask)]
+        return self._choose(logits, rows), (state, rows)
+
+    def step(self, state, input_ids, attention_mask):
+        inner, rows = state
+        logits = self.inner.step(inner, input_ids, attention_mask)
+        block_mask = attention_mask[:, -input_ids.shape[1]:]
+        for row, ids, m in zip(rows, input_ids, block_mask):
+            row.fed += ids[m.bool()].tolist()
+        return self._choose(logits, rows)
+
+    def select(self, state, keep):
+        inner, rows = state
+        return self.inner.select(inner, keep), [rows[k] for k in keep.tolist()]
+
+    def expand(self, state, n):
+        inner, rows = state
+        return self.inner.expand(inner, n), [_Row(rows[0].fed) for _ in range(n)]
+
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        out = torch.full_like(logits, -1e4)
+        for b, row in enumerate(rows):
+            if row.prompt_len is None:
+                row.prompt_len = len(row.fed)  # the first choice follows the whole prompt
+            nxt = self._next(row)
+            if nxt is None:  # not a prompt the script knows (the shared prefix alone): the model's own logits
+                out[b] = logits[b]
+            else:
+                out[b, nxt] = 0.0
+        return out
+
+    def _next(self, row: _Row) -> int | None:
+        tok = self.tokenizer
+        prompt = tok.decode(row.fed[:row.prompt_len])
+        written = tok.decode(row.fed[row.prompt_len:])
+        segments = self.script_for(prompt)
+        if segments is None:
+            return None
+        k = written.count(RESULT_CLOSE)
+        if k >= len(segments):
+            return tok.eos_token_id
+        since = written[written.rfind(RESULT_CLOSE) + len(RESULT_CLOSE):] if k else written
+        seg = segments[k]
+        assert seg.startswith(since), f"the model was fed {since!r}, which segment {k} {seg!r} does not start with"
+        if len(since) == len(seg):
+            return tok.eos_token_id
+        enc = tok(seg, add_special_tokens=False, return_offsets_mapping=True)
+        for tid, (start, _) in zip(enc["input_ids"], enc["offset_mapping"]):
+            if start == len(since):
+                return tid
+        raise AssertionError(f"no token of segment {seg!r} starts at {len(since)} (fed {since!r})")
