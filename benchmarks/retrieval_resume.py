@@ -61,11 +61,17 @@ def main():
             r = backend.generate([GenRequest("", budget, stop=[t.call_end] if can_call else [],
                                              prompt_ids=p + ids)])[0]
             prefill_tokens += len(p) + len(ids)
-            ids += r.token_ids
             budget -= r.new_tokens
             if r.finish_reason != "stop" or budget <= 0:
+                ids += r.token_ids
                 break
-            ids += tok(t(tok.decode(r.token_ids)), add_special_tokens=False)["input_ids"]
+            # the protocol: the model's text up to the end of the closing tag (a last token that runs past
+            # it is re-tokenized), then the result
+            call = r.text + t.call_end
+            before = tok.decode(r.token_ids[:-1])
+            round_ids = r.token_ids if tok.decode(r.token_ids) == call else \
+                r.token_ids[:-1] + tok(call[len(before):], add_special_tokens=False)["input_ids"]
+            ids += round_ids + tok(t(call), add_special_tokens=False)["input_ids"]
         reprefill.append(ids)
     t_re = time.perf_counter() - t0
 
