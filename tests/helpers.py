@@ -13,6 +13,16 @@ from harness.backends.base import Backend
 from retrieval.tool import RESULT_CLOSE
 
 
+def run_config(model_dir, out, **overrides):
+    """A small fixture-data RunConfig for a tiny model on CPU; tests override what they vary."""
+    from harness.config import RunConfig
+
+    base = dict(model=model_dir, data="fixture", distractors=4, positions=["first", "last"], limit=6,
+                max_new_tokens=12, device="cpu", dtype="float32", output=str(out), batch_size="4")
+    base.update(overrides)
+    return RunConfig(**base)
+
+
 def assert_varied(values: Sequence, what: str = "generations") -> None:
     """Equality across batch sizes, caches or ranks proves little if every prompt gives the same output."""
     values = list(values)

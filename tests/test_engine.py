@@ -2,20 +2,15 @@ import json
 
 import pytest
 
-from harness.config import RunConfig
 from harness.engine import load_backend, plan_batches, run_eval
 from harness.eval import main as eval_main
 from harness.models import REGISTRY, UnknownModelError, resolve_model
 from harness.prompting import PromptTemplate
 from harness.runlog import ResumeMismatchError
-from tests.helpers import assert_varied
+from tests.helpers import assert_varied, run_config
 
 
-def _cfg(model_dir, out, **kw):
-    base = dict(model=model_dir, data="fixture", distractors=4, positions=["first", "last"], limit=6,
-                max_new_tokens=12, device="cpu", dtype="float32", output=str(out), batch_size="4")
-    base.update(kw)
-    return RunConfig(**base)
+_cfg = run_config
 
 
 def _gens(out):

@@ -123,3 +123,12 @@ def test_official_gold_reproduces_the_harness_numbers_with_the_official_division
         full = [all_gold[i] for i in res["selection"]["ids"]]
         assert official(full)[0] == m["em_skipped_as_0"]
     assert res["metrics"]["first"]["em"] > 0 and res["metrics"]["last"]["skipped"] + res["metrics"]["first"]["skipped"] == 1
+
+
+def test_a_run_whose_results_json_was_cut_is_an_error_line(tiny_phi_dir, phi_backend, tmp_path, capsys):
+    run = tmp_path / "run"
+    _run(tiny_phi_dir, phi_backend, run, distractors=2, positions=["first"])
+    (run / "results.json").write_text("")  # what an in-place write left when killed
+    assert report_main([str(run), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "results.json is not valid JSON" in err

@@ -13,20 +13,17 @@ from pathlib import Path
 import pytest
 
 from evals.fixture import FIXTURE_PATH
-from harness.config import RunConfig
 from harness.engine import run_eval
 from harness.eval import main as eval_main
 from harness.runlog import ResumeMismatchError, RunLock, RunLockedError
 from retrieval.search import RegexSearcher
+from tests.helpers import run_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _cfg(model_dir, out, **kw):
-    base = dict(model=model_dir, data="fixture", distractors=4, positions=["first", "last"], limit=4,
-                max_new_tokens=8, device="cpu", dtype="float32", output=str(out), batch_size="4")
-    base.update(kw)
-    return RunConfig(**base)
+    return run_config(model_dir, out, **{"limit": 4, "max_new_tokens": 8, **kw})
 
 
 def _lines(out):
