@@ -238,8 +238,10 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, re
     }
     df = metrics_table(by_pos, task.metrics)
     results["table"] = format_markdown(df, task.metrics)
+    results["files"] = ["results.json", "samples.jsonl", "table.md", "table.csv"]
     if getattr(task, "writes_predictions", False):
         write_predictions(records, out, positions)
+        results["files"].insert(2, "predictions/")
     write_atomic(out / "table.csv", df.to_csv(index=False))
     write_atomic(out / "table.md", results["table"] + "\n")
     write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))  # last: it marks the run finished

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     print(f"\n{cfg.model} on {cfg.task}, {cfg.distractors} distractors, {cfg.shots}-shot "
           f"({results['counts']['instances']} instances, {results['counts']['resumed']} resumed)\n")
     print(results["table"])
-    print(f"\nwrote {cfg.output}/results.json, samples.jsonl, predictions/, table.md, table.csv")
+    print(f"\nwrote {cfg.output}/{', '.join(results['files'])}")
     return 0
 
 

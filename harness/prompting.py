@@ -6,11 +6,12 @@ template with its own answer phrase is scored by it without touching Python."""
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 from pathlib import Path
 
 import jinja2
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+PROMPTS_DIR = Path(str(importlib.resources.files("prompts")))  # the installed package's templates
 
 
 class TemplateError(ValueError):
@@ -22,17 +23,19 @@ def available_templates() -> list[str]:
 
 
 def resolve_template(name_or_path: str) -> Path:
-    """A bare name is looked up in prompts/ (``hotpotqa_cot`` → prompts/hotpotqa_cot.j2); else a file path."""
+    """A bare name (no ``/``, no ``.j2``) is a bundled template (``hotpotqa_cot`` → prompts/hotpotqa_cot.j2),
+    whatever files or folders of that name the working directory holds; anything else is a file path."""
     p = Path(name_or_path).expanduser()
-    if p.suffix == ".j2" or p.exists() or "/" in name_or_path:
-        if not p.is_file():
-            raise TemplateError(f"template file {str(p)!r} not found")
-        return p
+    bare = "/" not in name_or_path and p.suffix != ".j2"
     cand = PROMPTS_DIR / f"{name_or_path}.j2"
-    if not cand.is_file():
+    if bare and cand.is_file():
+        return cand
+    if p.is_file():
+        return p.resolve()
+    if bare:
         raise TemplateError(f"unknown template {name_or_path!r}; bundled templates: "
                             f"{', '.join(available_templates())} (or pass a path to a .j2 file)")
-    return cand
+    raise TemplateError(f"template file {str(p)!r} not found")
 
 
 def _raise(message: str):

@@ -226,6 +226,21 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
     assert "| all" in capsys.readouterr().out
 
 
+def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
+    """Regression: the hybrid's config type was registered only when the trainer's models were imported, so
+    ``harness.eval`` in a new process could not load a hybrid checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg, _ = trained["hybrid"]
+    res = subprocess.run([sys.executable, "-m", "harness.eval", "--model", cfg.output, "--task", "istree",
+                          "--limit", "4", "--device", "cpu", "--output", str(tmp_path / "e"), "--no-progress"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "e" / "results.json").read_text())["metrics"]["all"]["n"] == 4
+
+
 def test_linear_scan_matches_transformers_reference_with_gradients():
     from transformers.models.mamba import modeling_mamba as mm
 

@@ -52,3 +52,22 @@ def test_unknown_template_lists_bundled():
     with pytest.raises(TemplateError, match="hotpotqa_cot"):
         PromptTemplate("no_such_template")
     assert "hotpotqa_cot" in available_templates()
+
+
+def test_a_bare_name_is_a_bundled_template_whatever_the_working_directory_holds(tmp_path, monkeypatch):
+    """Regression: a folder or file named like a template in the working directory was taken as its path."""
+    from harness.prompting import PROMPTS_DIR, resolve_template
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "istree").mkdir()
+    (tmp_path / "hotpotqa_cot").write_text("not a template")
+    assert resolve_template("istree") == PROMPTS_DIR / "istree.j2"
+    assert resolve_template("hotpotqa_cot") == PROMPTS_DIR / "hotpotqa_cot.j2"
+    (tmp_path / "mine.j2").write_text("Q: {{ question }}")
+    assert resolve_template("mine.j2") == tmp_path / "mine.j2"  # a path is a path
+    (tmp_path / "own_template").write_text("Q: {{ question }}")
+    assert resolve_template("own_template") == tmp_path / "own_template"  # no bundled one of that name
+    with pytest.raises(TemplateError, match="bundled templates"):
+        resolve_template("nope")
+    with pytest.raises(TemplateError, match="not found"):
+        resolve_template("dir/nope.j2")

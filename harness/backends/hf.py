@@ -7,6 +7,7 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+import harness.istree_models  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.generation import last_real_index, logits_at_last_real
 
