@@ -224,6 +224,67 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     return [r.done for r in rows]
 
 
+class ContinueRows(Protocol):
+    def __call__(self, seqs: list[list[int]], max_tokens: list[int], stops: list[list[str]]) -> list[list[int]]:
+        """Greedy-continue each token sequence until one of its stop strings appears in the text it writes
+        (the completing token included), EOS, or ``max_tokens`` new tokens; return the new token ids."""
+
+
+def chunked_generate(continue_rows: ContinueRows, tokenizer, requests: Sequence[GenRequest], *,
+                     max_context: int | None = None) -> list[GenResult]:
+    """``greedy_generate`` for engines that decode runs of tokens themselves (vLLM): the same per-row state
+    machine (stop strings, EOS, limits, tool calls, re-tokenised call ends) decides after every token of a
+    run, so both paths give the same results by construction. A run stops at the tool's closing tag; the
+    next run resubmits prompt + everything so far (vLLM's prefix cache makes that a continuation)."""
+    if not requests:
+        return []
+    eos_id = tokenizer.eos_token_id
+    prompt_ids = [list(r.prompt_ids) if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"]
+                  for r in requests]
+    rows = [_Row(r, len(p), IncrementalDetokenizer(tokenizer)) for r, p in zip(requests, prompt_ids)]
+    for row in rows:
+        if row.req.max_new_tokens <= 0:
+            row.done = GenResult("", "length", row.prompt_len, 0)
+    active = [b for b, row in enumerate(rows) if row.done is None]
+    while active:
+        budgets, stops = [], []
+        for b in active:
+            row = rows[b]
+            if max_context is not None and row.prompt_len + len(row.ids) >= max_context:
+                row.done = _finish(row, "context")
+        active = [b for b in active if rows[b].done is None]
+        if not active:
+            break
+        for b in active:
+            row = rows[b]
+            room = row.req.max_new_tokens - row.new_tokens
+            if max_context is not None:
+                room = min(room, max_context - row.prompt_len - len(row.ids))
+            tool = row.req.tool
+            budgets.append(room)
+            stops.append(list(row.req.stop) + ([tool.call_end] if tool is not None and row.calls < tool.max_calls
+                                               else []))
+        runs = continue_rows([prompt_ids[b] + rows[b].ids for b in active], budgets, stops)
+        for b, run in zip(active, runs):
+            row = rows[b]
+            for tok in run:
+                row.ids.append(tok)
+                row.new_tokens += 1
+                _after_model_token(row, tok, tokenizer, eos_id)
+                if row.done is not None or row.call is not None:
+                    break
+            else:  # the run ended on no token the state machine acts on: EOS left out of the ids, or the context
+                full = max_context is not None and row.prompt_len + len(row.ids) >= max_context
+                row.done = _finish(row, "context" if full else "eos")
+        _run_tool_calls([rows[b] for b in active if rows[b].done is None and rows[b].call is not None], tokenizer)
+        for b in active:
+            row = rows[b]
+            if row.done is None and max_context is not None and row.prompt_len + len(row.ids) > max_context:
+                row.done = _finish(row, "context")
+        active = [b for b in active if rows[b].done is None]
+    return [r.done for r in rows]
+
+
 def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(b) for b in blocks)
     ids = torch.full((len(blocks), width), pad_id, dtype=torch.long)

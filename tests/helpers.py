@@ -110,3 +110,49 @@ class ScriptedBackend(Backend):
             if start == len(since):
                 return tid
         raise AssertionError(f"no token of segment {seg!r} starts at {len(since)} (fed {since!r})")
+
+
+class FakeVLLMEngine:
+    """vLLM's "continue these rows" contract, implemented independently of the harness's loop: greedy by full
+    forward passes (no cache); a run ends when one of its stop strings occurs in the text of the run's tokens
+    (the completing token kept, as ``include_stop_str_in_output`` keeps it), at EOS (in the ids or not: vLLM
+    versions differ), or after ``max_tokens``."""
+
+    def __init__(self, model, tokenizer, device="cpu", report_eos: bool = True):
+        self.model, self.tokenizer, self.device, self.report_eos = model, tokenizer, device, report_eos
+        self.runs = 0
+
+    @torch.inference_mode()
+    def next_token(self, seq: list[int]) -> int:
+        out = self.model(input_ids=torch.tensor([seq], device=self.device))
+        return int((out.logits if hasattr(out, "logits") else out[0])[0, -1].argmax())
+
+    def __call__(self, seqs, max_tokens, stops):
+        results = []
+        for seq, budget, stop in zip(seqs, max_tokens, stops):
+            self.runs += 1
+            run: list[int] = []
+            while len(run) < budget:
+                tok = self.next_token(seq + run)
+                if tok == self.tokenizer.eos_token_id:
+                    run += [tok] if self.report_eos else []
+                    break
+                run.append(tok)
+                text = self.tokenizer.decode(run)
+                if any(s in text for s in stop):
+                    break
+            results.append(run)
+        return results
+
+
+def fake_vllm_backend(inner: Backend, report_eos: bool = True):
+    """The real ``VLLMBackend.generate`` logic over a fake engine wrapping ``inner``'s model."""
+    from harness.backends.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend.__new__(VLLMBackend)  # no vllm import, no GPU: only the engine is replaced
+    backend.tokenizer, backend.max_context, backend.device, backend.stats = \
+        inner.tokenizer, inner.max_context, inner.device, {}
+    backend.engine = FakeVLLMEngine(inner.model, inner.tokenizer, inner.device, report_eos)
+    backend.continue_rows = backend.engine
+    backend.describe = inner.describe
+    return backend

@@ -226,6 +226,29 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
     assert "| all" in capsys.readouterr().out
 
 
+def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
+    """IsTree's verdict is its stop string: the vLLM path must set it and score exactly as the stepped one."""
+    from harness.config import RunConfig
+    from harness.engine import load_backend, run_eval
+    from tests.helpers import fake_vllm_backend
+
+    cfg, _ = trained["transformer"]
+    inner = load_backend(cfg.output, device="cpu", dtype="float32")
+    args = json.loads(open(f"{cfg.output}/icr_task.json").read())["args"]
+
+    def run(backend, out):
+        rc = RunConfig(model=cfg.output, task="istree", task_args=args, distractors=0, positions=["all"],
+                       batch_size="8", device="cpu", dtype="float32", output=str(out))
+        res = run_eval(rc, backend=backend, progress=False)
+        return res, [json.loads(l) for l in open(out / "samples.jsonl")]
+
+    stepped, a = run(inner, tmp_path / "stepped")
+    chunked, b = run(fake_vllm_backend(inner), tmp_path / "vllm")
+    assert [(r["generation"], r["prediction"]) for r in a] == [(r["generation"], r["prediction"]) for r in b]
+    assert chunked["metrics"]["all"]["accuracy"] == stepped["metrics"]["all"]["accuracy"] > 0.5
+    assert chunked["metrics"]["all"]["answer_found"] > 0.9  # verdicts found: the stop string was kept
+
+
 def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
     """Regression: the hybrid's config type was registered only when the trainer's models were imported, so
     ``harness.eval`` in a new process could not load a hybrid checkpoint."""

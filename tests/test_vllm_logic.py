@@ -1,0 +1,62 @@
+"""The vLLM backend's logic on CPU: the shared state machine over a fake engine that implements vLLM's
+continuation contract independently. It must give exactly what the stepped loop gives."""
+import pytest
+
+from harness.generation import GenRequest
+from retrieval import RetrievalTool
+from tests.helpers import assert_varied, fake_vllm_backend
+from tests.test_generation import _diverse_prompts
+from tests.test_retrieval import UNITS
+
+
+def _requests(backend, prompts, free):
+    """Rows with a tool whose tags the model really writes, rows with a stop string it really writes (before or
+    after a call), and free rows (EOS or the length limit)."""
+    reqs = []
+    for i, (p, f) in enumerate(zip(prompts, free)):
+        tool = RetrievalTool(UNITS, max_calls=2, call_open=f.text[0:2], call_close=f.text[5:8]) if i % 3 == 0 else None
+        stop = [f.text[12:15]] if i % 3 == 1 else (["\n\n"] if i % 3 == 0 else [])
+        reqs.append(GenRequest(p, 32, stop=stop, tool=tool))
+    return reqs
+
+
+@pytest.mark.parametrize("report_eos", [True, False])
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_vllm_logic_equals_the_stepped_loop(which, report_eos, request):
+    backend = request.getfixturevalue(f"{which}_backend")
+    prompts = _diverse_prompts(24, seed=31)
+    free = backend.generate([GenRequest(p, 32) for p in prompts])
+    stepped = backend.generate(_requests(backend, prompts, free))
+    vllm = fake_vllm_backend(backend, report_eos)
+    chunked = vllm.generate(_requests(backend, prompts, free))
+    assert_varied([r.text for r in stepped])
+    for a, b in zip(stepped, chunked):
+        assert (a.text, a.finish_reason, a.stop_string, a.new_tokens, a.tool_tokens, a.token_ids, a.tool_spans,
+                a.retokenized_spans) == \
+               (b.text, b.finish_reason, b.stop_string, b.new_tokens, b.tool_tokens, b.token_ids, b.tool_spans,
+                b.retokenized_spans)
+    reasons = {r.finish_reason for r in stepped}
+    assert {"stop", "length"} <= reasons, reasons  # stop strings and the limit were exercised
+    assert sum(len(r.tool_spans) for r in stepped) >= 3 and any(r.retokenized_spans for r in stepped)
+    assert vllm.engine.runs > len(prompts)  # tool calls ended runs that were resubmitted
+
+
+def test_vllm_logic_respects_the_context_limit(phi_backend):
+    vllm = fake_vllm_backend(phi_backend)
+    prompt = _diverse_prompts(1, seed=3)[0]
+    n = len(phi_backend.tokenizer(prompt)["input_ids"])
+    vllm.max_context = n + 5
+    (r,) = vllm.generate([GenRequest(prompt, 20)])
+    assert r.finish_reason in ("context", "eos") and r.prompt_tokens + len(r.token_ids) <= n + 5
+
+
+@pytest.mark.parametrize("report_eos", [True, False])
+def test_vllm_logic_ends_at_eos_like_the_stepped_loop(phi_backend, report_eos):
+    prompts = _diverse_prompts(24, seed=31)
+    free = phi_backend.generate([GenRequest(p, 32) for p in prompts])
+    eos = [p for p, f in zip(prompts, free) if f.finish_reason == "eos"]
+    assert eos, "no prompt ends in EOS: pick other seeds"
+    chunked = fake_vllm_backend(phi_backend, report_eos).generate([GenRequest(p, 32) for p in eos])
+    stepped = [f for f in free if f.finish_reason == "eos"]
+    assert [(r.text, r.finish_reason, r.token_ids) for r in chunked] == \
+        [(r.text, r.finish_reason, r.token_ids) for r in stepped]
