@@ -10,38 +10,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
-import torch
-
+from harness.doctor import decode_cost
 from harness.engine import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
-
-
-def state_bytes(state) -> int:
-    if hasattr(state, "nbytes"):
-        return state.nbytes()
-    cache = state["cache"]
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-def measure(backend, length: int, steps: int) -> tuple[float, int]:
-    vocab = backend.tokenizer.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (1, length), generator=g)
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-        logits, state = backend.prefill(ids, mask)
-        tok = logits.argmax(-1, keepdim=True)
-        for _ in range(3):  # warm-up
-            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
-            tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
-            tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
-        per_token = (time.perf_counter() - t0) / steps
-    return per_token, state_bytes(state)
 
 
 def main():
@@ -59,7 +31,7 @@ def main():
             path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=a.hidden, layers=a.layers,
                                    max_positions=max(lengths) + a.steps + 16)
             backend = load_backend(str(path), "cpu", "float32")
-            rows[arch] = [measure(backend, n, a.steps) for n in lengths]
+            rows[arch] = [decode_cost(backend, n, a.steps) for n in lengths]
     print(f"random models d={a.hidden}, {a.layers} layers, CPU float32, {a.steps} decode steps per length\n")
     print(f"{'model':10s} {'context':>8s} {'ms/token':>9s} {'vs first':>9s} {'state MiB':>10s} {'vs first':>9s}")
     for arch, res in rows.items():

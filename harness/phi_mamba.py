@@ -2,7 +2,8 @@
 
 Loads the ``goombalab/Phi-Mamba`` and ``goombalab/Hybrid-Phi-Mamba`` checkpoints with strict key matching.
 transformers has no class for them and the authors' code needs CUDA kernels and torch 2.1, so the model is
-here; mamba-ssm kernels are used for the scan when present on a GPU, and everything runs on the CPU without.
+here; mamba-ssm's Triton kernels run the prompt scan and the decode step when present on a GPU
+(``harness.kernels`` decides), and everything runs on the CPU without.
 
 Architecture (parameter names follow the checkpoints):
   backbone.embedding → N blocks → backbone.final_layernorm → lm_head (with bias)
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness import kernels
 from harness.generation import block_attention_mask
 
 log = logging.getLogger("harness")
@@ -125,18 +127,7 @@ class PhiMambaConfig:
         return cfg
 
 
-# ------------------------------------------------------------------------------------------ kernels
-def _mamba_ssm_scan():
-    """mamba-ssm's chunked-scan Triton kernel, if installed and a GPU is present; else None."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # not installed, or built for another torch
-        return None
-    return mamba_chunk_scan_combined
-
-
+# ---------------------------------------------------------------------------------------- reference scans
 def ssd_chunked(x, log_a, B, C, h0, chunk: int):
     """Chunked parallel scan (the SSD form of Mamba-2) in plain PyTorch.
 
@@ -220,22 +211,38 @@ class DiscreteMamba2(nn.Module):
         log_a = torch.where(m[..., None], -F.softplus(a.float()), 0.0)  # a pad neither decays nor adds
         x_in = torch.where(m[..., None, None], x, 0.0).float()
         if l == 1:
-            y, state["ssm"] = ssd_step(x_in[:, 0], log_a[:, 0], B[:, 0].float(), C[:, 0].float(), state["ssm"])
+            y, state["ssm"] = self._step(x_in[:, 0], log_a[:, 0], B[:, 0].float(), C[:, 0].float(), state["ssm"],
+                                         scan)
             y = y[:, None]
         else:
             y, state["ssm"] = self._scan(x_in, log_a, B.float(), C.float(), state["ssm"], scan)
         y = y.to(x.dtype) + self.D[:, None] * x
         return self.out_proj(y.reshape(bsz, l, self.d_inner) * F.silu(z + self.z_bias))
 
+    # mamba-ssm's kernels take dt and A and form exp(A dt) and dt * B x; with A = -1 and dt = -log_a that is our
+    # decay, and feeding x / dt gives our input term (dt = 0 on pads, where x is 0 too).
     def _scan(self, x, log_a, B, C, h0, scan):
-        kernel = _mamba_ssm_scan() if scan in ("auto", "kernel") else None
-        if kernel is not None and x.is_cuda:
-            # The kernel takes dt and multiplies the input by it; feed dt = -log_a and x / dt (dt = 0 on pads).
-            dt = -log_a
-            y, h = kernel(x / dt.clamp_min(1e-12)[..., None], dt, -torch.ones(self.h, device=x.device), B, C,
-                          chunk_size=self.cfg.chunk_size, initial_states=h0, return_final_states=True)
-            return y, h
-        return ssd_chunked(x, log_a, B, C, h0, self.cfg.chunk_size)
+        ops = kernels.require(scan, x)
+        if ops is None:
+            return ssd_chunked(x, log_a, B, C, h0, self.cfg.chunk_size)
+        kernels.CALLS["chunk_scan"] += 1
+        dt = (-log_a).contiguous()
+        return ops.chunk_scan(x / dt.clamp_min(1e-12)[..., None], dt, -torch.ones(self.h, device=x.device), B, C,
+                              chunk_size=self.cfg.chunk_size, initial_states=h0, return_final_states=True)
+
+    def _step(self, x, log_a, B, C, h, scan):
+        ops = kernels.require(scan, x)
+        if ops is None:
+            return ssd_step(x, log_a, B, C, h)
+        kernels.CALLS["state_update"] += 1
+        dt = (-log_a)[..., None].expand_as(x).contiguous()
+        h = h.clone()  # updated in place by the kernel; a copied prefix state must stay intact
+        zeros = torch.zeros(self.h, self.p, device=x.device, dtype=x.dtype)
+        # D and dt_bias are passed as zeros (they add nothing): mamba-ssm 2.3.2's launcher fails on None for
+        # either (found by the CPU-interpreter test). D x is added outside, as in the reference path.
+        y = ops.state_update(h, x / dt.clamp_min(1e-12), dt, -torch.ones(self.h, self.p, self.n, device=x.device),
+                             B, C, D=zeros, dt_bias=zeros)
+        return y, h
 
 
 class PhiAttentionMixer(nn.Module):

@@ -8,7 +8,8 @@ import torch
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.hf import load_tokenizer
 from harness.generation import logits_at_last_real
-from harness.phi_mamba import PhiMambaForCausalLM, _mamba_ssm_scan
+from harness import kernels
+from harness.phi_mamba import PhiMambaForCausalLM
 
 log = logging.getLogger("harness")
 
@@ -26,7 +27,8 @@ class PhiMambaBackend(Backend):
         cfg = self.model.config
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
-        self.scan_path = "mamba-ssm triton kernel" if (self.device.type == "cuda" and _mamba_ssm_scan()) else "pytorch"
+        self.scan_path = "mamba-ssm triton kernels" if (self.device.type == "cuda" and kernels.mamba_ssm_ops()) \
+            else "pytorch reference"
         log.info("phi-mamba: %d layers (%s attention), scan path: %s", cfg.n_layer,
                  cfg.attn_layers or "no", self.scan_path)
 

@@ -1,0 +1,285 @@
+"""``python -m harness.doctor``: what this machine will run, and proof that each available path is right.
+
+Run it on a new GPU box before a week-long evaluation. It prints the software found and the path each backend
+takes, then, for every path available here, a parity check on tiny random models, and Phi-Mamba's decode
+speed and state memory at 512 / 2k / 8k tokens of context. Exit status 1 if any check fails.
+
+    python -m harness.doctor                       # what is here, and every check that can run here
+    python -m harness.doctor --interpret-kernels   # also mamba-ssm's Triton kernels on CPU (interpreter; slow)
+
+Checks: the Phi-Mamba reference path (chunked scan = recurrence, batched = alone); mamba-ssm kernels against
+the reference (CUDA, or Triton's interpreter on CPU with ``--interpret-kernels``; prompt scan, decode step,
+greedy tokens, Phi-Mamba and hybrid, left-padded batches); vLLM against transformers (CUDA with vllm)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TOL = 1e-3  # max |logit difference| on tiny random models (float32)
+
+
+def state_bytes(state) -> int:
+    """Bytes of a decoding state: Phi-Mamba's conv+SSM (and KV) state, or a transformers KV cache."""
+    if hasattr(state, "nbytes"):
+        return state.nbytes()
+    cache = state["cache"]
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def decode_cost(backend, length: int, steps: int) -> tuple[float, int]:
+    """(seconds per decoded token, decoding-state bytes) after a ``length``-token prompt, batch 1."""
+    vocab = backend.tokenizer.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (1, length), generator=g).to(backend.device)
+    mask = torch.ones_like(ids)
+    sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        logits, state = backend.prefill(ids, mask)
+        tok = logits.argmax(-1, keepdim=True)
+        for _ in range(3):  # warm-up
+            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
+            tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
+            tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
+        sync()
+        per_token = (time.perf_counter() - t0) / steps
+    return per_token, state_bytes(state)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _tiny_phi_mamba(attn_layers, device, seed=0):
+    from harness.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = PhiMambaConfig.tiny(vocab_size=97, d_model=64, n_layer=2, attn_layers=attn_layers, chunk_size=16)
+    model = PhiMambaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)  # large enough that outputs depend on the whole prompt
+    return model.to(device)
+
+
+def _run_paths(model, seqs, steps: int, scan: str, device) -> tuple[torch.Tensor, list[torch.Tensor], list[list[int]]]:
+    """Prefill a left-padded batch, then greedy-decode ``steps`` tokens; logits at real positions, per-step
+    logits and tokens."""
+    from harness.generation import left_pad
+
+    model.scan = scan
+    ids, mask = left_pad(seqs, 0, device)
+    with torch.inference_mode():
+        logits, state = model(ids, mask)
+        real = logits[mask.bool()]
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        step_logits, toks = [], [tok[:, 0].tolist()]
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], 1)
+            out, state = model(tok, mask, state)
+            step_logits.append(out[:, -1])
+            tok = out[:, -1].argmax(-1, keepdim=True)
+            toks.append(tok[:, 0].tolist())
+    return real, step_logits, toks
+
+
+def check_phi_mamba_reference(device="cpu") -> dict:
+    """The reference path against itself: a left-padded batch equals each prompt alone."""
+    worst = 0.0
+    for attn in ([], [1]):
+        model = _tiny_phi_mamba(attn, device)
+        seqs = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
+        batch = _run_paths(model, seqs, 6, "torch", device)
+        for i, s in enumerate(seqs):
+            alone = _run_paths(model, [s], 6, "torch", device)
+            worst = max(worst, max((a[0] - b[i]).abs().max().item() for a, b in zip(alone[1], batch[1])))
+    return {"name": "phi-mamba reference: batched == alone", "max_diff": worst, "ok": worst < TOL}
+
+
+def check_phi_mamba_kernels(device) -> dict:
+    """mamba-ssm's kernels (prompt scan and decode step) against the reference path."""
+    from harness import kernels
+
+    before = dict(kernels.CALLS)
+    worst, same_tokens = 0.0, True
+    for attn in ([], [1]):
+        model = _tiny_phi_mamba(attn, device)
+        seqs = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
+        ref = _run_paths(model, seqs, 4, "torch", device)
+        ker = _run_paths(model, seqs, 4, "kernel", device)
+        worst = max(worst, (ref[0] - ker[0]).abs().max().item(),
+                    *((a - b).abs().max().item() for a, b in zip(ref[1], ker[1])))
+        same_tokens &= ref[2] == ker[2]
+    launched = {k: kernels.CALLS[k] - before[k] for k in kernels.CALLS}
+    ok = worst < TOL and same_tokens and all(launched.values())
+    return {"name": f"phi-mamba: mamba-ssm kernels == reference ({device})", "max_diff": worst,
+            "same_tokens": same_tokens, "kernel_calls": launched, "ok": ok}
+
+
+def check_vllm(tmp: Path) -> dict:
+    """vLLM against the transformers backend: greedy tokens of a tiny random Llama."""
+    from harness.backends.hf import TransformersBackend
+    from harness.backends.vllm_backend import VLLMBackend
+    from harness.generation import GenRequest
+    from harness.tiny import build_tokenizer, make_tiny_model
+
+    path = str(make_tiny_model(tmp / "llama", "llama", tokenizer=build_tokenizer(), hidden=128))
+    prompts = [f"Paragraph: Karvell\nKarvell is a town number {i}. Question: where?" for i in range(8)]
+    hf = TransformersBackend(path, device="cuda", dtype="float32").generate([GenRequest(p, 16) for p in prompts])
+    vl = VLLMBackend(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    got = vl.generate([GenRequest(p, 16) for p in prompts])
+    same = sum(a.token_ids == b.token_ids for a, b in zip(hf, got))
+    return {"name": "vllm == transformers (tiny llama, greedy)", "same": f"{same}/{len(prompts)}",
+            "ok": same == len(prompts)}
+
+
+def decode_table(device, size: str) -> list[dict]:
+    """Phi-Mamba decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache."""
+    from harness.engine import load_backend
+    from harness.tiny import build_tokenizer, make_tiny_model
+
+    hidden, layers = (2048, 24) if size == "real" else (128, 4)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tok = build_tokenizer()
+        for arch in ("phi-mamba", "phi"):
+            path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
+                                   max_positions=8192 + 64, init_std=0.02)
+            backend = load_backend(str(path), device, dtype)
+            for n in (512, 2048, 8192):
+                sec, nbytes = decode_cost(backend, n, 16)
+                rows.append({"model": arch, "context": n, "ms_per_token": round(1e3 * sec, 3),
+                             "tokens_per_s": round(1 / sec, 1), "state_mib": round(nbytes / 2**20, 3)})
+            del backend
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------- cli
+def environment() -> dict:
+    from harness import kernels
+
+    env = {"python": platform.python_version(), **kernels.status()}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
+
+
+def paths(env: dict) -> dict:
+    cuda = env["cuda_available"]
+    return {
+        "transformers backend": f"{'cuda, bfloat16' if cuda else 'cpu, float32'} (dtype auto)",
+        "phi-mamba backend": f"{'cuda' if cuda else 'cpu'}, scan: {env['phi_mamba_scan']}",
+        "vllm backend": "available" if (cuda and env["vllm"]) else "unavailable (needs vllm and a CUDA GPU)",
+        "trainer mamba/hybrid": ("mamba-ssm + causal-conv1d CUDA kernels" if cuda and env["mamba_ssm"]
+                                 and env["causal_conv1d"] else "transformers' PyTorch scan (slow on GPU)"),
+    }
+
+
+def _interpreted_kernel_check(cache: Path) -> dict:
+    """The kernel check under Triton's CPU interpreter, in a child process (the interpreter must be switched
+    on before triton is imported)."""
+    code = ("import json, sys\nfrom harness import kernels\n"
+            f"kernels.enable_cpu_interpreter(kernels.fetch_mamba_ssm_sources({str(cache)!r}))\n"
+            "from harness.doctor import check_phi_mamba_kernels\n"
+            "print('RESULT ' + json.dumps(check_phi_mamba_kernels('cpu')))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                         cwd=Path(__file__).resolve().parent.parent)
+    line = next((l for l in res.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        return {"name": "phi-mamba: mamba-ssm kernels == reference (cpu, triton interpreter)", "ok": False,
+                "error": (res.stderr or res.stdout).strip()[-1500:]}
+    out = json.loads(line[len("RESULT "):])
+    out["name"] += ", triton interpreter"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.doctor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interpret-kernels", action="store_true",
+                    help="on a CPU machine, run mamba-ssm's Triton kernels in Triton's interpreter against the "
+                         "reference path (needs triton; fetches the mamba-ssm sdist once)")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "icr-harness"),
+                    help="where fetched sources are kept (default: ~/.cache/icr-harness)")
+    ap.add_argument("--decode-size", choices=["tiny", "real"], default=None,
+                    help="model size for the decode table (default: real on CUDA, tiny on CPU)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode-speed table")
+    ap.add_argument("--json", default=None, help="also write everything to this JSON file")
+    a = ap.parse_args(argv)
+
+    env = environment()
+    print("== environment")
+    for k, v in env.items():
+        print(f"  {k:18s} {v}")
+    print("== paths")
+    for k, v in paths(env).items():
+        print(f"  {k:22s} {v}")
+
+    checks = [check_phi_mamba_reference("cuda" if env["cuda_available"] else "cpu")]
+    if env["cuda_available"] and env["phi_mamba_scan"] != "pytorch reference":
+        checks.append(check_phi_mamba_kernels("cuda"))
+    elif a.interpret_kernels:
+        if not env["triton"]:
+            checks.append({"name": "phi-mamba kernels under the interpreter", "ok": False,
+                           "error": "triton is not installed: pip install triton"})
+        else:
+            checks.append(_interpreted_kernel_check(Path(a.cache)))
+    if env["cuda_available"] and env["vllm"]:
+        with tempfile.TemporaryDirectory() as d:
+            checks.append(check_vllm(Path(d)))
+    print("== checks")
+    for c in checks:
+        detail = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("name", "ok"))
+        print(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']}  ({detail})")
+    skipped = []
+    if not env["cuda_available"]:
+        skipped.append("CUDA kernels and vLLM parity: no CUDA GPU here")
+        if not a.interpret_kernels:
+            skipped.append("kernels under the CPU interpreter: pass --interpret-kernels")
+    for s in skipped:
+        print(f"  SKIP  {s}")
+
+    table = []
+    if not a.no_decode:
+        device = "cuda" if env["cuda_available"] else "cpu"
+        size = a.decode_size or ("real" if device == "cuda" else "tiny")
+        table = decode_table(device, size)
+        print(f"== decode, batch 1, {size} random models on {device}")
+        print(f"  {'model':10s} {'context':>8s} {'ms/token':>9s} {'tokens/s':>9s} {'state MiB':>10s}")
+        for r in table:
+            print(f"  {r['model']:10s} {r['context']:8d} {r['ms_per_token']:9.3f} {r['tokens_per_s']:9.1f} "
+                  f"{r['state_mib']:10.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"environment": env, "paths": paths(env), "checks": checks,
+                                            "decode": table}, indent=2, default=str))
+    failed = [c["name"] for c in checks if not c["ok"]]
+    print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Where the GPU kernels come from, decided in one place so every caller (Phi-Mamba, the doctor) agrees.
+
+mamba-ssm's Triton kernels, the chunked SSD scan (``mamba_chunk_scan_combined``) for prompts and
+``selective_state_update`` for decoding, are used when mamba-ssm imports and the tensors are on a CUDA GPU,
+or when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``), which is how CI tests this glue without a
+GPU. ``enable_cpu_interpreter`` applies what the interpreter needs from a mamba-ssm source tree (pip cannot
+build mamba-ssm without CUDA): the sources on ``sys.path``, empty stand-ins for its CUDA extension modules,
+a no-op ``torch.cuda.device`` and autotuning reduced to each kernel's first config (benchmarking needs a GPU)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+MAMBA_SSM_VERSION = "2.3.2.post1"  # the sdist the CPU-interpreter tests and the doctor fetch
+CALLS: dict[str, int] = {"chunk_scan": 0, "state_update": 0}  # kernel launches, so a test can see the path ran
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def usable_on(t: torch.Tensor) -> bool:
+    """Whether the kernels can run on this tensor's device."""
+    return t.is_cuda or interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def mamba_ssm_ops() -> types.SimpleNamespace | None:
+    """mamba-ssm's Triton ops if they import and can run here (a GPU or the interpreter); else None."""
+    if not (torch.cuda.is_available() or interpreting()):
+        return None
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # not installed, or built for another torch
+        return None
+    return types.SimpleNamespace(chunk_scan=mamba_chunk_scan_combined, state_update=selective_state_update)
+
+
+def require(scan: str, t: torch.Tensor) -> types.SimpleNamespace | None:
+    """The ops for ``scan`` = "auto" (kernels when usable), "kernel" (kernels or an error) or "torch" (never)."""
+    if scan == "torch":
+        return None
+    ops = mamba_ssm_ops()
+    if ops is not None and usable_on(t):
+        return ops
+    if scan == "kernel":
+        raise RuntimeError("mamba-ssm kernels were asked for but cannot run here: "
+                           f"{'not importable' if ops is None else 'tensors are not on a CUDA device'} "
+                           "(install mamba-ssm on a GPU machine, or use the reference scan)")
+    return None
+
+
+def status() -> dict:
+    """What is installed and which path the Phi-Mamba scan will take (for the doctor and the logs)."""
+    import importlib.util
+
+    out = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+           "cuda_build": torch.version.cuda, "triton_interpret": interpreting()}
+    for pkg in ("triton", "mamba_ssm", "causal_conv1d", "vllm"):
+        out[pkg] = importlib.util.find_spec(pkg) is not None
+    out["phi_mamba_scan"] = "mamba-ssm triton" if mamba_ssm_ops() is not None else "pytorch reference"
+    return out
+
+
+def enable_cpu_interpreter(mamba_ssm_src: str | Path) -> None:
+    """Make mamba-ssm's Triton kernels runnable on CPU tensors under Triton's interpreter. Call it before
+    triton or mamba_ssm is imported; it changes this process only (tests and the doctor run it in a child)."""
+    if "triton" in sys.modules and not interpreting():
+        raise RuntimeError("enable_cpu_interpreter must run before triton is imported")
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(Path(mamba_ssm_src).resolve()))
+    for name in ("selective_scan_cuda", "causal_conv1d_cuda", "causal_conv1d"):
+        sys.modules.setdefault(name, types.ModuleType(name))  # CUDA extensions mamba_ssm imports at top level
+    torch.cuda.device = lambda *a, **k: contextlib.nullcontext()  # kernels enter the tensor's CUDA device
+    from triton.runtime import autotuner
+
+    run = autotuner.Autotuner.run
+
+    def first_config(self, *args, **kwargs):
+        self.configs = self.configs[:1]  # timing configs needs a GPU; the first one computes the same result
+        return run(self, *args, **kwargs)
+
+    autotuner.Autotuner.run = first_config
+    mamba_ssm_ops.cache_clear()
+
+
+def fetch_mamba_ssm_sources(cache_dir: str | Path) -> Path:
+    """The mamba-ssm source tree from its sdist on the package index, cached under ``cache_dir``."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    root = Path(cache_dir) / f"mamba_ssm-{MAMBA_SSM_VERSION}"
+    if (root / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, MAMBA_SKIP_CUDA_BUILD="TRUE")
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                              "--no-build-isolation", "-q", "-d", tmp, f"mamba-ssm=={MAMBA_SSM_VERSION}"],
+                             capture_output=True, text=True, timeout=600, env=env)
+        sdists = list(Path(tmp).glob("*.tar.gz"))
+        if res.returncode != 0 or not sdists:
+            raise OSError(f"could not fetch mamba-ssm=={MAMBA_SSM_VERSION} from the package index: "
+                          f"{res.stderr.strip()[-300:]}")
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdists[0]) as tar:
+            members = [m for m in tar.getmembers() if "/mamba_ssm/" in m.name and m.isfile()]
+            tar.extractall(root.parent, members=members, filter="data")
+    return root
