@@ -23,6 +23,7 @@ class ConfigError(ValueError):
 class RunConfig:
     model: str
     backend: str = "auto"
+    tokenizer: str | None = None  # default: the checkpoint's own, or the registry's (Phi-1.5's for goombalab's)
     task: str = "hotpotqa"
     task_args: dict = field(default_factory=dict)  # task-specific options, e.g. IsTree's nodes and setup
     data: str | None = None
@@ -101,15 +102,22 @@ class RunConfig:
         """What determines a sample's generation, as content: the key of the resume hash. Positions, limits,
         ids, batch size and prefix reuse are left out: they choose which rows exist, not what a row holds."""
         from harness.backends.base import resolve_dtype
+        from harness.models import UnknownModelError, resolve_model
 
         dev = self.resolved_device()
         try:
-            dtype = str(resolve_dtype(self.dtype, dev)).replace("torch.", "")
+            family = self.backend if self.backend != "auto" else resolve_model(self.model).backend
+        except UnknownModelError:
+            family = None  # reported when the model is loaded
+        try:
+            dtype = str(resolve_dtype(self.dtype, dev, family)).replace("torch.", "")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         model = model_path or self.model
         local = Path(model).expanduser()
+        tok = Path(self.tokenizer).expanduser() if self.tokenizer else None
         return {"model": str(local.resolve()) if local.is_dir() else model, "backend": self.backend,
+                "tokenizer": str(tok.resolve()) if tok is not None and tok.is_dir() else self.tokenizer,
                 "task": self.task, "task_args": self.task_args, "data_sha256": data_sha256,
                 "split": self.split, "distractors": self.distractors, "shots": self.shots,
                 "template_sha256": template_sha256, "max_new_tokens": self.max_new_tokens, "dtype": dtype,

@@ -30,12 +30,21 @@ log = logging.getLogger("harness")
 MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 
 
-def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto"):
-    """Resolve a model name through the registry and build its backend (``backend`` overrides the default)."""
+def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
+                 tokenizer: str | None = None):
+    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
+    ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
+    import dataclasses
+
     from harness.backends import backend_class
     from harness.models import resolve_model
 
     spec = resolve_model(model)
+    if tokenizer:
+        spec = dataclasses.replace(spec, tokenizer=str(Path(tokenizer).expanduser().resolve())
+                                   if Path(tokenizer).expanduser().is_dir() else tokenizer)
+    elif spec.tokenizer and Path(spec.path).is_dir():
+        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
     name = spec.backend if backend == "auto" else backend
     if spec.backend == "phi-mamba" and name != "phi-mamba":
         raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
@@ -43,10 +52,14 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     try:
         return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
     except OSError as e:
-        raise ModelLoadError(f"could not load model {model!r} (weights {spec.path}, tokenizer "
-                             f"{spec.tokenizer or spec.path}) through the {name} backend: {e}\nWhere the hub is "
-                             f"unreachable, download once with `huggingface-cli download {spec.path}` elsewhere and "
-                             "copy the HF cache, or pass a local checkpoint directory to --model.") from e
+        tok = spec.tokenizer or spec.path
+        hint = (f"\n{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
+                f"{tok}'s. Pass --tokenizer with a local copy of it (a folder holding tokenizer.json), or fill the "
+                "HF cache with it.") if Path(spec.path).is_dir() and spec.tokenizer else ""
+        raise ModelLoadError(f"could not load model {model!r} (weights {spec.path}, tokenizer {tok}) through the "
+                             f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
+                             f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a "
+                             "local checkpoint directory to --model.") from e
     except ImportError:
         raise
     except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
@@ -197,7 +210,7 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, re
         device = cfg.device
         if world > 1 and device == "auto" and torch.cuda.is_available():
             device = f"cuda:{dist.local_process_index}"
-        backend = load_backend(cfg.model, device, cfg.dtype, cfg.backend)
+        backend = load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
                     help=f"registered name ({', '.join(REGISTRY)}), a hub id (org/name) or a local checkpoint dir")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer: a hub id or local folder (default: the checkpoint's own; microsoft/phi-1_5's "
+                         "for goombalab-format folders, which carry none)")
     ap.add_argument("--backend", default="auto", choices=["auto", "transformers", "phi-mamba", "vllm"],
                     help="model backend (default: the registry's choice; vllm is an optional GPU extra)")
     ap.add_argument("--task", default="hotpotqa",
@@ -76,7 +79,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
     local = Path(a.model).expanduser()
     safe = local.resolve().name if local.is_dir() else a.model.rstrip("/").replace("/", "_")
     output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
-    return RunConfig(model=a.model, backend=a.backend, task=a.task, task_args=task_args, data=a.data, split=a.split, distractors=a.distractors,
+    return RunConfig(model=a.model, tokenizer=a.tokenizer, backend=a.backend, task=a.task, task_args=task_args, data=a.data, split=a.split, distractors=a.distractors,
                      positions=parse_positions(a.positions or "first,middle,last"), shots=a.shots, template=a.template, limit=a.limit,
                      ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
                      dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,

@@ -30,6 +30,9 @@ REGISTRY: dict[str, ModelSpec] = {
                                   description="Hybrid Phi-Mamba: Mamba-2 mixers with a few Phi attention layers"),
 }
 
+PHI_TOKENIZER = "microsoft/phi-1_5"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -54,7 +57,11 @@ def resolve_model(name: str) -> ModelSpec:
                                     "short: save it again with save_pretrained()") from None
         if not isinstance(cfg, dict):
             raise UnknownModelError(f"{cfg_file} must hold a JSON object (a model config), got {type(cfg).__name__}")
-        return ModelSpec(name, str(path), _backend_for_config(cfg))
+        backend = _backend_for_config(cfg)
+        has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
+        # goombalab's checkpoint folders carry no tokenizer: theirs is Phi-1.5's
+        tokenizer = None if has_tokenizer or backend != "phi-mamba" else PHI_TOKENIZER
+        return ModelSpec(name, str(path), backend, tokenizer=tokenizer)
     if _HUB_ID.match(name) and not name.startswith((".", "/")):
         return ModelSpec(name, name, "transformers")
     known = "\n".join(f"  {s.name:18s} {s.path:28s} {s.description}" for s in REGISTRY.values())

@@ -35,6 +35,11 @@ log = logging.getLogger("harness")
 
 MAMBA_CORE = "modules.mixers.discrete_mamba2"
 ATTN_CORE = "modules.mixers.phi_attention"
+# goombalab/phi-mamba builds every attention layer from Phi-1.5's defaults, whatever a checkpoint's core_input
+# says; the project's own checkpoints (tiny test models) mark that their core_input is to be honoured.
+PHI15_ATTENTION = {"num_attention_heads": 32, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                   "max_position_embeddings": 2048}
+OWN_MARKER = "icr_harness"
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -59,6 +64,8 @@ class PhiMambaConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     layer_norm_eps: float = 1e-5
+    # attention settings a goombalab config.json asked for that the official code (and so this one) ignores
+    ignored_core_input: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def padded_vocab(self) -> int:
@@ -81,14 +88,17 @@ class PhiMambaConfig:
             raise ValueError(f"not a Phi-Mamba config (LanguageModel/MixerModel/BlockN expected): {e}") from e
         out = cls(vocab_size=lm["vocab_size"], pad_vocab_size_multiple=lm.get("pad_vocab_size_multiple", 8),
                   d_model=mm["d_model"], n_layer=mm["n_layer"])
-        layer = 0
+        layer, ignored = 0, {}
+        honour_core = bool(cfg.get(OWN_MARKER, {}).get("attention_from_core_input"))
         for b in blocks:
             core = b.get("core_input", {})
             if b["CoreType"] == ATTN_CORE:
                 out.attn_layers += list(range(layer, layer + b["n_layers"]))
-                for k in ("num_attention_heads", "partial_rotary_factor", "rope_theta", "max_position_embeddings"):
-                    if k in core:
+                for k, default in PHI15_ATTENTION.items():
+                    if honour_core and k in core:
                         setattr(out, k, core[k])
+                    elif k in core and core[k] != default:
+                        ignored[k] = core[k]
             elif b["CoreType"] == MAMBA_CORE:
                 for k in ("d_state", "n_qk_heads", "n_v_heads", "d_conv", "expand", "chunk_size", "conv_bias"):
                     if k in core:
@@ -100,6 +110,12 @@ class PhiMambaConfig:
             layer += b["n_layers"]
         if layer != out.n_layer:
             raise ValueError(f"blocks hold {layer} layers but MixerModel.n_layer is {out.n_layer}")
+        if ignored:
+            log.warning("hybrid attention is built as goombalab/phi-mamba builds it, from Phi-1.5's defaults (%s); "
+                        "config.json's core_input also says %s, which the official code ignores as well",
+                        ", ".join(f"{k}={v}" for k, v in PHI15_ATTENTION.items()),
+                        ", ".join(f"{k}={v}" for k, v in ignored.items()))
+        out.ignored_core_input = ignored
         return out
 
     def to_goombalab(self) -> dict:
@@ -109,7 +125,8 @@ class PhiMambaConfig:
         attn_core = {"num_attention_heads": self.num_attention_heads, "rope_theta": self.rope_theta,
                      "partial_rotary_factor": self.partial_rotary_factor,
                      "max_position_embeddings": self.max_position_embeddings}
-        cfg = {"LanguageModel": {"input": {"vocab_size": self.vocab_size,
+        cfg = {OWN_MARKER: {"attention_from_core_input": True},
+               "LanguageModel": {"input": {"vocab_size": self.vocab_size,
                                            "pad_vocab_size_multiple": self.pad_vocab_size_multiple}},
                "MixerModel": {"input": {"d_model": self.d_model, "n_layer": self.n_layer,
                                         "lm_head_prenorm": "layer"}}}

@@ -205,3 +205,47 @@ def test_real_1_5b_parameter_names_and_shapes(hybrid):
     assert shapes == expected
     n_params = sum(v.numel() for v in model.parameters())
     assert 1.3e9 < n_params < 1.6e9
+
+
+def test_hybrid_attention_is_built_as_the_official_code_builds_it(caplog):
+    """goombalab/phi-mamba builds attention from Phi-1.5's defaults whatever core_input says; so does the
+    loader, naming what it ignores. The project's own checkpoints (marked) keep their core_input."""
+    from harness.phi_mamba import OWN_MARKER, PhiMambaConfig
+
+    own = PhiMambaConfig.tiny(vocab_size=100, d_model=64, n_layer=3, attn_layers=[1])
+    cfg = own.to_goombalab()
+    assert PhiMambaConfig.from_goombalab(cfg).num_attention_heads == 4  # marked: honoured
+    official = {k: v for k, v in cfg.items() if k != OWN_MARKER}
+    official["Block2"]["core_input"].update(num_attention_heads=16, rope_theta=500000.0)
+    got = PhiMambaConfig.from_goombalab(official)
+    assert (got.num_attention_heads, got.rope_theta, got.partial_rotary_factor, got.max_position_embeddings) == \
+        (32, 10000.0, 0.5, 2048)
+    assert got.ignored_core_input["num_attention_heads"] == 16 and got.ignored_core_input["rope_theta"] == 500000.0
+    assert "num_attention_heads=16" in caplog.text and "rope_theta=500000.0" in caplog.text
+
+
+def test_goombalab_folders_default_to_phi_tokenizer_and_take_tokenizer_flag(tiny_phi_mamba_dir, tmp_path, capsys):
+    import shutil
+
+    from harness.eval import main as eval_main
+    from harness.models import TOKENIZER_FILES
+
+    bare = tmp_path / "goombalab-style"
+    shutil.copytree(tiny_phi_mamba_dir, bare)
+    for f in TOKENIZER_FILES:
+        (bare / f).unlink(missing_ok=True)
+    assert resolve_model(str(bare)).tokenizer == "microsoft/phi-1_5"
+    assert resolve_model(tiny_phi_mamba_dir).tokenizer is None  # has its own
+    base = ["--model", str(bare), "--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--no-progress"]
+    assert eval_main([*base, "--output", str(tmp_path / "a")]) == 2  # offline: Phi-1.5's tokenizer is not here
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "carries no tokenizer" in err and "--tokenizer" in err
+    assert eval_main([*base, "--tokenizer", tiny_phi_mamba_dir, "--output", str(tmp_path / "b")]) == 0
+
+
+def test_dtype_auto_is_float32_for_the_phi_mamba_family():
+    from harness.backends.base import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda"), family="phi-mamba") == torch.float32
+    assert resolve_dtype("auto", torch.device("cpu"), family="transformers") == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu"), family="phi-mamba") == torch.bfloat16

@@ -20,7 +20,7 @@ class PhiMambaBackend(Backend):
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
                  model: PhiMambaForCausalLM | None = None, tok=None):
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, family=self.name)
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
         self.model = (model or PhiMambaForCausalLM.from_pretrained(path, dtype=self.dtype)).to(self.device, self.dtype)
         self.model.eval()
