@@ -45,7 +45,7 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
         results = json.loads(res_file.read_text())
     except ValueError as e:
         raise ReportError(f"{res_file} is not valid JSON ({e}); rerun the evaluation to rewrite it") from e
-    records = list(SampleLog(run_dir).records.values())
+    records = list(SampleLog(run_dir, read_only=True).records.values())
     sel = results.get("selection")
     if sel:
         keys = {f"{i}@{p}" for i in sel["ids"] for p in sel["positions"]}
@@ -101,8 +101,8 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
     rows = []
     for d, label, (results, samples) in zip(run_dirs, labels, loaded):
         cfg = results["config"]
-        metrics = tuple(k for k in next(iter(results["metrics"].values()), {}) if f"{k}_se" in results["metrics"][
-            next(iter(results["metrics"]))])
+        first = next(iter(results["metrics"].values()), {})
+        metrics = tuple(k for k in first if f"{k}_se" in first)
         positions = (results.get("selection") or {}).get("positions") or list(results["metrics"])
         by_pos = summarize(samples, metrics, positions, keep_ids=keep_ids, seed=cfg.get("seed", 0))
         for pos, m in by_pos.items():

@@ -133,14 +133,15 @@ class SampleLog:
     (``samples.rankN.jsonl``) and every rank reads all shards, so a resumed run knows what is done whatever
     the number of ranks before; ``merge`` folds the shards into one ``samples.jsonl``."""
 
-    def __init__(self, out_dir: str | Path, shard: str | None = None):
+    def __init__(self, out_dir: str | Path, shard: str | None = None, read_only: bool = False):
+        """``read_only``: never repair a file (a report may read a run that another process is writing)."""
         self.dir = Path(out_dir)
         self.path = self.dir / ("samples.jsonl" if shard is None else f"samples.{shard}.jsonl")
         self.records: dict[str, dict] = {}
         self.bad_lines: dict[Path, list[tuple[int, bytes]]] = {}
         self.duplicates = 0
         for f in self._files():
-            self._load(f, own=(f == self.path))
+            self._load(f, own=(f == self.path and not read_only))
         self._fh = None
 
     def _files(self) -> list[Path]:

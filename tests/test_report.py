@@ -132,3 +132,14 @@ def test_a_run_whose_results_json_was_cut_is_an_error_line(tiny_phi_dir, phi_bac
     assert report_main([str(run), "--out", str(tmp_path / "rep")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "results.json is not valid JSON" in err
+
+
+def test_the_report_never_modifies_a_run_it_reads(tiny_phi_dir, phi_backend, tmp_path):
+    """A run being written may end in a half-written line; reading it for a report must leave it alone."""
+    run = tmp_path / "run"
+    _run(tiny_phi_dir, phi_backend, run, distractors=2, positions=["first"])
+    samples = run / "samples.jsonl"
+    samples.write_bytes(samples.read_bytes() + b'{"key": "fx9999@first", "gen')  # another process mid-write
+    before = samples.read_bytes()
+    assert report_main([str(run), "--out", str(tmp_path / "rep")]) == 0
+    assert samples.read_bytes() == before
