@@ -210,8 +210,8 @@ def retrieval_trace(g: Graph) -> tuple[list[str], bool]:
                 break
             pw = records.get(w)
             ask([str(w), "~"], pw)
-            if pw is not None:
-                raise _Cycle
+            if pw is not None or w == 0:  # the root has no "0 ~" record: its query answers [FAILED], yet
+                raise _Cycle              # it is visited, so reaching it again closes a cycle (as the paper's code)
             records[w] = v
             out.extend([str(w), "~", str(v)])
             visit(w)

@@ -104,6 +104,33 @@ def test_retrieval_trace_verdict_and_every_query_replays_through_the_regex_tool(
     assert queries > 20_000
 
 
+@pytest.mark.parametrize("n,edges,is_tree,expected", [
+    # a cycle through the root: the root has no "0 ~" record, so its query answers [FAILED], and since the root
+    # is visited the trace ends there (the paper's code; the project used to re-enter 0 and write "0 ~ 2")
+    (3, [(0, 1), (1, 2), (2, 0)], False,
+     "0 S 0 ~ E F S 0 - E 1 S 1 ~ E F 1 ~ 0 1 S 1 ~ E 0 S 1 - E 0 S 1 - 0 E 2 S 2 ~ E F 2 ~ 1 "
+     "2 S 2 ~ E 1 S 2 - E 1 S 2 - 1 E 0 S 0 ~ E F"),
+    # a cycle away from the root: node 1's record answers, so the trace ends with "1 ~ ... 0"
+    (4, [(0, 1), (1, 2), (2, 3), (3, 1)], False,
+     "0 S 0 ~ E F S 0 - E 1 S 1 ~ E F 1 ~ 0 1 S 1 ~ E 0 S 1 - E 0 S 1 - 0 E 2 S 2 ~ E F 2 ~ 1 "
+     "2 S 2 ~ E 1 S 2 - E 1 S 2 - 1 E 3 S 3 ~ E F 3 ~ 2 3 S 3 ~ E 2 S 3 - E 2 S 3 - 2 E 1 S 1 ~ E 0"),
+    # disconnected, no cycle: the search ends having seen 2 of 4 nodes
+    (4, [(0, 1), (2, 3)], False,
+     "0 S 0 ~ E F S 0 - E 1 S 1 ~ E F 1 ~ 0 1 S 1 ~ E 0 S 1 - E 0 S 1 - 0 E F 0 S 0 ~ E F S 0 - 1 E F"),
+    # a tree: every branch is closed by a [FAILED] next-edge query
+    (3, [(1, 0), (1, 2)], True,
+     "0 S 0 ~ E F S 0 - E 1 S 1 ~ E F 1 ~ 0 1 S 1 ~ E 0 S 1 - E 0 S 1 - 0 E 2 S 2 ~ E F 2 ~ 1 "
+     "2 S 2 ~ E 1 S 2 - E 1 S 2 - 1 E F 1 S 1 ~ E 0 S 1 - 2 E F 0 S 0 ~ E F S 0 - 1 E F"),
+])
+def test_retrieval_traces_of_hand_built_graphs(n, edges, is_tree, expected):
+    """Known answers, checked by hand against Algorithm 2 and against the paper's generator (which, run on
+    2,000 binary graphs at each of n = 4, 6, 16, 32 from this project's generator, gave identical traces)."""
+    short = {istree.START: "S", istree.END: "E", istree.FAILED: "F"}
+    trace, verdict = istree.retrieval_trace(istree.Graph(n, edges))
+    assert " ".join(short.get(t, t) for t in trace) == expected
+    assert verdict is is_tree
+
+
 def test_sample_format_and_loss_mask():
     g = istree.Graph(4, [(3, 0), (2, 0), (1, 0)])
     toks = istree.sample_tokens(g, "retrieval")
