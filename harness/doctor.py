@@ -72,6 +72,11 @@ def _tiny_phi_mamba(attn_layers, device, seed=0):
     return model.to(device)
 
 
+def _probe_prompts() -> list[list[int]]:
+    """Three fixed random prompts of different lengths: a left-padded batch with real padding."""
+    return [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
+
+
 def _run_paths(model, seqs, steps: int, scan: str, device) -> tuple[torch.Tensor, list[torch.Tensor], list[list[int]]]:
     """Prefill a left-padded batch, then greedy-decode ``steps`` tokens; logits at real positions, per-step
     logits and tokens."""
@@ -98,7 +103,7 @@ def check_phi_mamba_reference(device="cpu") -> dict:
     worst = 0.0
     for attn in ([], [1]):
         model = _tiny_phi_mamba(attn, device)
-        seqs = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
+        seqs = _probe_prompts()
         batch = _run_paths(model, seqs, 6, "torch", device)
         for i, s in enumerate(seqs):
             alone = _run_paths(model, [s], 6, "torch", device)
@@ -114,7 +119,7 @@ def check_phi_mamba_kernels(device) -> dict:
     worst, same_tokens = 0.0, True
     for attn in ([], [1]):
         model = _tiny_phi_mamba(attn, device)
-        seqs = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
+        seqs = _probe_prompts()
         ref = _run_paths(model, seqs, 4, "torch", device)
         ker = _run_paths(model, seqs, 4, "kernel", device)
         worst = max(worst, (ref[0] - ker[0]).abs().max().item(),

@@ -106,6 +106,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix = self._read = 0
 
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
     def reset(self, ids: list[int]) -> str:
         """Restart from a token list that was edited (not only extended): one full decode."""
         self.text = self._decode(ids)
@@ -142,6 +145,17 @@ class _Row:
     done: GenResult | None = None
 
 
+def _new_rows(tokenizer, requests: Sequence[GenRequest]) -> tuple[list[list[int]], list[_Row]]:
+    """Each request's prompt ids and its row; a request with no budget at all is finished already."""
+    prompt_ids = [list(r.prompt_ids) if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"]
+                  for r in requests]
+    rows = [_Row(r, len(p), IncrementalDetokenizer(tokenizer)) for r, p in zip(requests, prompt_ids)]
+    for row in rows:
+        if row.req.max_new_tokens <= 0:
+            row.done = GenResult("", "length", row.prompt_len, 0)
+    return prompt_ids, rows
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in prompts]
 
@@ -170,8 +184,7 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
         return []
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
-    prompt_ids = [r.prompt_ids if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"] for r in requests]
-    rows = [_Row(r, len(p), IncrementalDetokenizer(tokenizer)) for r, p in zip(requests, prompt_ids)]
+    prompt_ids, rows = _new_rows(tokenizer, requests)
     n = len(prefix.ids) if prefix is not None else 0
     if n and all(len(p) > n and p[:n] == prefix.ids for p in prompt_ids):
         # Copy the prefix state into every row, then feed each row's own suffix as one right-padded block.
@@ -185,9 +198,6 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     if stats is not None:
         stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + ids.numel()
     active = list(range(len(rows)))
-    for b in active:  # a request with no budget at all finishes before any step
-        if rows[b].req.max_new_tokens <= 0:
-            rows[b].done = GenResult("", "length", rows[b].prompt_len, 0)
     while True:
         choice = logits.argmax(dim=-1).tolist()
         blocks, keep = [], []
@@ -239,12 +249,7 @@ def chunked_generate(continue_rows: ContinueRows, tokenizer, requests: Sequence[
     if not requests:
         return []
     eos_id = tokenizer.eos_token_id
-    prompt_ids = [list(r.prompt_ids) if r.prompt_ids is not None else tokenizer(r.prompt)["input_ids"]
-                  for r in requests]
-    rows = [_Row(r, len(p), IncrementalDetokenizer(tokenizer)) for r, p in zip(requests, prompt_ids)]
-    for row in rows:
-        if row.req.max_new_tokens <= 0:
-            row.done = GenResult("", "length", row.prompt_len, 0)
+    prompt_ids, rows = _new_rows(tokenizer, requests)
     active = [b for b, row in enumerate(rows) if row.done is None]
     while active:
         budgets, stops = [], []
@@ -277,11 +282,7 @@ def chunked_generate(continue_rows: ContinueRows, tokenizer, requests: Sequence[
                 full = max_context is not None and row.prompt_len + len(row.ids) >= max_context
                 row.done = _finish(row, "context" if full else "eos")
         _run_tool_calls([rows[b] for b in active if rows[b].done is None and rows[b].call is not None], tokenizer)
-        for b in active:
-            row = rows[b]
-            if row.done is None and max_context is not None and row.prompt_len + len(row.ids) > max_context:
-                row.done = _finish(row, "context")
-        active = [b for b in active if rows[b].done is None]
+        active = [b for b in active if rows[b].done is None]  # a row a tool result overfilled ends at the top
     return [r.done for r in rows]
 
 
@@ -372,7 +373,7 @@ def _feed_tool_result(row: _Row, result: str, tokenizer) -> None:
     row.call = None
     row.calls += 1
     if len(text) > end:
-        before = row.detok.reset(row.ids[:-1])
+        before = row.detok.decode(row.ids[:-1])
         if text.startswith(before) and len(before) < end:
             piece = tokenizer(text[len(before):end], add_special_tokens=False)["input_ids"]
             row.ids[-1:] = piece

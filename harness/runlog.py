@@ -160,19 +160,17 @@ class SampleLog:
             if rec["key"] in self.records:
                 self.duplicates += 1
             self.records[rec["key"]] = rec
-        if tail:
-            rec = _parse(tail)
-            if rec is not None and own:  # complete JSON, only its newline was lost: keep it
-                self.records[rec["key"]] = rec
-                with open(path, "ab") as fh:
-                    fh.write(b"\n")
-            elif own:
-                log.warning("%s: its last line (line %d) was cut short by an interrupted write; it is dropped and "
-                            "that instance redone", path, len(lines) + 1)
-                with open(path, "r+b") as fh:
-                    fh.truncate(len(data) - len(tail))
-            elif rec is not None:
-                self.records[rec["key"]] = rec
+        rec = _parse(tail) if tail else None
+        if rec is not None:  # complete JSON, only its newline was lost: keep it
+            self.records[rec["key"]] = rec
+        if tail and own and rec is not None:  # repair our own file: restore the newline ...
+            with open(path, "ab") as fh:
+                fh.write(b"\n")
+        elif tail and own:  # ... or drop the line a kill cut short
+            log.warning("%s: its last line (line %d) was cut short by an interrupted write; it is dropped and that "
+                        "instance redone", path, len(lines) + 1)
+            with open(path, "r+b") as fh:
+                fh.truncate(len(data) - len(tail))
         if bad:
             self.bad_lines[path] = bad
             nums = ", ".join(str(n) for n, _ in bad[:10]) + (", ..." if len(bad) > 10 else "")

@@ -27,8 +27,8 @@ class PhiMambaBackend(Backend):
         cfg = self.model.config
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
-        self.scan_path = "mamba-ssm triton kernels" if (self.device.type == "cuda" and kernels.mamba_ssm_ops()) \
-            else "pytorch reference"
+        on_device = torch.empty(0, device=self.device)
+        self.scan_path = "mamba-ssm triton kernels" if kernels.require("auto", on_device) else "pytorch reference"
         log.info("phi-mamba: %d layers (%s attention), scan path: %s", cfg.n_layer,
                  cfg.attn_layers or "no", self.scan_path)
 
