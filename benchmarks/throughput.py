@@ -54,7 +54,10 @@ def run_generate(model, tok, prompts, max_new):
             enc = tok(p, return_tensors="pt")
             gen = model.generate(**enc, max_new_tokens=max_new, do_sample=False, stop_strings=STOP, tokenizer=tok,
                                  pad_token_id=tok.pad_token_id)
-            out.append(cut(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)))
+            text = cut(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+            # A run cut by the length limit inside a multi-byte character: decode() prints U+FFFD for the
+            # incomplete bytes, the harness's incremental detokenizer holds them back. Same tokens either way.
+            out.append(text.rstrip("\ufffd"))
     return out, time.perf_counter() - t0
 
 
