@@ -85,7 +85,50 @@ def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: 
                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                            initializer_range=init_std)
-    raise ValueError(f"unknown tiny arch {arch!r}; choose phi, llama or phi-mamba")
+    families = _family_configs()
+    if arch in families:
+        return families[arch](vocab_size, hidden, init_std)
+    raise ValueError(f"unknown tiny arch {arch!r}; choose phi, llama, phi-mamba, hybrid-phi-mamba or one of "
+                     f"{', '.join(FAMILY_ARCHS)}")
+
+
+FAMILY_ARCHS = ("gpt2", "mamba", "falcon_mamba", "mamba2", "zamba2", "jamba", "bamba", "falcon_h1", "lfm2",
+                "recurrent_gemma", "rwkv")
+
+
+def _family_configs():
+    """Tiny configs of the recurrent and hybrid families transformers ships (and two attention baselines), for
+    the family matrix test: every layer kind of each family appears at least once."""
+    import transformers as T
+
+    def make(cls, **kw):
+        return lambda v, h, std: cls(vocab_size=v, hidden_size=h, initializer_range=std, bos_token_id=0,
+                                     eos_token_id=0, pad_token_id=0, **kw)
+
+    mamba = dict(state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    hybrid = dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    ssd = dict(mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=16)
+    return {
+        "gpt2": lambda v, h, std: T.GPT2Config(vocab_size=v, n_embd=h, n_layer=2, n_head=4, n_positions=4096,
+                                               initializer_range=std, bos_token_id=0, eos_token_id=0),
+        "mamba": make(T.MambaConfig, **mamba),
+        "falcon_mamba": make(T.FalconMambaConfig, **mamba),
+        "mamba2": make(T.Mamba2Config, **mamba, num_heads=8, head_dim=16, n_groups=1, chunk_size=16),
+        "zamba2": make(T.Zamba2Config, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                       mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, num_attention_heads=4,
+                       num_key_value_heads=4, attention_head_dim=16, intermediate_size=128, chunk_size=16),
+        "jamba": make(T.JambaConfig, **hybrid, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                      expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2),
+        "bamba": make(T.BambaConfig, **hybrid, attn_layer_indices=[1], **ssd),
+        "falcon_h1": make(T.FalconH1Config, **hybrid, head_dim=16, mamba_d_ssm=128, **ssd),
+        "lfm2": make(T.Lfm2Config, **hybrid, layer_types=["conv", "full_attention"]),
+        "recurrent_gemma": lambda v, h, std: make(
+            T.RecurrentGemmaConfig, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, lru_width=h, attention_window_size=64,
+            block_types=["recurrent", "recurrent", "attention"])(v, h, std),
+        "rwkv": make(T.RwkvConfig, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=128,
+                     context_length=4096),
+    }
 
 
 def _scale_init(model, std: float) -> None:
@@ -113,6 +156,8 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
         _scale_init(model, init_std)
     else:
         model = AutoModelForCausalLM.from_config(build_config(arch, len(tok), max_positions, layers, hidden, init_std))
+        if arch in FAMILY_ARCHS:  # not every family's init reads initializer_range
+            _scale_init(model, init_std)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -120,7 +165,7 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m harness.tiny", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="phi", choices=["phi", "llama", "phi-mamba", "hybrid-phi-mamba"])
+    ap.add_argument("--arch", default="phi", choices=["phi", "llama", "phi-mamba", "hybrid-phi-mamba", *FAMILY_ARCHS])
     ap.add_argument("--out", required=True, help="directory to write the checkpoint and tokenizer to")
     ap.add_argument("--max-positions", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=2)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import harness.istree_models  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness.backends.base import Backend, resolve_device, resolve_dtype
-from harness.generation import last_real_index, logits_at_last_real
+from harness.backends.families import family_of, map_rows, recurrent_state, restore_rows
+from harness.generation import GenRequest, GenResult, greedy_generate, last_real_index, logits_at_last_real
 
 log = logging.getLogger("harness")
 
@@ -22,15 +24,9 @@ def load_tokenizer(path: str):
     return tok
 
 
-RECURRENT_TYPES = ("mamba", "icr_hybrid")  # models whose cache is a recurrent state (cache_params=)
-
-
 class TransformersBackend(Backend):
-    """Attention models step with a DynamicCache; Mamba-style models (``RECURRENT_TYPES``) with
-    ``cache_params``. transformers' Mamba masks padded positions before and after its convolution, so a
-    left-padded prefill is exact; it cannot continue a cached sequence by more than one token per call, so a
-    multi-token block (a tool result) is fed token by token, restoring the state of rows whose block has
-    already ended (padding)."""
+    """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
+    family's state (and so how freely it batches) comes from ``harness.backends.families``."""
 
     name = "transformers"
 
@@ -43,67 +39,99 @@ class TransformersBackend(Backend):
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         self.model = model.to(self.device).eval()
-        self.recurrent = self.model.config.model_type in RECURRENT_TYPES
-        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
-        if self.model.config.model_type == "mamba":
-            self.max_context = None
+        self.family = family_of(self.model)
+        self.max_context = getattr(self.model.config, "max_position_embeddings", None) \
+            if self.family.max_context else None
+        self._told_alone = False
 
-    # -- stepper ---------------------------------------------------------------------------------
-    def prefill(self, input_ids, attention_mask):
-        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        if self.recurrent:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
-                             **self._positions(pos))
-            return out.logits[:, -1].float(), {"cache": out.cache_params, "pos": pos[:, -1]}
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), {"cache": out.past_key_values, "pos": pos[:, -1]}
+    # -- batching decisions ----------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None) -> list[GenResult]:
+        fam = self.family
+        if fam.padding == "alone":
+            return self._one_by_one(requests, f"model family {fam.name!r} cannot keep padding out of its state")
+        return super().generate(requests, shared_prefix)
+
+    def _one_by_one(self, requests, why: str) -> list[GenResult]:
+        if not self._told_alone:
+            log.info("%s: each sample runs alone and unpadded (exact; batch size only groups the progress bar)", why)
+            self._told_alone = True
+        if not hasattr(self, "stats"):
+            self.stats = {}
+        out = []
+        for r in requests:
+            out += greedy_generate(self, self.tokenizer, [r], device=self.device, max_context=self.max_context,
+                                   stats=self.stats)
+        return out
 
     def prefix_reuse_pays(self) -> bool:
-        return not self.recurrent  # transformers' Mamba would take the suffix one token per call
+        return self.family.prefix_reuse
 
-    def _positions(self, pos):
-        return {"position_ids": pos} if self.model.config.model_type == "icr_hybrid" else {}
+    # -- stepper ---------------------------------------------------------------------------------
+    def _forward(self, cache, input_ids, attention_mask, pos, **kw):
+        fam = self.family
+        args = dict(input_ids=input_ids, use_cache=True, **kw)
+        if attention_mask is not None:
+            args["attention_mask"] = attention_mask
+        if fam.positions:
+            args["position_ids"] = pos
+        if cache is not None:
+            args[fam.cache_arg] = cache
+        out = self.model(**args)
+        return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 
-    def _recurrent_step(self, state, input_ids, attention_mask):
+    def prefill(self, input_ids, attention_mask):
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = None
+        if self.family.cache_out is None or self.family.padding == "masked":
+            cache = DynamicCache(config=self.model.config)
+        logits, cache = self._forward(cache, input_ids, attention_mask, pos, logits_to_keep=1)
+        return logits[:, -1].float(), {"cache": cache, "pos": pos[:, -1]}
+
+    def step(self, state, input_ids, attention_mask):
+        fam = self.family
+        n = input_ids.shape[1]
+        if n > 1 and not (fam.block_steps and fam.padding == "masked"):
+            block = attention_mask[:, -n:].bool()
+            if fam.block_steps and bool(block.all()):
+                return self._block(state, input_ids, attention_mask)
+            return self._token_by_token(state, input_ids, attention_mask)
+        return self._block(state, input_ids, attention_mask)
+
+    def _block(self, state, input_ids, attention_mask):
+        """One call for the whole right-padded block (exact when the family masks padding, or no row is padded)."""
+        block_mask = attention_mask[:, -input_ids.shape[1]:]
+        pos = state["pos"][:, None] + block_mask.cumsum(-1)  # pads (right of the real tokens) are masked anyway
+        logits, state["cache"] = self._forward(state["cache"], input_ids,
+                                               attention_mask if self.family.step_mask else None, pos)
+        state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
+        return logits_at_last_real(logits, block_mask).float()
+
+    def _token_by_token(self, state, input_ids, attention_mask):
+        """A block fed one token per call; rows whose block has ended get their recurrent state put back."""
         n = input_ids.shape[1]
         block = attention_mask[:, -n:].bool()
         past = attention_mask.shape[1] - n
         logits = None
         for t in range(n):
             valid = block[:, t]
-            saved = None if bool(valid.all()) else _recurrent_tensors(state["cache"], clone=True)
+            saved = None if bool(valid.all()) else recurrent_state(state["cache"], clone=True)
             pos = state["pos"] + valid.long()
-            kw = self._positions(pos[:, None])
-            if kw:
-                kw["attention_mask"] = attention_mask[:, : past + t + 1]
-            out = self.model(input_ids=input_ids[:, t:t + 1], cache_params=state["cache"], use_cache=True, **kw)
+            mask = attention_mask[:, : past + t + 1] if self.family.step_mask else None
+            step_logits, state["cache"] = self._forward(state["cache"], input_ids[:, t:t + 1], mask, pos[:, None])
             if saved is not None:
-                for cur, old in zip(_recurrent_tensors(state["cache"]), saved):
-                    cur[~valid] = old[~valid]
-            state["pos"] = pos
-            step_logits = out.logits[:, -1].float()
+                restore_rows(state["cache"], saved, ~valid)
+            state["pos"] = torch.where(valid, pos, state["pos"])
+            step_logits = step_logits[:, -1].float()
             logits = step_logits if logits is None else torch.where(valid[:, None], step_logits, logits)
         return logits
 
-    def step(self, state, input_ids, attention_mask):
-        if self.recurrent:
-            return self._recurrent_step(state, input_ids, attention_mask)
-        block_mask = attention_mask[:, -input_ids.shape[1]:]
-        pos = state["pos"][:, None] + block_mask.cumsum(-1)  # pads (right of the real tokens) are masked anyway
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                         past_key_values=state["cache"], use_cache=True)
-        state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
-        return logits_at_last_real(out.logits, block_mask).float()
-
     def expand(self, state, n):
         cache = copy.deepcopy(state["cache"])
-        _map_cache(cache, lambda t: t.repeat_interleave(n, dim=0))
+        map_rows(cache, lambda t: t.repeat_interleave(n, dim=0))
         return {"cache": cache, "pos": state["pos"].repeat_interleave(n, dim=0)}
 
     def select(self, state, keep):
-        _map_cache(state["cache"], lambda t: t.index_select(0, keep))
+        map_rows(state["cache"], lambda t: t.index_select(0, keep))
         state["pos"] = state["pos"].index_select(0, keep)
         return state
 
@@ -111,7 +139,7 @@ class TransformersBackend(Backend):
         cfg = self.model.config
         layers = getattr(cfg, "num_hidden_layers", 1)
         heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 1)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // getattr(cfg, "num_attention_heads", 1)
         elt = torch.finfo(self.dtype).bits // 8
         # K and V for every layer, plus the hidden state and the logits row of the step that uses them.
         return 2 * layers * heads * head_dim * elt + 8 * cfg.hidden_size * elt
@@ -119,47 +147,5 @@ class TransformersBackend(Backend):
     def describe(self):
         return {"backend": self.name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "model_class": type(self.model).__name__, "max_context": self.max_context,
+                "family": self.family.name, "padding": self.family.padding,
                 "parameters": sum(p.numel() for p in self.model.parameters())}
-
-
-def _cache_layers(cache):
-    """Every transformers Cache object inside a decoding state (the hybrid holds a pair of them)."""
-    return [c for c in (cache if isinstance(cache, tuple) else (cache,)) if c is not None]
-
-
-def _state_slots(layer):
-    """(container, key) of each tensor a cache layer holds: KV tensors or conv/recurrent states."""
-    slots = []
-    for name in ("keys", "values", "conv_states", "recurrent_states"):
-        val = getattr(layer, name, None)
-        if isinstance(val, torch.Tensor):
-            slots.append((layer, name))
-        elif isinstance(val, dict):
-            slots += [(val, k) for k, v in val.items() if isinstance(v, torch.Tensor)]
-        elif isinstance(val, list):
-            slots += [(val, i) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
-    return slots
-
-
-def _map_cache(cache, fn) -> None:
-    """Apply a batch-dimension op (select rows, repeat rows) to every tensor of a cache, in place. Written
-    here because transformers' linear-attention (Mamba) cache layers have no batch_select_indices."""
-    for c in _cache_layers(cache):
-        for layer in c.layers:
-            for box, key in _state_slots(layer):
-                if isinstance(box, (dict, list)):
-                    box[key] = fn(box[key])
-                else:
-                    setattr(box, key, fn(getattr(box, key)))
-
-
-def _recurrent_tensors(cache, clone: bool = False) -> list[torch.Tensor]:
-    out = []
-    for c in _cache_layers(cache):
-        for layer in c.layers:
-            for box, key in _state_slots(layer):
-                if key in ("keys", "values"):
-                    continue  # a padded position's KV entry is masked; only recurrent state needs restoring
-                t = box[key] if isinstance(box, (dict, list)) else getattr(box, key)
-                out.append(t.clone() if clone else t)
-    return out

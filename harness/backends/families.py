@@ -1,0 +1,158 @@
+"""What each transformers model family's cache can do: the one place model types are special-cased.
+
+Greedy output must not depend on the batch a sample lands in. Attention layers keep padding out by the
+attention mask, but recurrent layers (Mamba, RG-LRU, RWKV, short convolutions) fold every token they are fed
+into their state, so each family declares how padding is kept out:
+
+    masked   left pads and right-padded blocks are masked in every layer: batch freely (attention models)
+    restore  a left-padded prefill is exact (pads are zeroed before the recurrent layers); a right-padded block
+             is fed one token per call and the recurrent state of rows whose block has ended is put back
+    alone    no padding is ever exact: each sample runs by itself, unpadded (exact, slower; logged)
+
+Columns were measured on tiny random checkpoints of each family (transformers 5.23): single-token and
+multi-token cached steps against a full forward, left-padded prefills against unpadded ones;
+``tests/test_families.py`` re-checks the whole table as greedy output at batch 1 = batch 4 = no prefix reuse =
+an uncached per-sample reference, with and without tool calls. A model type that is not listed is inspected
+once at load: a cache of key/value layers only is an attention model (``masked``); anything else runs
+``alone`` with a warning that names this file.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("harness")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    padding: str = "masked"  # masked | restore | alone (see the module docstring)
+    cache_arg: str = "past_key_values"  # the forward's keyword for the cache
+    cache_out: str | None = "past_key_values"  # output attribute with the updated cache; None: ours, updated in place
+    positions: bool = True  # the forward takes position_ids (positions stay right under left padding)
+    step_mask: bool = True  # a cached step takes the attention mask of everything so far
+    block_steps: bool = True  # a cached step may feed several tokens per row in one call
+    module_state: bool = False  # the recurrent state lives in the model's modules: one sequence at a time
+    max_context: bool = True  # config.max_position_embeddings limits the context
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Copying a prefilled prefix and feeding each row's suffix as a right-padded block is exact and pays."""
+        return self.padding == "masked" and not self.module_state
+
+
+_MAMBA = dict(padding="restore", cache_arg="cache_params", cache_out="cache_params", positions=False,
+              step_mask=False, block_steps=False, max_context=False)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("mamba", **_MAMBA),
+    Family("falcon_mamba", **_MAMBA),
+    Family("mamba2", padding="restore", cache_arg="cache_params", cache_out="cache_params", positions=False,
+           max_context=False),
+    Family("icr_hybrid", padding="restore", cache_arg="cache_params", cache_out="cache_params",
+           block_steps=False),  # the trainer's Mamba + one attention layer (harness.istree_models)
+    Family("zamba2", padding="restore"),
+    Family("jamba", padding="restore", block_steps=False),
+    Family("bamba", padding="restore"),  # its cached steps need position_ids (the mask alone gives wrong logits)
+    Family("falcon_h1", padding="restore"),
+    Family("lfm2", padding="restore"),
+    Family("recurrent_gemma", padding="alone", cache_out=None, module_state=True, block_steps=False),
+    Family("rwkv", padding="alone", cache_arg="state", cache_out="state", positions=False, step_mask=False,
+           max_context=False),
+]}
+
+# Layer attributes of transformers' cache layers that hold per-row tensors (a tensor, or a dict/list of them).
+_KV = ("keys", "values")
+_RECURRENT = ("conv_states", "recurrent_states")
+
+
+def family_of(model) -> Family:
+    """The family of a loaded model: its table entry, or for an unlisted type what its cache shows."""
+    mt = model.config.model_type
+    if mt in FAMILIES:
+        return FAMILIES[mt]
+    fam = _inspect(model)
+    if fam.padding == "alone":
+        log.warning("model type %r is not in harness/backends/families.py and its cache holds more than keys and "
+                    "values; each sample runs alone and unpadded (exact, slower). Add a row for it to batch it.", mt)
+    return fam
+
+
+def _inspect(model) -> Family:
+    mt = model.config.model_type
+    try:
+        with torch.inference_mode():
+            ids = torch.zeros((1, 2), dtype=torch.long, device=model.device)
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        cache = getattr(out, "past_key_values", None)
+        layers = getattr(cache, "layers", None)
+        if layers and all(isinstance(getattr(l, k, None), torch.Tensor) for l in layers for k in _KV) and \
+                not any(_tensors(l, _RECURRENT) for l in layers):
+            return Family(mt)
+    except Exception as e:  # an unusual forward signature: the safe mode still runs it
+        log.debug("cache inspection of %s failed: %s", mt, e)
+    return Family(mt, padding="alone", block_steps=False)
+
+
+# ------------------------------------------------------------------------------ per-row cache tensors
+def _caches(cache) -> list:
+    """The cache objects in a decoding state: one Cache, a tuple of them (icr_hybrid), or RWKV's tensor list."""
+    return [c for c in (cache if isinstance(cache, tuple) else (cache,)) if c is not None]
+
+
+def _tensors(layer, names) -> list[tuple[Any, Any]]:
+    """(container, key) for each per-row tensor a cache layer holds under ``names``."""
+    slots = []
+    for name in names:
+        val = getattr(layer, name, None)
+        if isinstance(val, torch.Tensor):
+            slots.append((layer, name))
+        elif isinstance(val, dict):
+            slots += [(val, k) for k, v in val.items() if isinstance(v, torch.Tensor)]
+        elif isinstance(val, list):
+            slots += [(val, i) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
+    return slots
+
+
+def _get(box, key):
+    return box[key] if isinstance(box, (dict, list)) else getattr(box, key)
+
+
+def _set(box, key, value) -> None:
+    if isinstance(box, (dict, list)):
+        box[key] = value
+    else:
+        setattr(box, key, value)
+
+
+def _slots(cache, names=_KV + _RECURRENT) -> list[tuple[Any, Any]]:
+    out = []
+    for c in _caches(cache):
+        if isinstance(c, list):  # RWKV: a list of [B, ...] state tensors
+            out += [(c, i) for i, t in enumerate(c) if isinstance(t, torch.Tensor)]
+        else:
+            for layer in getattr(c, "layers", []):
+                out += _tensors(layer, names)
+    return out
+
+
+def map_rows(cache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Apply a batch-dimension op (keep rows, repeat rows) to every per-row tensor of a cache, in place.
+    Written here because transformers' linear-attention cache layers have no batch_select_indices."""
+    for box, key in _slots(cache):
+        _set(box, key, fn(_get(box, key)))
+
+
+def recurrent_state(cache, clone: bool = False) -> list[torch.Tensor]:
+    """The recurrent tensors of a cache (not keys/values: a padded position's KV entry is masked anyway)."""
+    return [(_get(b, k).clone() if clone else _get(b, k)) for b, k in _slots(cache, _RECURRENT)]
+
+
+def restore_rows(cache, saved: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """Put back the recurrent state of the rows where ``rows`` is True (their block had already ended)."""
+    for cur, old in zip(recurrent_state(cache), saved):
+        cur[rows] = old[rows]

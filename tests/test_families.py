@@ -1,0 +1,140 @@
+"""The family matrix: for every model family in harness/backends/families.py, greedy output at batch 4 equals
+batch 1, equals decoding without prefix reuse, and equals an uncached per-sample reference that runs each
+sequence alone through a full forward pass at every step (no cache, no padding). With and without tool calls
+whose results differ in length per row (ragged blocks, the case that corrupts recurrent state)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from harness.backends.families import FAMILIES, family_of
+from harness.generation import GenRequest, common_prefix, greedy_generate
+from harness.tiny import FAMILY_ARCHS
+from tests.helpers import assert_varied
+
+QUESTIONS = ["Which river runs through the old town?", "Who wrote it?",
+             "In what year was the bridge over the harbour finished, and by whom?", "Where is the castle?",
+             "What is the name of the dragon in the story of the silver meadow?", "Why?"]
+INIT_STD = {"lfm2": 0.1}  # large enough that each family's output depends on the whole prompt
+HEADER = "Answer each question in one short sentence.\n\nQuestion: What colour is the sky?\nAnswer: Blue.\n\n"
+
+
+class RecomputeReference:
+    """A stepper with no cache and no padding: each row's whole sequence runs alone at every step."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def _logits(self, rows):
+        return torch.stack([self.model(input_ids=torch.tensor([r])).logits[0, -1].float() for r in rows])
+
+    def prefill(self, input_ids, attention_mask):
+        rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+        return self._logits(rows), rows
+
+    def step(self, rows, input_ids, attention_mask):
+        block = attention_mask[:, -input_ids.shape[1]:].bool()
+        for r, ids, m in zip(rows, input_ids, block):
+            r += ids[m].tolist()
+        return self._logits(rows)
+
+    def select(self, rows, keep):
+        rows[:] = [rows[i] for i in keep.tolist()]
+        return rows
+
+    def expand(self, rows, n):
+        raise AssertionError("the reference never shares a prefix")
+
+
+class EchoTool:
+    """Called whenever the model writes ``call_end``; answers with a text whose length depends on what the
+    model wrote, so rows receive results of different lengths in the same step."""
+
+    max_calls = 2
+
+    def __init__(self, call_end: str, row: int):
+        self.call_end, self.row = call_end, row
+
+    def __call__(self, text: str, start: int = 0) -> str:
+        return "<r>" + " ".join(str(i) for i in range(1 + (3 * self.row + len(text)) % 7)) + "</r>"
+
+
+def _requests(tok, tool_end=None, max_new=10):
+    prompts = [f"{HEADER}Question: {q}\nAnswer:" for q in QUESTIONS]
+    return [GenRequest(p, max_new, (), EchoTool(tool_end, i) if tool_end else None, prompt_ids=tok(p)["input_ids"])
+            for i, p in enumerate(prompts)]
+
+
+def _fields(results):
+    return [(r.text, r.token_ids, r.finish_reason, r.tool_spans) for r in results]
+
+
+def _run(backend, requests, batch, reuse):
+    shared = common_prefix([r.prompt_ids for r in requests]) if reuse else None
+    out = []
+    for i in range(0, len(requests), batch):
+        out += backend.generate(requests[i:i + batch], shared_prefix=shared)
+    return out
+
+
+@pytest.fixture(scope="module", params=("llama", *FAMILY_ARCHS))
+def family_backend(request, tmp_path_factory, tiny_tokenizer):
+    from harness.engine import load_backend
+    from harness.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param) / "ckpt", request.param, tokenizer=tiny_tokenizer,
+                           init_std=INIT_STD.get(request.param, 0.2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_backend(str(path), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("with_tool", [False, True], ids=["plain", "tool"])
+def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
+    b = family_backend
+    tok = b.tokenizer
+    plain_ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in _requests(tok)]
+    assert_varied([r.text for r in plain_ref], f"{b.family.name} generations")
+    tool_end = None
+    if with_tool:  # a text the model really writes, so the tool is called mid-generation in several rows
+        counts = {}
+        for r in plain_ref:
+            for ch in set(r.text[:-2]):
+                counts[ch] = counts.get(ch, 0) + 1
+        tool_end = max(sorted(counts), key=counts.get)
+    reqs = _requests(tok, tool_end)
+    ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in reqs]
+    if with_tool:
+        lengths = {e - s for r in ref for s, e in r.tool_spans}
+        assert len(lengths) > 1, "the tool results must differ in length to make ragged blocks"
+    for batch, reuse in [(4, True), (1, True), (4, False), (6, True)]:
+        got = _run(b, _requests(tok, tool_end), batch, reuse)
+        assert _fields(got) == _fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
+
+
+def test_every_listed_family_is_in_the_matrix():
+    assert set(FAMILIES) - {"icr_hybrid"} <= set(FAMILY_ARCHS)
+
+
+def test_unlisted_attention_model_is_inspected_as_masked(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.config.model_type = "some_new_attention_model"
+    fam = family_of(model)
+    assert fam.padding == "masked" and fam.prefix_reuse
+
+
+def test_unlisted_recurrent_model_runs_alone(tmp_path, tiny_tokenizer, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from harness.tiny import make_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", "lfm2", tokenizer=tiny_tokenizer))
+    model.config.model_type = "some_new_hybrid"
+    with caplog.at_level("WARNING", logger="harness"):
+        fam = family_of(model)
+    assert fam.padding == "alone" and not fam.prefix_reuse
+    assert "families.py" in caplog.text
