@@ -1,28 +1,37 @@
 """What every task provides to the engine: instances to prompt, and a scorer for what came back."""
 from __future__ import annotations
 
+import dataclasses
+import typing
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 
 class DataError(ValueError):
     """A dataset is missing or a row is malformed; the message names the row, the field and the fix."""
 
 
+class OptionError(ValueError):
+    """A task option (``--task-arg KEY=VALUE`` or a task's own flag) cannot work; the message names it."""
+
+
 @dataclass
 class Instance:
-    """One prompt to run: a question with its context in a fixed order, tagged with the condition (position)."""
+    """One prompt to run: a question with its context in a fixed order, tagged with the condition the task
+    groups results by (HotpotQA: the gold paragraphs' position; synthetic tasks: a size or a length)."""
 
     id: str
-    position: str
+    condition: str
     question: str
     answer: str
-    paragraphs: list[dict[str, Any]]  # [{"title", "sentences", "text", "gold"}] in prompt order
+    paragraphs: list[dict[str, Any]] = field(default_factory=list)  # [{"title", "sentences", "text", "gold"}]
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
-        return f"{self.id}@{self.position}"
+        return f"{self.id}@{self.condition}"
 
     def template_vars(self) -> dict[str, Any]:
         return {"question": self.question, "paragraphs": self.paragraphs, "meta": self.meta}
@@ -30,6 +39,144 @@ class Instance:
     def retrieval_units(self) -> list[str]:
         """The texts the retrieval tool searches: the test context's sentences, never the exemplars'."""
         return [f"{p['title']}: {s.strip()}" for p in self.paragraphs for s in p["sentences"] if s.strip()]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The retrieval tool as the flags set it. Templates get its syntax as the variable ``tool`` (so no
+    template retypes a tag), and every task's tool obeys its limits."""
+
+    enabled: bool = False
+    max_calls: int = 4
+    timeout: float = 1.0
+    max_chars: int = 300
+
+    def template_vars(self) -> dict[str, Any]:
+        from retrieval import tool
+
+        return {"enabled": self.enabled, "call_open": tool.CALL_OPEN, "call_close": tool.CALL_CLOSE,
+                "result_open": tool.RESULT_OPEN, "result_close": tool.RESULT_CLOSE, "no_match": tool.NO_MATCH,
+                "separator": tool.SEPARATOR, "max_calls": self.max_calls}
+
+
+@dataclass
+class NoOptions:
+    """A task without options of its own."""
+
+
+class Task(ABC):
+    """What the engine asks of a task. Subclass it, declare ``Options`` (a dataclass whose fields, with
+    ``metadata={"help": ...}``, are the task's ``--task-arg`` options) and decorate with ``@register_task``.
+
+    Everything else has a default: no tool, template variables from the instance, no extra output files."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    metrics: ClassVar[tuple[str, ...]] = ("accuracy",)
+    condition: ClassVar[str] = "condition"  # what results are grouped by: a column of the results table
+    default_template: ClassVar[str] = ""
+    retrieval_template: ClassVar[str | None] = None  # with --retrieval; None: the task has no retrieval prompt
+    stop: list[str] = []
+    include_stop: ClassVar[bool] = False  # score the generation with the stop string that ended it
+    default_max_new_tokens: int = 32
+
+    def __init__(self, data: str | None = None, split: str | None = None, **options):
+        self.data, self.split = data, split
+        self.options = make_options(self.Options, options, self.name)
+
+    @abstractmethod
+    def load(self) -> list[dict]:
+        """Every row of the data, each with a unique ``_id``: its content hash keys the run's resume check."""
+
+    @abstractmethod
+    def instances(self, rows: list[dict], *, seed: int, pool_rows: list[dict] | None = None) -> list[Instance]:
+        """The prompts to run for the selected ``rows``; ``pool_rows`` is the whole data (e.g. for distractors)."""
+
+    @abstractmethod
+    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict[str, Any]:
+        """``{"prediction", "answer_found", <metric>: value, ...}`` for every name in ``metrics``."""
+
+    def template_vars(self, instance: Instance) -> dict[str, Any]:
+        return instance.template_vars()
+
+    def make_tool(self, instance: Instance, spec: ToolSpec):
+        """The tool bound to this instance's context, or None."""
+        return None
+
+    def record_fields(self, instance: Instance) -> dict[str, Any]:
+        """Extra fields for the instance's samples.jsonl line (HotpotQA: where the gold paragraphs start)."""
+        return {}
+
+    def write_outputs(self, records: list[dict], out_dir: Path, conditions: list[str]) -> list[str]:
+        """Task-specific files in the run directory (HotpotQA: official prediction files); their names."""
+        return []
+
+    def describe(self) -> str:
+        """A short line for the run summary."""
+        opts = dataclasses.asdict(self.options)
+        return ", ".join(f"{k}={v}" for k, v in opts.items()) or "no options"
+
+
+def option_fields(options_cls: type) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(options_cls))
+
+
+def make_options(options_cls: type, values: dict[str, Any], task: str = ""):
+    """Build a task's Options from loose values (strings from the command line, or typed values), converting
+    each to its field's type; an unknown key or a value that does not convert is an OptionError."""
+    hints = typing.get_type_hints(options_cls)
+    known = {f.name for f in option_fields(options_cls)}
+    out = {}
+    for key, value in values.items():
+        if key not in known:
+            raise OptionError(f"--task-arg {key}={value}: task {task!r} has no option {key!r}; its options: "
+                              f"{', '.join(sorted(known)) or 'none'}")
+        out[key] = _convert(value, hints[key], f"--task-arg {key}={value}")
+    opts = options_cls(**out)
+    check = getattr(opts, "check", None)
+    if check is not None:
+        check()
+    return opts
+
+
+def _convert(value: Any, typ, where: str):
+    origin = typing.get_origin(typ)
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None or value == "none":
+            return None
+        return _convert(value, args[0], where)
+    if origin is list:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items if str(v).strip()]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes"):
+            return True
+        if str(value).lower() in ("0", "false", "no"):
+            return False
+        raise OptionError(f"{where}: expected true or false")
+    if typ in (int, float, str):
+        try:
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return typ(value)
+        except (TypeError, ValueError):
+            raise OptionError(f"{where}: expected {'an integer' if typ is int else 'a number' if typ is float else 'text'}")\
+                from None
+    return value
+
+
+def options_help(options_cls: type) -> str:
+    """``name (type, default): help`` for each option: the CLI's --task-arg help."""
+    hints = typing.get_type_hints(options_cls)
+    parts = []
+    for f in option_fields(options_cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        t = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+        parts.append(f"{f.name} ({t}, default {default}): {f.metadata.get('help', '')}".rstrip(": "))
+    return "; ".join(parts)
 
 
 def word_level_tokenizer(vocab: list[str], pad: str = "[PAD]", bos: str = "[BOS]", unk: str = "[UNK]"):

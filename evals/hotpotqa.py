@@ -7,15 +7,21 @@ positions, so position effects are not confounded with different distractors."""
 from __future__ import annotations
 
 import json
+import logging
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from evals import metrics
-from evals.metrics import ANSWER_PHRASE
-from evals.base import DataError, Instance
+from evals.base import DataError, Instance, OptionError, Task, ToolSpec
 from evals.fixture import FIXTURE_PATH
+from evals.metrics import ANSWER_PHRASE
+from evals.registry import register_task
 
+log = logging.getLogger("harness")
+
+MAX_TOOL_CALLS = 4  # --max-tool-calls' default for HotpotQA: the exemplars make at most two calls
 POSITION_KINDS = ("first", "middle", "last", "random")
 OFFICIAL_DEV_URL = "http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json"
 
@@ -141,31 +147,53 @@ def gold_start(position: str, n_distractors: int, rng: random.Random) -> int:
 
 
 # ------------------------------------------------------------------------------------------- task
-class HotpotQA:
+@dataclass
+class HotpotQAOptions:
+    """HotpotQA's own options; ``harness.eval`` also takes them as --distractors, --positions and --shots."""
+
+    distractors: int = field(default=8, metadata={"help": "distractor paragraphs per test context; >8 draws extra "
+                                                          "ones (seeded) from other questions; 0 = oracle mode, "
+                                                          "the gold paragraphs only"})
+    positions: list[str] = field(default_factory=lambda: ["first", "middle", "last"], metadata={
+        "help": "where the two gold paragraphs go: first, middle, last, random, an index (0 = first), or a comma "
+                "list swept in one run (not with distractors 0)", "selects": True})
+    shots: int = field(default=4, metadata={"help": "few-shot exemplars shown"})
+
+    def check(self) -> None:
+        if self.distractors < 0:
+            raise OptionError(f"--distractors {self.distractors}: use 0 (oracle: gold paragraphs only) or more")
+        if self.shots < 0:
+            raise OptionError(f"--shots {self.shots}: use 0 or more exemplars")
+        try:
+            self.positions = parse_positions(",".join(self.positions) if not isinstance(self.positions, str)
+                                             else self.positions)
+        except ValueError as e:
+            raise OptionError(f"--positions: {e}") from None
+
+
+@register_task("hotpotqa")
+class HotpotQA(Task):
     """4-shot chain-of-thought HotpotQA with controlled gold-paragraph positions."""
 
-    name = "hotpotqa"
+    Options = HotpotQAOptions
     default_template = "hotpotqa_cot"
     retrieval_template = "hotpotqa_cot_retrieval"
     stop = ["\n\n", "\nQuestion:", "\nParagraph:"]
     default_max_new_tokens = 96
     metrics = ("em", "f1", "contains")
-    writes_predictions = True  # the official prediction format, one file per position
+    condition = "position"
 
-    def __init__(self, data: str | None = None, split: str = "validation"):
-        self.data, self.split = data, split
+    def __init__(self, data: str | None = None, split: str | None = "validation", **options):
+        super().__init__(data, split or "validation", **options)
 
     def load(self) -> list[dict]:
         return load_rows(self.data, self.split)
 
-    def instances(self, rows: list[dict], *, distractors: int, positions: list[str], seed: int,
-                  pool_rows: list[dict] | None = None) -> list[Instance]:
+    def instances(self, rows: list[dict], *, seed: int, pool_rows: list[dict] | None = None) -> list[Instance]:
         """``pool_rows`` (default: ``rows``) supply extra distractors; pass the whole dataset so that a
         question's context does not depend on --limit or --ids."""
-        if distractors < 0:
-            raise ValueError("--distractors must be >= 0")
-        if distractors == 0:
-            positions = ["oracle"]
+        distractors = self.options.distractors
+        positions = ["oracle"] if distractors == 0 else self.options.positions
         pool = _paragraph_pool(pool_rows if pool_rows is not None else rows)
         out = []
         for row in rows:
@@ -177,7 +205,7 @@ class HotpotQA:
             for pos in positions:
                 start = 0 if pos == "oracle" else gold_start(pos, distractors, random.Random(f"{seed}:{row['_id']}:pos"))
                 paras = distr[:start] + gold + distr[start:]
-                out.append(Instance(id=row["_id"], position=pos, question=row["question"], answer=row["answer"],
+                out.append(Instance(id=row["_id"], condition=pos, question=row["question"], answer=row["answer"],
                                     paragraphs=paras, meta={"gold_start": start, "type": row.get("type"),
                                                             "level": row.get("level"), "n_paragraphs": len(paras)}))
         return out
@@ -204,14 +232,29 @@ class HotpotQA:
         rng.shuffle(mixed)
         return mixed
 
-    def make_tool(self, instance: Instance, cfg):
+    def template_vars(self, instance: Instance) -> dict[str, Any]:
+        return {**instance.template_vars(), "shots": self.options.shots}
+
+    def make_tool(self, instance: Instance, spec: ToolSpec):
         """With --retrieval: the regex tool over this instance's test paragraphs (never the exemplars)."""
-        if not cfg.retrieval:
+        if not spec.enabled:
             return None
         from retrieval import RetrievalTool
 
-        return RetrievalTool(instance.retrieval_units(), max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
-                             max_chars=cfg.tool_max_chars)
+        max_calls = spec.max_calls if spec.max_calls is not None else MAX_TOOL_CALLS
+        return RetrievalTool(instance.retrieval_units(), max_calls=max_calls, timeout=spec.timeout,
+                             max_chars=spec.max_chars)
+
+    def record_fields(self, instance: Instance) -> dict[str, Any]:
+        return {"gold_start": instance.meta["gold_start"]}
+
+    def write_outputs(self, records: list[dict], out_dir: Path, conditions: list[str]) -> list[str]:
+        write_predictions(records, out_dir, conditions)
+        return ["predictions/"]
+
+    def describe(self) -> str:
+        o = self.options
+        return f"{o.distractors} distractors, {o.shots}-shot"
 
     # scoring -------------------------------------------------------------------------------------
     answer_phrase = ANSWER_PHRASE  # a template's ``{% set answer_phrase = ... %}`` overrides it
@@ -219,6 +262,26 @@ class HotpotQA:
     def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict[str, Any]:
         answer, found = metrics.extract_answer(generation, answer_phrase or self.answer_phrase)
         return {"prediction": answer, "answer_found": found, **metrics.score(answer, instance.answer, found)}
+
+
+def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[str]) -> list[Path]:
+    """Official HotpotQA prediction files ({"answer": {id: text}, "sp": {id: []}}), one per position, written
+    for every position (empty if nothing was scored); files of positions no longer in the run are removed."""
+    from harness.runlog import write_atomic
+
+    by_pos: dict[str, dict] = {p: {"answer": {}, "sp": {}} for p in positions}
+    for r in records:
+        if not r.get("skipped") and r["condition"] in by_pos:
+            by_pos[r["condition"]]["answer"][r["id"]] = r["prediction"]
+            by_pos[r["condition"]]["sp"][r["id"]] = []
+    pred_dir = out_dir / "predictions"
+    pred_dir.mkdir(exist_ok=True)
+    paths = [write_atomic(pred_dir / f"{pos}.json", json.dumps(preds, indent=1, ensure_ascii=False))
+             for pos, preds in by_pos.items()]
+    for stale in set(pred_dir.glob("*.json")) - set(paths):
+        stale.unlink()
+        log.info("removed %s: position %s is not part of this run", stale, stale.stem)
+    return paths
 
 
 def _para(title: str, sentences: list[str], gold: bool) -> dict:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
-from evals.base import Instance, word_level_tokenizer
+from evals.base import Instance, OptionError, Task, ToolSpec, word_level_tokenizer
+from evals.registry import register_task
 
 SPECIAL = ["[", "]", ",", "-", "[PAD]", "[EOS]", "[TRUE]", "[FALSE]", "[SPACE]", "[NEWLINE]", "[UNK]", "[BOS]",
            "[STARTSEARCH]", "[ENDSEARCH]", "[FAILED]", "~"]  # 16, then node names 0..n: n + 17 tokens
@@ -303,25 +304,41 @@ def _trace_text(generated: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- task
-class IsTree:
+@dataclass
+class IsTreeOptions:
+    nodes: int = field(default=16, metadata={"help": "graph size n (paper: 16, 32, 64)"})
+    setup: str = field(default="cot", metadata={"help": "direct, cot or retrieval (the tool is live)"})
+    graph: str = field(default="binary", metadata={"help": "binary or random"})
+    samples: int = field(default=5000, metadata={"help": "held-out graphs"})
+    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
+
+    def check(self) -> None:
+        if self.setup not in SETUPS:
+            raise OptionError(f"--task-arg setup={self.setup}: choose {', '.join(SETUPS)}")
+        if self.graph not in GRAPHS:
+            raise OptionError(f"--task-arg graph={self.graph}: choose {', '.join(GRAPHS)}")
+        if self.nodes < 4 or self.samples < 1:
+            raise OptionError("--task-arg nodes must be >= 4 and samples >= 1")
+
+
+@register_task("istree")
+class IsTree(Task):
     """Held-out IsTree samples as an engine task (generation is greedy; the verdict is the first label)."""
 
-    name = "istree"
+    Options = IsTreeOptions
     default_template = "istree"
     retrieval_template = "istree"
     stop = [TRUE, FALSE]
     include_stop = True
     metrics = ("accuracy",)
+    condition = "nodes"
 
-    def __init__(self, data: str | None = None, split: str = "test", nodes: int = 16, setup: str = "cot",
-                 graph: str = "binary", samples: int = 5000, eval_seed: int = 0, **_):
-        if setup not in SETUPS:
-            raise ValueError(f"unknown IsTree setup {setup!r}; choose {', '.join(SETUPS)}")
-        if graph not in GRAPHS:
-            raise ValueError(f"unknown IsTree graph type {graph!r}; choose {', '.join(GRAPHS)}")
-        self.nodes, self.setup, self.graph = int(nodes), setup, graph
-        self.samples, self.eval_seed = int(samples), int(eval_seed)
-        self.default_max_new_tokens = {"direct": 2, "cot": 4 * self.nodes + 4, "retrieval": 60 * self.nodes}[setup]
+    def __init__(self, data: str | None = None, split: str | None = None, **options):
+        super().__init__(data, split, **options)
+        o = self.options
+        self.nodes, self.setup, self.graph, self.samples, self.eval_seed = o.nodes, o.setup, o.graph, o.samples, \
+            o.eval_seed
+        self.default_max_new_tokens = {"direct": 2, "cot": 4 * self.nodes + 4, "retrieval": 60 * self.nodes}[o.setup]
 
     def load(self) -> list[dict]:
         # A seed namespace of its own, so held-out graphs never come from a training stream's sequence.
@@ -333,21 +350,23 @@ class IsTree:
             rows.append({"_id": f"g{i:05d}", "edges": g.edges, "is_tree": g.is_tree})
         return rows
 
-    def instances(self, rows, *, distractors=0, positions=None, seed=0, pool_rows=None) -> list[Instance]:
+    def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
         out = []
         for r in rows:
             g = Graph(self.nodes, [tuple(e) for e in r["edges"]])
             prompt = " ".join([BOS, *g.tokens(), EOS])
-            out.append(Instance(id=r["_id"], position="all", question=prompt, answer=TRUE if r["is_tree"] else FALSE,
-                                paragraphs=[], meta={"n": self.nodes, "setup": self.setup, "gold_start": 0}))
+            out.append(Instance(id=r["_id"], condition=f"n={self.nodes}", question=prompt,
+                                answer=TRUE if r["is_tree"] else FALSE, meta={"n": self.nodes, "setup": self.setup}))
         return out
 
-    def make_tool(self, instance: Instance, cfg=None):
+    def make_tool(self, instance: Instance, spec: ToolSpec):
+        """The setup decides whether the tool is live (the model was trained with it); the flags set its limits."""
         if self.setup != "retrieval":
             return None
-        return IsTreeTool(instance.question.replace(BOS, "").replace(EOS, ""))
+        limits = {"timeout": spec.timeout, **({"max_calls": spec.max_calls} if spec.max_calls is not None else {})}
+        return IsTreeTool(instance.question.replace(BOS, "").replace(EOS, ""), **limits)
 
-    def score(self, instance: Instance, generation: str) -> dict:
+    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
         m = re.search(r"\[(TRUE|FALSE)\]", generation)
         pred = f"[{m.group(1)}]" if m else ""
         return {"prediction": pred, "answer_found": bool(m), "accuracy": float(pred == instance.answer)}

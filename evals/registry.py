@@ -1,22 +1,48 @@
-"""Task registry: a task name maps to a class; adding a task is one module and one line here."""
+"""Task registry: ``@register_task("name")`` on a Task subclass is all it takes to add a task.
+
+Every module of the ``evals`` package is imported on first use, so a new task is one module (plus its template
+and tests): the CLI's ``--task`` choices, its help and ``--task-arg`` validation all derive from here."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 
-def _tasks():
-    from functools import partial
-
-    from evals.hotpotqa import HotpotQA
-    from evals.istree import IsTree
-    from evals.retrieval_tasks import TASK_NAMES, RetrievalTask
-
-    return {"hotpotqa": HotpotQA, "istree": IsTree, **{n: partial(RetrievalTask, n) for n in TASK_NAMES}}
+TASKS: dict[str, type] = {}
+_LOADED = False
 
 
-TASKS = ("hotpotqa", "istree", "index", "ar", "cgram", "counting")
+def register_task(name: str):
+    def add(cls):
+        if name in TASKS and TASKS[name] is not cls:
+            raise ValueError(f"task name {name!r} is registered twice ({TASKS[name].__module__}, {cls.__module__})")
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+    return add
+
+
+def _load_all() -> None:
+    global _LOADED
+    if not _LOADED:
+        import evals
+
+        for mod in pkgutil.iter_modules(evals.__path__):
+            importlib.import_module(f"evals.{mod.name}")
+        _LOADED = True
+
+
+def task_class(name: str) -> type:
+    _load_all()
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+def task_names() -> list[str]:
+    _load_all()
+    return sorted(TASKS)
 
 
 def get_task(name: str, **kwargs):
-    tasks = _tasks()
-    if name not in tasks:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(tasks))}")
-    return tasks[name](**kwargs)
+    """``kwargs``: ``data``, ``split`` and the task's own options (fields of its ``Options``)."""
+    return task_class(name)(**kwargs)

@@ -14,9 +14,10 @@ the same engine and scorer.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from evals.base import Instance
+from evals.base import Instance, OptionError, Task
+from evals.registry import register_task
 
 TASK_NAMES = ("index", "ar", "cgram", "counting")
 SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
@@ -31,40 +32,55 @@ class Draw:
     answer: int  # symbol index, position-free count, ...
 
 
-class RetrievalTask:
-    """``name`` in TASK_NAMES; ``length`` symbols per sequence over an alphabet of ``symbols``."""
+@dataclass
+class RetrievalOptions:
+    length: int = field(default=32, metadata={"help": "symbols per sequence"})
+    symbols: int = field(default=16, metadata={"help": "alphabet size"})
+    c: int = field(default=3, metadata={"help": "c-gram length (cgram)"})
+    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
+    shots: int = field(default=2, metadata={"help": "exemplars (text format)"})
+    samples: int = field(default=500, metadata={"help": "held-out samples"})
+    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
 
+    def check(self) -> None:
+        if self.format not in ("text", "tokens"):
+            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
+        if self.symbols > len(WORDS) and self.format == "text":
+            raise OptionError(f"--task-arg symbols={self.symbols}: format=text has {len(WORDS)} words")
+        if self.length < 2 or self.samples < 1:
+            raise OptionError("--task-arg length must be >= 2 and samples >= 1")
+
+
+class RetrievalTask(Task):
+    """One of TASK_NAMES (``kind``); ``length`` symbols per sequence over an alphabet of ``symbols``."""
+
+    Options = RetrievalOptions
+    kind = ""
     metrics = ("accuracy",)
     default_template = "retrieval_tasks"
-    retrieval_template = "retrieval_tasks"
-    include_stop = False
+    condition = "length"
 
-    def __init__(self, name: str, length: int = 32, symbols: int = 16, c: int = 3, format: str = "text",
-                 shots: int = 2, samples: int = 500, eval_seed: int = 0, data=None, split=None, **_):
-        if name not in TASK_NAMES:
-            raise ValueError(f"unknown retrieval task {name!r}; choose {', '.join(TASK_NAMES)}")
-        if format not in ("text", "tokens"):
-            raise ValueError("format must be 'text' (pretrained LMs) or 'tokens' (models trained here)")
-        if symbols > len(WORDS) and format == "text":
-            raise ValueError(f"format=text has {len(WORDS)} words; use symbols <= {len(WORDS)}")
-        self.name, self.length, self.symbols, self.c = name, int(length), int(symbols), int(c)
-        self.format, self.shots, self.samples, self.eval_seed = format, int(shots), int(samples), int(eval_seed)
-        self.stop = ["\n"] if format == "text" else ["[PAD]"]
-        self.default_max_new_tokens = 4 if format == "text" else 2
+    def __init__(self, data=None, split=None, **options):
+        super().__init__(data, split, **options)
+        o = self.options
+        self.length, self.symbols, self.c = o.length, o.symbols, o.c
+        self.format, self.shots, self.samples, self.eval_seed = o.format, o.shots, o.samples, o.eval_seed
+        self.stop = ["\n"] if o.format == "text" else ["[PAD]"]
+        self.default_max_new_tokens = 4 if o.format == "text" else 2
 
     # ------------------------------------------------------------------------------------ drawing
     def draw(self, rng: random.Random) -> Draw:
         n, k = self.length, self.symbols
-        if self.name == "index":
+        if self.kind == "index":
             seq = [rng.randrange(k) for _ in range(n)]
             i = rng.randrange(n)
             return Draw(seq, [i], seq[i])
-        if self.name == "ar":
+        if self.kind == "ar":
             keys = rng.sample(range(k), min(k, n // 2))
             pairs = [(key, rng.randrange(k)) for key in keys]
             j = rng.randrange(len(pairs))
             return Draw([t for p in pairs for t in p], [pairs[j][0]], pairs[j][1])
-        if self.name == "cgram":
+        if self.kind == "cgram":
             while True:
                 seq = [rng.randrange(k) for _ in range(n)]
                 starts = list(range(n - self.c + 1))
@@ -85,8 +101,8 @@ class RetrievalTask:
     def tokens(self, d: Draw) -> tuple[list[str], str]:
         sym = lambda i: f"a{i}"  # noqa: E731
         seq = [sym(i) for i in d.seq]
-        query = [str(d.query[0])] if self.name == "index" else [sym(i) for i in d.query]
-        answer = str(d.answer) if self.name == "counting" else sym(d.answer)
+        query = [str(d.query[0])] if self.kind == "index" else [sym(i) for i in d.query]
+        answer = str(d.answer) if self.kind == "counting" else sym(d.answer)
         return ["[BOS]", *seq, "[SEP]", *query, "[EOS]"], answer
 
     def stream(self, seed: int):
@@ -98,39 +114,59 @@ class RetrievalTask:
     # -------------------------------------------------------------------------------------- text
     def text(self, d: Draw) -> tuple[str, str]:
         w = lambda i: WORDS[i]  # noqa: E731
-        if self.name == "ar":
+        if self.kind == "ar":
             pairs = ", ".join(f"{w(d.seq[i])}: {w(d.seq[i + 1])}" for i in range(0, len(d.seq), 2))
             return f"Pairs: {pairs}\nQuestion: What goes with {w(d.query[0])}?\nAnswer:", w(d.answer)
         words = " ".join(w(i) for i in d.seq)
-        if self.name == "index":
+        if self.kind == "index":
             q = f"What is word number {d.query[0] + 1}?"
-        elif self.name == "cgram":
+        elif self.kind == "cgram":
             q = f"Which word comes right after \"{' '.join(w(i) for i in d.query)}\"?"
         else:
             q = f"How many times does \"{w(d.query[0])}\" occur?"
-        answer = str(d.answer) if self.name == "counting" else w(d.answer)
+        answer = str(d.answer) if self.kind == "counting" else w(d.answer)
         return f"Words: {words}\nQuestion: {q}\nAnswer:", answer
 
     # ------------------------------------------------------------------------------- engine task
     def load(self) -> list[dict]:
-        rng = random.Random(f"retrieval-eval:{self.name}:{self.length}:{self.symbols}:{self.eval_seed}")
+        rng = random.Random(f"retrieval-eval:{self.kind}:{self.length}:{self.symbols}:{self.eval_seed}")
         rows = []
         for i in range(self.samples):
             d = self.draw(rng)
             shots = [self.text(self.draw(rng)) for _ in range(self.shots)] if self.format == "text" else []
             prompt, answer = self.text(d) if self.format == "text" else (" ".join(self.tokens(d)[0]), self.tokens(d)[1])
-            rows.append({"_id": f"{self.name}{i:05d}", "prompt": prompt, "answer": answer,
+            rows.append({"_id": f"{self.kind}{i:05d}", "prompt": prompt, "answer": answer,
                          "shots": [{"prompt": p, "answer": a} for p, a in shots]})
         return rows
 
-    def instances(self, rows, *, distractors=0, positions=None, seed=0, pool_rows=None) -> list[Instance]:
-        return [Instance(id=r["_id"], position="all", question=r["prompt"], answer=r["answer"], paragraphs=[],
-                         meta={"shots": r["shots"], "gold_start": 0}) for r in rows]
+    def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
+        return [Instance(id=r["_id"], condition=f"L={self.length}", question=r["prompt"], answer=r["answer"],
+                         meta={"shots": r["shots"]}) for r in rows]
 
-    def make_tool(self, instance, cfg=None):
-        return None
-
-    def score(self, instance: Instance, generation: str) -> dict:
+    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
         words = generation.replace(".", " ").split()
         pred = words[0] if words else ""
         return {"prediction": pred, "answer_found": bool(words), "accuracy": float(pred == instance.answer)}
+
+
+@register_task("index")
+class IndexTask(RetrievalTask):
+    kind = "index"
+
+
+@register_task("ar")
+class AssociativeRecallTask(RetrievalTask):
+    kind = "ar"
+
+
+@register_task("cgram")
+class CGramTask(RetrievalTask):
+    kind = "cgram"
+
+
+@register_task("counting")
+class CountingTask(RetrievalTask):
+    kind = "counting"
+
+
+RETRIEVAL_TASKS = {c.kind: c for c in (IndexTask, AssociativeRecallTask, CGramTask, CountingTask)}

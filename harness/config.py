@@ -6,6 +6,7 @@ data's and the template's hashes), so two spellings of one run are one run and a
 rows made under different settings."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -19,34 +20,52 @@ class ConfigError(ValueError):
     """A flag's value cannot work; the message names the flag and the fix."""
 
 
-@dataclass
+def _f(default, help: str, **kw):
+    """A field whose help text becomes its flag's (transformers.HfArgumentParser reads ``metadata``)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    model: str
-    backend: str = "auto"
-    tokenizer: str | None = None  # default: the checkpoint's own, or the registry's (Phi-1.5's for goombalab's)
-    task: str = "hotpotqa"
-    task_args: dict = field(default_factory=dict)  # task-specific options, e.g. IsTree's nodes and setup
-    data: str | None = None
-    split: str = "validation"
-    distractors: int = 8
-    positions: list[str] = field(default_factory=lambda: ["first", "middle", "last"])
-    shots: int = 4
-    template: str | None = None
-    limit: int | None = None
-    ids: str | None = None
-    batch_size: str = "auto"
-    max_new_tokens: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 1234
-    output: str = "runs/latest"
-    stop: list[str] | None = None
-    retrieval: bool = False
-    max_tool_calls: int = 4
-    tool_timeout: float = 1.0
-    tool_max_chars: int = 300
-    prefix_reuse: bool = True  # identical outputs either way, so not part of the resume hash
-    template_sha256: str | None = None  # filled in by the engine from the resolved template file
+    """Every flag of ``harness.eval`` except the task's own options (``task_args``, see ``evals``), defined
+    once: ``harness.eval`` builds its parser from these fields. Frozen: the engine resolves it once
+    (``dataclasses.replace``) and run.json records the result."""
+
+    model: str = _f(None, "registered name (phi-1.5, phi-mamba, hybrid-phi-mamba), a hub id (org/name) or a local "
+                          "checkpoint dir", required=True)
+    backend: str = _f("auto", "model backend (default: the registry's choice; vllm is an optional GPU extra)",
+                      choices=["auto", "transformers", "phi-mamba", "vllm"])
+    tokenizer: str | None = _f(None, "tokenizer: a hub id or local folder (default: the checkpoint's own; "
+                                     "microsoft/phi-1_5's for goombalab-format folders, which carry none)")
+    task: str = _f("hotpotqa", "the task (see --task-arg for each task's options)")
+    task_args: dict = field(default_factory=dict, metadata={"help": argparse.SUPPRESS})  # the task's options
+    # (complete once resolved; set through --task-arg and the task's own flags, never directly)
+    data: str | None = _f(None, "HotpotQA: JSON/JSONL in the official schema, 'fixture' (bundled invented data) or "
+                                "'hub' (datasets hotpot_qa/distractor; the default)")
+    split: str | None = _f(None, "split when loading from the hub (default: the task's; validation for HotpotQA)")
+    template: str | None = _f(None, "prompt template: a name in prompts/ or a path to a .j2 file (default: the "
+                                    "task's)")
+    limit: int | None = _f(None, "evaluate only the first N questions")
+    ids: str | None = _f(None, "file of question ids (one per line, or a JSON list) to evaluate")
+    batch_size: str = _f("auto", "prompts per batch, or 'auto' to fill batches up to a token budget")
+    max_new_tokens: int | None = _f(None, "generation budget (default: the task's)")
+    stop: list[str] | None = _f(None, "stop strings (default: the task's); repeatable", action="extend")
+    device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = _f("auto", "auto, float32, bfloat16 or float16 (auto: bf16 on a GPU, float32 on CPU and for "
+                            "the Phi-Mamba family)")
+    seed: int = _f(1234, "seeds distractor drawing and random positions")
+    output: str | None = _f(None, "run directory; rerunning with the same one resumes (default: "
+                                  "runs/MODEL-TASK...)")
+    retrieval: bool = _f(False, "let the model call the in-context regex search tool")
+    max_tool_calls: int | None = _f(None, "tool calls allowed per sample, >= 1 (default: the task's; 4 for "
+                                          "HotpotQA)")
+    tool_timeout: float = _f(1.0, "seconds before a regex search is stopped, > 0")
+    tool_max_chars: int = _f(300, "cap on one tool result's length")
+    prefix_reuse: bool = _f(True, "prefill the shared few-shot prefix once and copy it into each batch "
+                                  "(outputs are identical either way)")
+    template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,14 +82,10 @@ class RunConfig:
                 "the task's default)")
         if self.limit is not None and self.limit < 1:
             bad("--limit", self.limit, "use a positive number of questions (or leave it out for all)")
-        if self.shots < 0:
-            bad("--shots", self.shots, "use 0 or more exemplars")
-        if self.distractors < 0:
-            bad("--distractors", self.distractors, "use 0 (oracle: gold paragraphs only) or more")
         if not (isinstance(self.tool_timeout, (int, float)) and math.isfinite(self.tool_timeout)
                 and self.tool_timeout > 0):
             bad("--tool-timeout", self.tool_timeout, "use a positive, finite number of seconds, e.g. 1.0")
-        if self.max_tool_calls < 1:
+        if self.max_tool_calls is not None and self.max_tool_calls < 1:
             bad("--max-tool-calls", self.max_tool_calls, "use 1 or more (leave out --retrieval for no tool)")
         if self.tool_max_chars < 4:
             bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
@@ -98,9 +113,11 @@ class RunConfig:
             raise ConfigError(f"--device {self.device!r}: MPS is not available here; use --device cpu or auto")
         return dev
 
-    def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None) -> dict[str, Any]:
-        """What determines a sample's generation, as content: the key of the resume hash. Positions, limits,
-        ids, batch size and prefix reuse are left out: they choose which rows exist, not what a row holds."""
+    def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None,
+                 selects: tuple[str, ...] = ()) -> dict[str, Any]:
+        """What determines a sample's generation, as content: the key of the resume hash. Limits, ids, batch
+        size, prefix reuse and the task options in ``selects`` (HotpotQA's positions) are left out: they choose
+        which rows exist, not what a row holds."""
         from harness.backends.base import resolve_dtype
         from harness.models import UnknownModelError, resolve_model
 
@@ -118,9 +135,9 @@ class RunConfig:
         tok = Path(self.tokenizer).expanduser() if self.tokenizer else None
         return {"model": str(local.resolve()) if local.is_dir() else model, "backend": self.backend,
                 "tokenizer": str(tok.resolve()) if tok is not None and tok.is_dir() else self.tokenizer,
-                "task": self.task, "task_args": self.task_args, "data_sha256": data_sha256,
-                "split": self.split, "distractors": self.distractors, "shots": self.shots,
-                "template_sha256": template_sha256, "max_new_tokens": self.max_new_tokens, "dtype": dtype,
+                "task": self.task, "task_args": {k: v for k, v in self.task_args.items() if k not in selects},
+                "data_sha256": data_sha256,
+                "split": self.split, "template_sha256": template_sha256, "max_new_tokens": self.max_new_tokens, "dtype": dtype,
                 "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
                 "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
                 "tool_max_chars": self.tool_max_chars}

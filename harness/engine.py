@@ -3,6 +3,7 @@
 It knows nothing about any one model or task; both come in through their registries."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,11 +18,11 @@ import torch
 from tqdm.auto import tqdm
 
 from evals import get_task
-from evals.base import DataError, Instance
-from harness.config import RunConfig, content_sha256, settings_hash
+from evals.base import DataError, Instance, ToolSpec, option_fields
+from harness.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
-from harness.results import format_markdown, git_hash, metrics_table, summarize, versions, write_predictions
+from harness.results import format_markdown, git_hash, metrics_table, summarize, versions
 from harness.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, write_atomic,
                             write_run_meta)
 
@@ -146,24 +147,30 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     t0 = time.perf_counter()
     cfg.validate()
     task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
+    if cfg.retrieval and task.retrieval_template is None and not cfg.template:
+        raise ConfigError(f"--retrieval: task {cfg.task!r} has no retrieval prompt; pass --template with one")
     template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
-    cfg.template = cfg.template or template.name
-    cfg.template_sha256 = template.sha256
-    cfg.max_new_tokens = cfg.max_new_tokens or task.default_max_new_tokens
+    # Resolved once: the task's complete options, the template, the budget; run.json records this config.
+    cfg = dataclasses.replace(cfg, task_args=dataclasses.asdict(task.options), template=cfg.template or template.name,
+                              template_sha256=template.sha256,
+                              max_new_tokens=cfg.max_new_tokens or task.default_max_new_tokens)
     stop = cfg.stop if cfg.stop is not None else task.stop
     answer_phrase = template.declared("answer_phrase")
     score_kw = {"answer_phrase": answer_phrase} if answer_phrase else {}
+    spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
+                    max_chars=cfg.tool_max_chars)
 
     all_rows = task.load()
     rows = select_rows(all_rows, cfg.ids, cfg.limit)
     if not rows:
         raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
                         f"--limit/--ids ({cfg.ids or cfg.limit})")
-    instances = task.instances(rows, distractors=cfg.distractors, positions=cfg.positions, seed=cfg.seed,
-                               pool_rows=all_rows)
+    instances = task.instances(rows, seed=cfg.seed, pool_rows=all_rows)
     _check_unique(instances, cfg.data)
-    prompts = {i.key: template.render(**i.template_vars(), shots=cfg.shots) for i in instances}
-    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256), backend)
+    tool_vars = spec.template_vars()
+    prompts = {i.key: template.render(**task.template_vars(i), tool=tool_vars) for i in instances}
+    selects = tuple(f.name for f in option_fields(task.Options) if f.metadata.get("selects"))
+    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
     config_hash = settings_hash(resolved)
 
     dist = distributed_state()
@@ -171,15 +178,15 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     out = Path(cfg.output)
     lock = RunLock(out).acquire() if rank == 0 else None
     try:
-        return _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, resolved, config_hash,
-                           dist, rank, world, progress, t0)
+        return _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, spec, resolved,
+                           config_hash, dist, rank, world, progress, t0)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, resolved, config_hash, dist, rank,
-                world, progress, t0) -> dict[str, Any]:
+def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, spec, resolved, config_hash, dist,
+                rank, world, progress, t0) -> dict[str, Any]:
     out = Path(cfg.output)
     has_meta = check_run_meta(out, config_hash, resolved)
     samples = SampleLog(out, shard=f"rank{rank}" if world > 1 else None)
@@ -198,8 +205,9 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, re
     if dist:
         dist.wait_for_everyone()  # every rank has read the same "done" set before anyone writes
     todo = [ins for ins in instances if ins.key not in samples or ins.key in stale_set]
-    log.info("task %s: %d questions x %d positions = %d instances (%d already done in %s)", cfg.task, len(rows),
-             len({i.position for i in instances}), len(instances), len(instances) - len(todo), cfg.output)
+    log.info("task %s: %d questions x %d %s(s) = %d instances (%d already done in %s)", cfg.task, len(rows),
+             len({i.condition for i in instances}), task.condition, len(instances), len(instances) - len(todo),
+             cfg.output)
     n_todo = len(todo)
     todo = todo[rank::world]  # a fixed split of what is left, so any number of ranks can resume any run
     if world > 1:
@@ -219,8 +227,8 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, re
     if not has_meta and rank == 0:
         write_run_meta(out, config_hash, resolved, cfg.to_dict())  # only now: model, data, template, flags all work
 
-    gen_s, new_tokens = _generate_all(cfg, task, backend, todo, prompts, samples, stop, score_kw, config_hash,
-                                      progress and rank == 0)
+    gen_s, new_tokens = _generate_all(cfg, task, backend, todo, prompts, samples, stop, score_kw, spec,
+                                      config_hash, progress and rank == 0)
     samples.close()
     if dist:
         dist.wait_for_everyone()
@@ -233,28 +241,27 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, re
                           f"{', ...' if len(missing) > 5 else ''}); rerun the same command to generate them")
 
     records = [samples.records[i.key] for i in instances]
-    positions = list(dict.fromkeys(i.position for i in instances))
-    by_pos = summarize(records, task.metrics, positions, seed=cfg.seed)
+    conditions = list(dict.fromkeys(i.condition for i in instances))
+    by_pos = summarize(records, task.metrics, conditions, seed=cfg.seed)
     results = {
-        "task": cfg.task, "model": cfg.model, "config": cfg.to_dict(), "config_hash": config_hash,
+        "task": cfg.task, "task_summary": task.describe(), "condition": task.condition, "model": cfg.model,
+        "config": cfg.to_dict(), "config_hash": config_hash,
         "resolved": resolved, "backend": backend.describe() if backend is not None else None,
         "metrics": by_pos,
         "counts": {"questions": len(rows), "instances": len(instances), "generated": n_todo,
                    "resumed": len(instances) - n_todo, "stale_regenerated": len(stale), "ranks": world,
                    "skipped_too_long": sum(m["skipped_too_long"] for m in by_pos.values())},
-        "selection": {"ids": list(dict.fromkeys(i.id for i in instances)), "positions": positions},
+        "selection": {"ids": list(dict.fromkeys(i.id for i in instances)), "conditions": conditions},
         "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
                     "total_s": round(time.perf_counter() - t0, 3), "new_tokens": new_tokens,
                     "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None},
         "seed": cfg.seed, "versions": versions(), "git": git_hash(),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    df = metrics_table(by_pos, task.metrics)
-    results["table"] = format_markdown(df, task.metrics)
-    results["files"] = ["results.json", "samples.jsonl", "table.md", "table.csv"]
-    if getattr(task, "writes_predictions", False):
-        write_predictions(records, out, positions)
-        results["files"].insert(2, "predictions/")
+    df = metrics_table(by_pos, task.metrics, task.condition)
+    results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,))
+    results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions), "table.md",
+                        "table.csv"]
     write_atomic(out / "table.csv", df.to_csv(index=False))
     write_atomic(out / "table.md", results["table"] + "\n")
     write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))  # last: it marks the run finished
@@ -272,7 +279,7 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score_kw, config_hash,
+def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score_kw, spec, config_hash,
                   progress) -> tuple[float, int]:
     if not todo:
         return 0.0, 0
@@ -285,7 +292,7 @@ def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score
     if too_long:
         log.warning("%d prompt(s) do not fit the model's %d-token context with %d new tokens; they are skipped "
                     "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
-        samples.write(_record(todo[i], prompts[i], len(prompt_ids[i]), None, None, config_hash,
+        samples.write(_record(task, todo[i], prompts[i], len(prompt_ids[i]), None, None, config_hash,
                               skipped="prompt_too_long") for i in too_long)
     shared = common_prefix([prompt_ids[i] for i in fits]) if cfg.prefix_reuse and len(fits) > 1 else []
     if len(shared) < MIN_SHARED_PREFIX:
@@ -299,17 +306,17 @@ def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score
     gen_s, new_tokens = 0.0, 0
     bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample", disable=not progress)
     bar.update(len(too_long))
-    keep_stop = getattr(task, "include_stop", False)  # e.g. IsTree's verdict token is its stop string
+    keep_stop = task.include_stop  # e.g. IsTree's verdict token is its stop string
     for batch in batches:
         idx = [fits[j] for j in batch]
-        tools = [task.make_tool(todo[i], cfg) for i in idx]
+        tools = [task.make_tool(todo[i], spec) for i in idx]
         reqs = [GenRequest(prompts[i], cfg.max_new_tokens, stop, tool, prompt_ids=prompt_ids[i])
                 for i, tool in zip(idx, tools)]
         t = time.perf_counter()
         outs = backend.generate(reqs, shared_prefix=shared or None)
         gen_s += time.perf_counter() - t
         new_tokens += sum(o.new_tokens for o in outs)
-        samples.write(_record(todo[i], prompts[i], o.prompt_tokens, o,
+        samples.write(_record(task, todo[i], prompts[i], o.prompt_tokens, o,
                               task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else ""), **score_kw),
                               config_hash, tool=tool)
                       for i, o, tool in zip(idx, outs, tools))
@@ -318,9 +325,9 @@ def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score
     return gen_s, new_tokens
 
 
-def _record(ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,
+def _record(task, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,
             skipped: str | None = None, tool=None) -> dict:
-    rec = {"key": ins.key, "id": ins.id, "position": ins.position, "gold_start": ins.meta.get("gold_start"),
+    rec = {"key": ins.key, "id": ins.id, "condition": ins.condition, **task.record_fields(ins),
            "config_hash": config_hash, "prompt_sha256": _sha(prompt), "prompt_tokens": prompt_tokens,
            "gold": ins.answer, "skipped": skipped, "prompt": prompt}
     if out is not None:

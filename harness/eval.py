@@ -1,130 +1,113 @@
-"""``python -m harness.eval``: evaluate a model on a task, sweeping gold-paragraph positions in one run.
+"""``python -m harness.eval``: evaluate a model on a task, sweeping the task's conditions in one run.
 
 Example:
     python -m harness.eval --model phi-1.5 --task hotpotqa --distractors 10 --positions first,middle,last
+    python -m harness.eval --model state-spaces/mamba-130m-hf --task mqar --task-arg pairs=64
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
+from pathlib import Path
 
 from harness.config import ConfigError, RunConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from harness.models import REGISTRY
+@dataclasses.dataclass
+class CliFlags:
+    """Flags of the command line only: they change what is printed, never a result."""
 
-    ap = argparse.ArgumentParser(prog="python -m harness.eval", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True,
-                    help=f"registered name ({', '.join(REGISTRY)}), a hub id (org/name) or a local checkpoint dir")
-    ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer: a hub id or local folder (default: the checkpoint's own; microsoft/phi-1_5's "
-                         "for goombalab-format folders, which carry none)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "transformers", "phi-mamba", "vllm"],
-                    help="model backend (default: the registry's choice; vllm is an optional GPU extra)")
-    ap.add_argument("--task", default="hotpotqa",
-                    help="hotpotqa (default), istree, or a retrieval task: index, ar, cgram, counting")
-    ap.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="task option (repeatable), e.g. --task-arg nodes=16 --task-arg setup=retrieval for istree; "
-                         "for a checkpoint trained by harness.train they default to its training task")
-    ap.add_argument("--data", default=None,
-                    help="HotpotQA JSON/JSONL in the official schema, 'fixture' (bundled invented data) or "
-                         "'hub' (datasets hotpot_qa/distractor; the default)")
-    ap.add_argument("--split", default="validation", help="split when loading from the hub (default: validation)")
-    ap.add_argument("--distractors", type=int, default=8,
-                    help="distractor paragraphs per test context; >8 draws extra ones (seeded) from other "
-                         "questions; 0 = oracle mode, gold paragraphs only (default: 8)")
-    ap.add_argument("--positions", default=None,
-                    help="where the two gold paragraphs go: first, middle, last, random, an index (0 = first), "
-                         "or a comma list swept in one run (default: first,middle,last; not with --distractors 0)")
-    ap.add_argument("--shots", type=int, default=4, help="few-shot exemplars shown (default: 4)")
-    ap.add_argument("--template", default=None,
-                    help="prompt template: a name in prompts/ or a path to a .j2 file (default: the task's)")
-    ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
-    ap.add_argument("--ids", default=None, help="file of question ids (one per line, or a JSON list) to evaluate")
-    ap.add_argument("--batch-size", default="auto",
-                    help="prompts per batch, or 'auto' to fill batches up to a token budget (default: auto)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="generation budget (default: the task's)")
-    ap.add_argument("--stop", action="append", default=None,
-                    help="stop string (repeatable; default: the task's stop strings)")
-    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
-    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    ap.add_argument("--seed", type=int, default=1234, help="seeds distractor drawing and random positions")
-    ap.add_argument("--output", default=None,
-                    help="run directory; rerunning with the same one resumes (default: runs/MODEL-TASK-kK)")
-    ap.add_argument("--retrieval", action="store_true",
-                    help="let the model call the in-context regex search tool (<search>PATTERN</search>)")
-    ap.add_argument("--max-tool-calls", type=int, default=4, help="tool calls allowed per sample, >= 1 (default: 4)")
-    ap.add_argument("--tool-timeout", type=float, default=1.0,
-                    help="seconds before a regex search is stopped, > 0 (default: 1.0)")
-    ap.add_argument("--tool-max-chars", type=int, default=300, help="cap on one tool result's length (default: 300)")
-    ap.add_argument("--no-prefix-reuse", action="store_true",
-                    help="recompute the shared few-shot prefix for every batch (outputs are identical either way)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    task_arg: list[str] = dataclasses.field(default_factory=list, metadata={
+        "help": "the task's options as KEY=VALUE (repeatable); for a checkpoint trained by harness.train they "
+                "default to its training task's", "action": "extend", "metavar": "KEY=VALUE"})
+    progress: bool = dataclasses.field(default=True, metadata={"help": "show a progress bar"})
+    verbose: bool = dataclasses.field(default=False, metadata={"help": "debug logging, full tracebacks",
+                                                               "aliases": ["-v"]})
+
+
+# HotpotQA's options also have flags of their own (the paper's experiment is run with them).
+HOTPOTQA_FLAGS = ("distractors", "positions", "shots")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from transformers import HfArgumentParser
+
+    from evals import task_class, task_names
+    from evals.base import option_fields, options_help
+
+    names = task_names()
+    tasks_help = "\n".join(f"  {n:10s} {options_help(task_class(n).Options) or 'no options'}" for n in names)
+    ap = HfArgumentParser((RunConfig, CliFlags), prog="python -m harness.eval",
+                          description=__doc__ + "\ntasks and their --task-arg options:\n" + tasks_help,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    for action in ap._actions:  # the task choices come from the registry  # noqa: SLF001
+        if action.dest == "task":
+            action.choices = names
+    group = ap.add_argument_group("HotpotQA's options (also --task-arg KEY=VALUE)")
+    for f in option_fields(task_class("hotpotqa").Options):
+        if f.name in HOTPOTQA_FLAGS:
+            group.add_argument(f"--{f.name}", default=None, type=str if f.name == "positions" else int,
+                               help=f.metadata.get("help"))
     return ap
 
 
 def config_from_args(a: argparse.Namespace) -> RunConfig:
-    from evals.hotpotqa import parse_positions
+    """The RunConfig of a parsed command line: task options checked against the task's Options."""
+    from evals import task_class
+    from evals.base import make_options
 
-    if a.distractors == 0 and a.positions is not None:
-        raise ConfigError(f"--positions {a.positions} has no effect with --distractors 0 (oracle mode: the gold "
-                          "paragraphs alone, position 'oracle'); drop --positions or use --distractors 1 or more")
-    task_args = _task_args(a.task_arg, a.model, a.task)
-    from pathlib import Path
-
-    local = Path(a.model).expanduser()
-    safe = local.resolve().name if local.is_dir() else a.model.rstrip("/").replace("/", "_")
-    output = a.output or f"runs/{safe}-{a.task}-k{a.distractors}{'-retrieval' if a.retrieval else ''}"
-    return RunConfig(model=a.model, tokenizer=a.tokenizer, backend=a.backend, task=a.task, task_args=task_args, data=a.data, split=a.split, distractors=a.distractors,
-                     positions=parse_positions(a.positions or "first,middle,last"), shots=a.shots, template=a.template, limit=a.limit,
-                     ids=a.ids, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device,
-                     dtype=a.dtype, seed=a.seed, output=output, stop=a.stop, retrieval=a.retrieval,
-                     max_tool_calls=a.max_tool_calls, tool_timeout=a.tool_timeout, tool_max_chars=a.tool_max_chars,
-                     prefix_reuse=not a.no_prefix_reuse)
+    cls = task_class(a.task)
+    pairs = _task_args(a.task_arg, a.model, a.task)
+    for name in HOTPOTQA_FLAGS:
+        value = getattr(a, name)
+        if value is None:
+            continue
+        if a.task != "hotpotqa":
+            raise ConfigError(f"--{name} is an option of HotpotQA, not of task {a.task!r}; its options go in "
+                              "--task-arg KEY=VALUE (see --help)")
+        if name in pairs and str(pairs[name]) != str(value):
+            raise ConfigError(f"--{name} {value} and --task-arg {name}={pairs[name]} disagree; give one")
+        pairs[name] = value
+    if a.task == "hotpotqa" and str(pairs.get("distractors")) == "0" and "positions" in pairs:
+        raise ConfigError(f"--positions {pairs['positions']} has no effect with --distractors 0 (oracle mode: the "
+                          "gold paragraphs alone, position 'oracle'); drop --positions or use --distractors 1 or more")
+    try:
+        options = dataclasses.asdict(make_options(cls.Options, pairs, a.task))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    values = {k: v for k, v in vars(a).items() if k in fields}
+    values["task_args"] = options
+    if not values.get("output"):
+        local = Path(a.model).expanduser()
+        safe = local.resolve().name if local.is_dir() else a.model.rstrip("/").replace("/", "_")
+        tag = f"-k{options['distractors']}" if a.task == "hotpotqa" else ""
+        values["output"] = f"runs/{safe}-{a.task}{tag}{'-retrieval' if a.retrieval else ''}"
+    return RunConfig(**values)
 
 
 def _task_args(pairs: list[str], model: str, task: str) -> dict:
     """KEY=VALUE pairs; a checkpoint written by harness.train supplies its own task's options as defaults."""
-    import json
-    from pathlib import Path
-
     out: dict = {}
     meta = Path(model) / "icr_task.json"
     if meta.is_file():
         saved = json.loads(meta.read_text())
         if saved.get("task") == task:
             out.update(saved.get("args", {}))
-    known = task_options(task)
     for pair in pairs:
         if "=" not in pair:
             raise ConfigError(f"--task-arg expects KEY=VALUE, got {pair!r}")
         k, v = pair.split("=", 1)
-        if known is not None and k not in known:
-            raise ConfigError(f"--task-arg {pair!r}: task {task!r} has no option {k!r}; its options: "
-                              f"{', '.join(sorted(known)) or 'none'}")
-        out[k] = int(v) if v.isdigit() else v
+        out[k] = v
     return out
 
 
-def task_options(task: str) -> set[str] | None:
-    """The keyword options a task's constructor takes (data and split have flags of their own)."""
-    import inspect
-
-    from evals.registry import _tasks
-
-    cls = _tasks().get(task)
-    if cls is None:
-        return None
-    params = inspect.signature(cls).parameters.values()
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"data", "split"}
-
-
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from harness.engine import run_eval
@@ -132,7 +115,7 @@ def main(argv=None) -> int:
 
     try:
         cfg = config_from_args(a)
-        results = run_eval(cfg, progress=not a.no_progress)
+        results = run_eval(cfg, progress=a.progress)
     except (ValueError, KeyError, OSError, RunDirError) as e:  # DataError, ConfigError, TemplateError, ...
         if a.verbose:
             raise
@@ -141,10 +124,10 @@ def main(argv=None) -> int:
         return 2
     if results.get("rank", 0) != 0:
         return 0  # rank 0 merges and reports
-    print(f"\n{cfg.model} on {cfg.task}, {cfg.distractors} distractors, {cfg.shots}-shot "
-          f"({results['counts']['instances']} instances, {results['counts']['resumed']} resumed)\n")
+    print(f"\n{cfg.model} on {cfg.task}, {results['task_summary']} ({results['counts']['instances']} instances, "
+          f"{results['counts']['resumed']} resumed)\n")
     print(results["table"])
-    print(f"\nwrote {cfg.output}/{', '.join(results['files'])}")
+    print(f"\nwrote {results['config']['output']}/{', '.join(results['files'])}")
     return 0
 
 

@@ -69,6 +69,11 @@ class PromptTemplate:
         return self.path.stem
 
     def render(self, **variables) -> str:
+        """``tool`` defaults to the retrieval tool's syntax (evals.base.ToolSpec), disabled."""
+        if "tool" not in variables:
+            from evals.base import ToolSpec
+
+            variables["tool"] = ToolSpec().template_vars()
         try:
             return self._template.render(**variables)
         except jinja2.UndefinedError as e:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.results import format_markdown, summarize
+from harness.results import condition_of, format_markdown, summarize
 from harness.runlog import write_atomic
 
 # Settings that name a run in a legend when they differ between the runs of one report, in this order.
@@ -48,9 +48,19 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     records = list(SampleLog(run_dir, read_only=True).records.values())
     sel = results.get("selection")
     if sel:
-        keys = {f"{i}@{p}" for i in sel["ids"] for p in sel["positions"]}
+        keys = {f"{i}@{p}" for i in sel["ids"] for p in _conditions(results)}
         records = [r for r in records if r["key"] in keys]
     return results, records
+
+
+def _conditions(results: dict) -> list[str]:
+    sel = results.get("selection") or {}
+    return sel.get("conditions") or sel.get("positions") or list(results["metrics"])
+
+
+def _settings(cfg: dict) -> dict:
+    """A run's config with its task's options at the top level (HotpotQA's distractors, shots, ...)."""
+    return {**{k: v for k, v in cfg.items() if k != "task_args"}, **(cfg.get("task_args") or {})}
 
 
 def oracle_subset(oracle_dirs: list[str], metric: str = "em") -> set[str]:
@@ -77,7 +87,14 @@ def run_labels(configs: list[dict]) -> list[str]:
             return "oracle" if v == 0 else f"k={v}"
         return f"{k}={v}"
 
-    differ = [k for k in LABEL_FIELDS if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
+    import dataclasses
+
+    from harness.config import RunConfig
+
+    run_flags = {f.name for f in dataclasses.fields(RunConfig)}
+    task_options = sorted({k for c in configs for k in c} - run_flags - set(LABEL_FIELDS) - {"positions"})
+    fields = list(LABEL_FIELDS) + task_options
+    differ = [k for k in fields if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
     shown = ["model", *[k for k in differ if k != "model"]]
     labels = [" ".join(value(c, k) for k in shown) for c in configs]
     if len(set(labels)) < len(labels):  # same settings: tell the runs apart by their directories
@@ -97,14 +114,13 @@ def _short_model(model: str, all_models: list[str]) -> str:
 
 def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame:
     loaded = [load_run(d) for d in run_dirs]
-    labels = run_labels([res["config"] for res, _ in loaded])
+    labels = run_labels([_settings(res["config"]) for res, _ in loaded])
     rows = []
     for d, label, (results, samples) in zip(run_dirs, labels, loaded):
-        cfg = results["config"]
+        cfg = _settings(results["config"])
         first = next(iter(results["metrics"].values()), {})
         metrics = tuple(k for k in first if f"{k}_se" in first)
-        positions = (results.get("selection") or {}).get("positions") or list(results["metrics"])
-        by_pos = summarize(samples, metrics, positions, keep_ids=keep_ids, seed=cfg.get("seed", 0))
+        by_pos = summarize(samples, metrics, _conditions(results), keep_ids=keep_ids, seed=cfg.get("seed", 0))
         for pos, m in by_pos.items():
             rows.append({"run": label, "dir": str(d), "distractors": cfg.get("distractors"), "position": pos,
                          "gold_start": m.get("gold_start"), **{k: v for k, v in m.items() if k != "gold_start"}})
@@ -166,8 +182,8 @@ def write_official_gold(run_dirs: list[str], out: Path) -> list[Path]:
         if want and content_sha256(rows) != want:
             raise ReportError(f"--official-gold: the data {cfg.get('data')!r} changed since {d} ran (content hash "
                               f"{content_sha256(rows)} vs {want}); point the run's --data at the file it used")
-        for pos in results["selection"]["positions"]:
-            scored = {r["id"] for r in samples if r["position"] == pos and not r.get("skipped")}
+        for pos in _conditions(results):
+            scored = {r["id"] for r in samples if condition_of(r) == pos and not r.get("skipped")}
             path = out / Path(d).name / f"{pos}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             paths.append(write_atomic(path, json.dumps([r for r in rows if r["_id"] in scored], ensure_ascii=False)))

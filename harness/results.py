@@ -1,10 +1,11 @@
 """Run outputs built from the resume log (``harness.runlog``): per-condition statistics and output formats.
 
 Files in a run directory:
-  samples.jsonl      one line per (question, position): prompt, generation, answer, scores, tool calls
-  results.json       metrics per position with bootstrap standard errors, config, versions, timings, skips
-  predictions/       official HotpotQA prediction files, one per position
-  table.md / .csv    the per-position table
+  samples.jsonl      one line per (question, condition): prompt, generation, answer, scores, tool calls
+  results.json       metrics per condition (HotpotQA: gold position) with bootstrap standard errors, config,
+                     versions, timings, skips
+  ...                task-specific files (HotpotQA: predictions/, official prediction files per position)
+  table.md / .csv    the per-condition table
 """
 from __future__ import annotations
 
@@ -22,17 +23,17 @@ from harness.runlog import write_atomic
 log = logging.getLogger("harness")
 
 
-def summarize(records: Iterable[dict], metrics: tuple[str, ...], positions: list[str] | None = None,
+def summarize(records: Iterable[dict], metrics: tuple[str, ...], conditions: list[str] | None = None,
               keep_ids: set[str] | None = None, seed: int = 0,
               keep_keys: set[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Per position: n scored, n skipped (and why), mean and bootstrap SE of each metric, the rate at which
+    """Per condition: n scored, n skipped (and why), mean and bootstrap SE of each metric, the rate at which
     an answer was found, tool-call counts. ``{metric}_skipped_as_0`` counts skipped prompts as wrong, as the
     official HotpotQA script does for questions without a prediction."""
     by_pos: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if (keep_ids is None or r["id"] in keep_ids) and (keep_keys is None or r["key"] in keep_keys):
-            by_pos[r["position"]].append(r)
-    order = positions or sorted(by_pos, key=lambda p: _mean([r.get("gold_start", 0) for r in by_pos[p]]))
+            by_pos[condition_of(r)].append(r)
+    order = conditions or sorted(by_pos, key=lambda p: _mean([r.get("gold_start", 0) for r in by_pos[p]]))
     out = {}
     for pos in order:
         recs = by_pos.get(pos, [])
@@ -85,31 +86,18 @@ def git_hash() -> str | None:
         return None
 
 
-def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[str]) -> list[Path]:
-    """Official HotpotQA prediction files ({"answer": {id: text}, "sp": {id: []}}), one per position, written
-    for every position (empty if nothing was scored); files of positions no longer in the run are removed."""
-    by_pos: dict[str, dict] = {p: {"answer": {}, "sp": {}} for p in positions}
-    for r in records:
-        if not r.get("skipped") and r["position"] in by_pos:
-            by_pos[r["position"]]["answer"][r["id"]] = r["prediction"]
-            by_pos[r["position"]]["sp"][r["id"]] = []
-    pred_dir = out_dir / "predictions"
-    pred_dir.mkdir(exist_ok=True)
-    paths = [write_atomic(pred_dir / f"{pos}.json", json.dumps(preds, indent=1, ensure_ascii=False))
-             for pos, preds in by_pos.items()]
-    for stale in set(pred_dir.glob("*.json")) - set(paths):
-        stale.unlink()
-        log.info("removed %s: position %s is not part of this run", stale, stale.stem)
-    return paths
+def condition_of(record: dict) -> str:
+    """A sample's condition (``position`` in runs written before tasks declared their condition)."""
+    return record["condition"] if "condition" in record else record["position"]
 
 
-def metrics_table(by_position: dict[str, dict], metrics: tuple[str, ...]):
-    """A pandas DataFrame: one row per position, each metric as 'mean ± se' ready for markdown."""
+def metrics_table(by_position: dict[str, dict], metrics: tuple[str, ...], condition: str = "position"):
+    """A pandas DataFrame: one row per condition, each metric as 'mean ± se' ready for markdown."""
     import pandas as pd
 
     rows = []
     for pos, m in by_position.items():
-        row = {"position": pos, "n": m["n"], "skipped": m["skipped"], "answer_found": m.get("answer_found")}
+        row = {condition: pos, "n": m["n"], "skipped": m["skipped"], "answer_found": m.get("answer_found")}
         for k in metrics:
             row[k] = m[k]
             row[f"{k}_se"] = m[f"{k}_se"]

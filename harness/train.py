@@ -78,9 +78,9 @@ class TrainTask:
             self.max_len = {"direct": 4 * cfg.nodes, "cot": 8 * cfg.nodes, "retrieval": 64 * cfg.nodes}[cfg.setup]
             self.eval_args = {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph, "samples": cfg.eval_samples}
         else:
-            from evals.retrieval_tasks import RetrievalTask
+            from evals import get_task
 
-            self.impl = RetrievalTask(cfg.task, length=cfg.length, format="tokens")
+            self.impl = get_task(cfg.task, length=cfg.length, format="tokens")
             self.vocab = self.impl.vocabulary()
             self.max_len = 2 * cfg.length + 8
             self.eval_args = {"length": cfg.length, "format": "tokens", "samples": cfg.eval_samples}
@@ -179,11 +179,17 @@ def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict
                   "final_loss": float(sum(losses[-20:]) / len(losses[-20:])), "first_loss": losses[0],
                   "train_seconds": round(train_s, 2), "eval_seconds": round(time.perf_counter() - t1, 2),
                   "samples_per_second": round(steps * cfg.batch_size * acc.num_processes / train_s, 1),
-                  "accuracy": acc_eval["metrics"]["all"]["accuracy"],
-                  "accuracy_se": acc_eval["metrics"]["all"]["accuracy_se"], "device": str(acc.device)}
+                  "accuracy": _only(acc_eval["metrics"])["accuracy"],
+                  "accuracy_se": _only(acc_eval["metrics"])["accuracy_se"], "device": str(acc.device)}
         done.write_text(json.dumps(result, indent=2))
     acc.wait_for_everyone()
     return result or {}
+
+
+def _only(by_condition: dict) -> dict:
+    """The metrics of a run with a single condition (a trained model is evaluated at its own size)."""
+    (only,) = by_condition.values()
+    return only
 
 
 def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int, progress: bool) -> dict:
@@ -194,8 +200,8 @@ def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: 
 
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
-    cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, distractors=0, positions=["all"],
-                    batch_size=str(batch_size), output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
+    cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
+                    output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
     return run_eval(cfg, backend=backend, progress=progress)
 
 

@@ -17,7 +17,13 @@ def run_config(model_dir, out, **overrides):
     """A small fixture-data RunConfig for a tiny model on CPU; tests override what they vary."""
     from harness.config import RunConfig
 
-    base = dict(model=model_dir, data="fixture", distractors=4, positions=["first", "last"], limit=6,
+    task_args = {"distractors": 4, "positions": ["first", "last"]}
+    for name in ("distractors", "positions", "shots"):  # HotpotQA's options, given like its flags
+        if name in overrides:
+            task_args[name] = overrides.pop(name)
+    if task_args["distractors"] == 0:
+        task_args.pop("positions")
+    base = dict(model=model_dir, data="fixture", task_args=task_args, limit=6,
                 max_new_tokens=12, device="cpu", dtype="float32", output=str(out), batch_size="4")
     base.update(overrides)
     return RunConfig(**base)

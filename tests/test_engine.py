@@ -37,12 +37,12 @@ def test_run_directory_contents(tiny_phi_dir, phi_backend, tmp_path):
     assert res["counts"] == {"questions": 6, "instances": 12, "generated": 12, "resumed": 0, "ranks": 1,
                              "skipped_too_long": 0, "stale_regenerated": 0}
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["config"]["distractors"] == 4 and saved["config"]["template"] == "hotpotqa_cot"
+    assert saved["config"]["task_args"]["distractors"] == 4 and saved["config"]["template"] == "hotpotqa_cot"
     assert {"torch", "transformers", "python"} <= set(saved["versions"])
     assert saved["metrics"]["first"]["n"] == 6 and "em_se" in saved["metrics"]["first"]
     lines = [json.loads(l) for l in open(tmp_path / "samples.jsonl")]
     rec = lines[0]
-    for field in ("id", "position", "prompt_sha256", "prompt", "generation", "prediction", "gold", "scores"):
+    for field in ("id", "condition", "gold_start", "prompt_sha256", "prompt", "generation", "prediction", "gold", "scores"):
         assert field in rec
     pred = json.loads((tmp_path / "predictions" / "first.json").read_text())
     assert set(pred) == {"answer", "sp"} and len(pred["answer"]) == 6
@@ -98,7 +98,7 @@ def test_overlong_prompts_are_counted_per_position_not_truncated(tiny_tokenizer,
     from harness.tiny import make_tiny_model
 
     rows = load_rows("fixture")
-    instances = HotpotQA().instances(rows, distractors=5, positions=["first"], seed=1234)
+    instances = HotpotQA(distractors=5, positions=["first"]).instances(rows, seed=1234)
     tpl = PromptTemplate("hotpotqa_cot")
     lengths = sorted(len(tiny_tokenizer(tpl.render(**i.template_vars(), shots=4))["input_ids"]) for i in instances)
     limit = lengths[len(lengths) // 2] + 8  # a context that holds about half the prompts
@@ -107,7 +107,7 @@ def test_overlong_prompts_are_counted_per_position_not_truncated(tiny_tokenizer,
     res = run_eval(cfg, progress=False)
     recs = [json.loads(l) for l in open(tmp_path / "run" / "samples.jsonl")]
     for pos in ("first", "last"):
-        expected = sum(1 for r in recs if r["position"] == pos
+        expected = sum(1 for r in recs if r["condition"] == pos
                        and len(tiny_tokenizer(r["prompt"])["input_ids"]) + 8 > limit)
         assert 0 < expected < 24
         assert res["metrics"][pos]["skipped_too_long"] == expected

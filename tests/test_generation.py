@@ -69,9 +69,13 @@ def test_left_padded_batch_logits_equal_each_prompt_alone(which, request):
 
 
 def test_stop_strings_eos_and_length(phi_backend):
-    prompts = _diverse_prompts(4, seed=3)
-    free = phi_backend.generate([GenRequest(p, 20) for p in prompts])
-    assert all(r.finish_reason == "length" and r.new_tokens == 20 for r in free)
+    all_prompts = _diverse_prompts(8, seed=3)
+    all_free = phi_backend.generate([GenRequest(p, 20) for p in all_prompts])
+    assert all((r.finish_reason == "length" and r.new_tokens == 20) or (r.finish_reason == "eos" and r.new_tokens < 20)
+               for r in all_free)
+    kept = [(p, r) for p, r in zip(all_prompts, all_free) if r.finish_reason == "length"]  # a random model may EOS
+    assert len(kept) >= 2
+    prompts, free = [p for p, _ in kept], [r for _, r in kept]
     # stop at a string the unconstrained run produced: the text is cut right before it
     target = free[0].text[5:8]
     stopped = phi_backend.generate([GenRequest(prompts[0], 20, stop=[target])])[0]

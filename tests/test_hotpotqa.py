@@ -29,7 +29,7 @@ def test_fixture_follows_official_schema(rows):
 @pytest.mark.parametrize("position,expected_start", [("first", 0), ("last", None), ("middle", "mid"), ("2", 2)])
 def test_gold_placement(rows, k, position, expected_start):
     task = HotpotQA()
-    (ins,) = task.instances(rows[:1], distractors=k, positions=[position], seed=7, pool_rows=rows)
+    (ins,) = HotpotQA(distractors=k, positions=[position]).instances(rows[:1], seed=7, pool_rows=rows)
     start = {None: k, "mid": k // 2}.get(expected_start, expected_start)
     assert _gold_slots(ins) == [start, start + 1]
     assert len(ins.paragraphs) == k + 2
@@ -39,25 +39,25 @@ def test_gold_placement(rows, k, position, expected_start):
 
 
 def test_oracle_mode_has_gold_only(rows):
-    inst = HotpotQA().instances(rows[:3], distractors=0, positions=["first", "last"], seed=0)
-    assert [i.position for i in inst] == ["oracle"] * 3
+    inst = HotpotQA(distractors=0, positions=["first", "last"]).instances(rows[:3], seed=0)
+    assert [i.condition for i in inst] == ["oracle"] * 3
     assert all(len(i.paragraphs) == 2 and all(p["gold"] for p in i.paragraphs) for i in inst)
 
 
 def test_distractors_fixed_across_positions_and_seeded(rows):
     task = HotpotQA()
-    a = task.instances(rows[:4], distractors=12, positions=["first", "middle", "last"], seed=3)
+    a = HotpotQA(distractors=12, positions=["first", "middle", "last"]).instances(rows[:4], seed=3)
     for q in range(4):
         orders = [[p["title"] for p in i.paragraphs if not p["gold"]] for i in a[3 * q:3 * q + 3]]
         assert orders[0] == orders[1] == orders[2]
-    b = task.instances(rows[:4], distractors=12, positions=["first"], seed=3)
-    c = task.instances(rows[:4], distractors=12, positions=["first"], seed=4)
+    b = HotpotQA(distractors=12, positions=["first"]).instances(rows[:4], seed=3)
+    c = HotpotQA(distractors=12, positions=["first"]).instances(rows[:4], seed=4)
     assert [p["title"] for p in b[0].paragraphs] == [p["title"] for p in a[0].paragraphs]
     assert any([p["title"] for p in x.paragraphs] != [p["title"] for p in y.paragraphs] for x, y in zip(b, c))
 
 
 def test_distractors_beyond_eight_come_from_other_questions(rows):
-    (ins,) = HotpotQA().instances(rows[:1], distractors=15, positions=["first"], seed=0, pool_rows=rows)
+    (ins,) = HotpotQA(distractors=15, positions=["first"]).instances(rows[:1], seed=0, pool_rows=rows)
     own = {t for t, _ in rows[0]["context"]}
     titles = [p["title"] for p in ins.paragraphs]
     assert len(set(titles)) == 17
@@ -67,13 +67,13 @@ def test_distractors_beyond_eight_come_from_other_questions(rows):
 
 def test_too_many_distractors_is_a_clear_error(rows):
     with pytest.raises(DataError, match="fewer --distractors"):
-        HotpotQA().instances(rows[:2], distractors=500, positions=["first"], seed=0)
+        HotpotQA(distractors=500, positions=["first"]).instances(rows[:2], seed=0)
 
 
 def test_random_position_is_seeded_and_in_range(rows):
     task = HotpotQA()
-    a = task.instances(rows, distractors=10, positions=["random"], seed=5)
-    b = task.instances(rows, distractors=10, positions=["random"], seed=5)
+    a = HotpotQA(distractors=10, positions=["random"]).instances(rows, seed=5)
+    b = HotpotQA(distractors=10, positions=["random"]).instances(rows, seed=5)
     starts = [i.meta["gold_start"] for i in a]
     assert starts == [i.meta["gold_start"] for i in b]
     assert all(0 <= s <= 10 for s in starts) and len(set(starts)) > 1
@@ -85,7 +85,7 @@ def test_parse_positions():
     with pytest.raises(ValueError, match="unknown position 'top'"):
         parse_positions("first,top")
     with pytest.raises(ValueError, match="past the end"):
-        HotpotQA().instances(make_rows(2), distractors=4, positions=["9"], seed=0)
+        HotpotQA(distractors=4, positions=["9"]).instances(make_rows(2), seed=0)
 
 
 def test_missing_file_says_how_to_get_data(tmp_path):
@@ -126,7 +126,7 @@ def test_jsonl_and_invalid_json(tmp_path):
 
 
 def test_retrieval_units_are_the_test_context_only(rows):
-    (ins,) = HotpotQA().instances(rows[:1], distractors=4, positions=["first"], seed=0)
+    (ins,) = HotpotQA(distractors=4, positions=["first"]).instances(rows[:1], seed=0)
     units = ins.retrieval_units()
     assert len(units) == sum(len(p["sentences"]) for p in ins.paragraphs)
     assert all(":" in u for u in units)

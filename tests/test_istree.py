@@ -248,9 +248,9 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
     assert rc == 0
     again = json.loads((out / "results.json").read_text())
     assert again["config"]["task_args"]["nodes"] == 6 and again["config"]["task_args"]["setup"] == "cot"
-    assert again["metrics"]["all"]["n"] == 40
-    assert again["metrics"]["all"]["accuracy"] == pytest.approx(res["accuracy"])  # same engine, same samples
-    assert "| all" in capsys.readouterr().out
+    assert again["metrics"]["n=6"]["n"] == 40
+    assert again["metrics"]["n=6"]["accuracy"] == pytest.approx(res["accuracy"])  # same engine, same samples
+    assert "| n=6" in capsys.readouterr().out
 
 
 def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
@@ -264,7 +264,7 @@ def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     args = json.loads(open(f"{cfg.output}/icr_task.json").read())["args"]
 
     def run(backend, out):
-        rc = RunConfig(model=cfg.output, task="istree", task_args=args, distractors=0, positions=["all"],
+        rc = RunConfig(model=cfg.output, task="istree", task_args=args,
                        batch_size="8", device="cpu", dtype="float32", output=str(out))
         res = run_eval(rc, backend=backend, progress=False)
         return res, [json.loads(l) for l in open(out / "samples.jsonl")]
@@ -272,8 +272,8 @@ def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     stepped, a = run(inner, tmp_path / "stepped")
     chunked, b = run(fake_vllm_backend(inner), tmp_path / "vllm")
     assert [(r["generation"], r["prediction"]) for r in a] == [(r["generation"], r["prediction"]) for r in b]
-    assert chunked["metrics"]["all"]["accuracy"] == stepped["metrics"]["all"]["accuracy"] > 0.5
-    assert chunked["metrics"]["all"]["answer_found"] > 0.9  # verdicts found: the stop string was kept
+    assert chunked["metrics"]["n=6"]["accuracy"] == stepped["metrics"]["n=6"]["accuracy"] > 0.5
+    assert chunked["metrics"]["n=6"]["answer_found"] > 0.9  # verdicts found: the stop string was kept
 
 
 def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
@@ -288,7 +288,7 @@ def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
                           "--limit", "4", "--device", "cpu", "--output", str(tmp_path / "e"), "--no-progress"],
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads((tmp_path / "e" / "results.json").read_text())["metrics"]["all"]["n"] == 4
+    assert json.loads((tmp_path / "e" / "results.json").read_text())["metrics"]["n=6"]["n"] == 4
 
 
 def test_linear_scan_matches_transformers_reference_with_gradients():

@@ -114,7 +114,7 @@ def test_a_custom_answer_phrase_from_the_template_is_used_for_scoring(tmp_path):
     assert template.declared("answer_phrase") == "Final answer ->"
     assert PromptTemplate("hotpotqa_cot").declared("answer_phrase") == "So the answer is:"
     task = HotpotQA(data="fixture")
-    ins = task.instances(task.load()[:1], distractors=2, positions=["first"], seed=0)[0]
+    ins = HotpotQA(distractors=2, positions=["first"]).instances(task.load()[:1], seed=0)[0]
     gen = f"It is here. Final answer -> {ins.answer}. So the answer is: nothing."
     assert task.score(ins, gen, answer_phrase="Final answer ->")["em"] == 1.0
     assert task.score(ins, gen)["prediction"] == "nothing"

@@ -26,7 +26,7 @@ def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
     from tests.test_generation import _diverse_prompts
 
     rows = load_rows("fixture")
-    (inst,) = HotpotQA().instances(rows[:1], distractors=3, positions=["first"], seed=0, pool_rows=rows)
+    (inst,) = HotpotQA(distractors=3, positions=["first"]).instances(rows[:1], seed=0, pool_rows=rows)
     exemplars = PromptTemplate("hotpotqa_cot").render(**inst.template_vars(), shots=4).split("Paragraph: ")
     shots = "Paragraph: ".join(exemplars[:9])  # instruction + the four 2-paragraph exemplars
     prompts = [shots + tail for tail in _diverse_prompts(12, seed=2)]  # endings differ, so outputs do
@@ -65,7 +65,7 @@ def test_prefix_reuse_with_tool_calls(phi_backend):
 
 def test_engine_run_identical_with_and_without_prefix_reuse(tiny_phi_dir, phi_backend, tmp_path):
     def run(out, reuse):
-        cfg = RunConfig(model=tiny_phi_dir, data="fixture", distractors=4, positions=["first", "middle"], limit=5,
+        cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "middle"]}, limit=5,
                         max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size="3",
                         prefix_reuse=reuse)
         run_eval(cfg, backend=phi_backend, progress=False)

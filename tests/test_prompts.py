@@ -7,7 +7,7 @@ from harness.prompting import PromptTemplate, TemplateError, available_templates
 @pytest.fixture(scope="module")
 def instance():
     rows = load_rows("fixture")
-    return HotpotQA().instances(rows[:1], distractors=3, positions=["last"], seed=0, pool_rows=rows)[0]
+    return HotpotQA(distractors=3, positions=["last"]).instances(rows[:1], seed=0, pool_rows=rows)[0]
 
 
 def test_default_template_renders_shots_then_context_in_order(instance):

@@ -1,14 +1,15 @@
 import json
 
 from harness.config import RunConfig
+from tests.helpers import run_config
 from harness.engine import run_eval
 from harness.report import main as report_main
 from harness.report import merge, oracle_subset
 
 
 def _run(model_dir, backend, out, **kw):
-    cfg = RunConfig(model=model_dir, data="fixture", limit=6, max_new_tokens=8, device="cpu", dtype="float32",
-                    output=str(out), batch_size="8", **kw)
+    kw = {"limit": 6, "max_new_tokens": 8, "batch_size": "8", **kw}
+    cfg = run_config(model_dir, out, **kw)
     return run_eval(cfg, backend=backend, progress=False)
 
 

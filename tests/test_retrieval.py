@@ -6,6 +6,7 @@ import torch
 
 from harness.generation import GenRequest
 from harness.prompting import PromptTemplate
+from evals.base import ToolSpec
 from retrieval import RegexSearcher, RetrievalTool, parse_call
 from tests.helpers import assert_varied
 
@@ -84,13 +85,17 @@ def test_worker_never_uses_another_tools_units():
 
 def test_retrieval_template_exemplar_results_are_what_the_tool_returns():
     tpl = PromptTemplate("hotpotqa_cot_retrieval")
-    module = tpl._template.make_module({"shots": 0, "paragraphs": [], "question": ""})
+    text = tpl.render(shots=4, paragraphs=[], question="", tool=ToolSpec(enabled=True).template_vars())
+    module = tpl._template.make_module({"shots": 0, "paragraphs": [], "question": "",
+                                        "tool": ToolSpec().template_vars()})
     checked = 0
     for ex in module.exemplars:
         units = [f"{title}: {s.strip()}" for title, sents in ex["paragraphs"] for s in sents]
         tool = RetrievalTool(units)
-        for call, result in re.findall(r"(<search>.*?</search>)(<result>.*?</result>)", ex["answer_text"]):
-            assert tool(call) == result
+        for pattern, result, _ in ex["steps"]:
+            call = f"<search>{pattern}</search>"
+            assert tool(call) == f"<result>{result}</result>"
+            assert call + f"<result>{result}</result>" in text  # the rendered prompt shows exactly that
             checked += 1
     assert checked >= 6
 
@@ -148,7 +153,7 @@ def test_engine_counts_tool_calls_per_position(tiny_phi_dir, phi_backend, tmp_pa
     from harness.config import RunConfig
     from harness.engine import run_eval
 
-    cfg = RunConfig(model=tiny_phi_dir, data="fixture", distractors=3, positions=["first", "last"], limit=3,
+    cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 3, "positions": ["first", "last"]}, limit=3,
                     max_new_tokens=8, device="cpu", dtype="float32", output=str(tmp_path), retrieval=True,
                     stop=[])
     res = run_eval(cfg, backend=phi_backend, progress=False)
@@ -157,7 +162,7 @@ def test_engine_counts_tool_calls_per_position(tiny_phi_dir, phi_backend, tmp_pa
     assert all("tool_calls" in r for r in recs)
     for pos in ("first", "last"):
         m = res["metrics"][pos]
-        calls = [c for r in recs if r["position"] == pos for c in r["tool_calls"]]
+        calls = [c for r in recs if r["condition"] == pos for c in r["tool_calls"]]
         assert m["tool_calls"] == len(calls)
         assert m["tool_ok"] + m["tool_no_match"] + m["tool_error"] + m["tool_timeout"] == len(calls)
 

@@ -2,12 +2,12 @@ import random
 
 import pytest
 
-from evals.retrieval_tasks import TASK_NAMES, WORDS, RetrievalTask
+from evals.retrieval_tasks import RETRIEVAL_TASKS, TASK_NAMES, WORDS
 
 
 @pytest.mark.parametrize("name", TASK_NAMES)
 def test_generated_answers_are_right(name):
-    task = RetrievalTask(name, length=24, symbols=12)
+    task = RETRIEVAL_TASKS[name](length=24, symbols=12)
     rng = random.Random(0)
     for _ in range(300):
         d = task.draw(rng)
@@ -26,7 +26,7 @@ def test_generated_answers_are_right(name):
 
 
 def test_token_and_text_formats():
-    task = RetrievalTask("ar", length=8, symbols=6)
+    task = RETRIEVAL_TASKS["ar"](length=8, symbols=6)
     d = task.draw(random.Random(1))
     prompt, answer = task.tokens(d)
     assert prompt[0] == "[BOS]" and prompt[-1] == "[EOS]" and "[SEP]" in prompt and answer in task.vocabulary()
@@ -44,9 +44,9 @@ def test_text_tasks_run_through_the_eval_engine(name, tiny_phi_dir, phi_backend,
     from harness.engine import run_eval
 
     cfg = RunConfig(model=tiny_phi_dir, task=name, task_args={"samples": 6, "length": 12, "shots": 2},
-                    positions=["all"], device="cpu", dtype="float32", output=str(tmp_path), batch_size="6")
+                    device="cpu", dtype="float32", output=str(tmp_path), batch_size="6")
     res = run_eval(cfg, backend=phi_backend, progress=False)
-    assert res["metrics"]["all"]["n"] == 6
+    assert res["metrics"]["L=12"]["n"] == 6
     rec = json.loads(open(tmp_path / "samples.jsonl").readline())
     assert rec["prompt"].count("Answer:") == 3  # two exemplars with answers, then the question
     assert rec["scores"]["accuracy"] in (0.0, 1.0)
