@@ -78,6 +78,7 @@ class Task(ABC):
     retrieval_template: ClassVar[str | None] = None  # with --retrieval; None: the task has no retrieval prompt
     stop: list[str] = []
     include_stop: ClassVar[bool] = False  # score the generation with the stop string that ended it
+    needs_tokenizer: ClassVar[bool] = False  # the engine sets ``self.tokenizer`` (the model's) before instances()
     default_max_new_tokens: int = 32
 
     def __init__(self, data: str | None = None, split: str | None = None, **options):

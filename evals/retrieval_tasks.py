@@ -105,6 +105,9 @@ class RetrievalTask(Task):
         answer = str(d.answer) if self.kind == "counting" else sym(d.answer)
         return ["[BOS]", *seq, "[SEP]", *query, "[EOS]"], answer
 
+    def max_tokens(self) -> int:
+        return 2 * self.length + 6
+
     def stream(self, seed: int):
         rng = random.Random(seed)
         while True:

@@ -71,6 +71,20 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
                              "re-download them); --verbose shows the full traceback.") from e
 
 
+def _load_tokenizer(cfg: RunConfig):
+    """The tokenizer the model will use, loaded before the model (a task builds its prompts with it)."""
+    from harness.backends.hf import load_tokenizer
+    from harness.models import resolve_model
+
+    spec = resolve_model(cfg.model)
+    name = cfg.tokenizer or spec.tokenizer or spec.path
+    try:
+        return load_tokenizer(name)
+    except OSError as e:
+        raise ModelLoadError(f"task {cfg.task!r} needs the model's tokenizer and {name!r} could not be loaded "
+                             f"({e}); pass --tokenizer with a local copy") from e
+
+
 class ModelLoadError(ValueError):
     """A model's files exist but cannot be loaded; the message names the directory and its files."""
 
@@ -165,6 +179,8 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     if not rows:
         raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
                         f"--limit/--ids ({cfg.ids or cfg.limit})")
+    if task.needs_tokenizer:  # e.g. contexts measured in the model's tokens
+        task.tokenizer = backend.tokenizer if backend is not None else _load_tokenizer(cfg)
     instances = task.instances(rows, seed=cfg.seed, pool_rows=all_rows)
     _check_unique(instances, cfg.data)
     tool_vars = spec.template_vars()

@@ -77,13 +77,13 @@ class TrainTask:
             self.vocab = istree.vocabulary(cfg.nodes)
             self.max_len = {"direct": 4 * cfg.nodes, "cot": 8 * cfg.nodes, "retrieval": 64 * cfg.nodes}[cfg.setup]
             self.eval_args = {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph, "samples": cfg.eval_samples}
-        else:
+        else:  # any registered task with a token stream (vocabulary, stream, max_tokens)
             from evals import get_task
 
-            self.impl = get_task(cfg.task, length=cfg.length, format="tokens")
-            self.vocab = self.impl.vocabulary()
-            self.max_len = 2 * cfg.length + 8
             self.eval_args = {"length": cfg.length, "format": "tokens", "samples": cfg.eval_samples}
+            self.impl = get_task(cfg.task, **self.eval_args)
+            self.vocab = self.impl.vocabulary()
+            self.max_len = self.impl.max_tokens() + 2
 
     def stream(self, seed: int):
         if self.cfg.task == "istree":
@@ -270,12 +270,20 @@ def plot_grid(df, path: Path) -> None:
     plt.close(fig)
 
 
+def trainable_tasks() -> list[str]:
+    """IsTree, and every registered task that can write token streams for the small models."""
+    from evals import task_class, task_names
+
+    return [n for n in task_names() if n == "istree" or hasattr(task_class(n), "stream")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="istree", choices=["istree", "index", "ar", "cgram", "counting"],
-                    help="IsTree, or one of the four retrieval tasks (trained on direct answers)")
-    ap.add_argument("--length", type=int, default=32, help="sequence length for the retrieval tasks")
+    ap.add_argument("--task", default="istree", choices=trainable_tasks(),
+                    help="IsTree, or any task with a token stream (trained on direct answers)")
+    ap.add_argument("--length", type=int, default=32,
+                    help="size of a non-IsTree task: sequence length, key-value pairs (mqar), entries (needle)")
     ap.add_argument("--arch", default="transformer", choices=["transformer", "mamba", "hybrid"])
     ap.add_argument("--size", default="0.5M", choices=["0.5M", "1M", "2M", "smoke"],
                     help="parameter budget; architectures are matched within 10%% (smoke: a CPU demo size)")

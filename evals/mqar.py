@@ -1,0 +1,118 @@
+"""Multi-query associative recall (MQAR, as in zoology): key-value pairs, then several keys; the model must
+recall each key's value, in order. The state a recurrent model carries must hold every pair at once.
+
+    tokens (models trained here)  [BOS] k3 v7 k1 v2 ... [SEP] k1 k3 [EOS] v2 v7
+    text (pretrained LMs)         Codes: QZRT 42, BDXA 17, ...
+                                  Recall: BDXA QZRT
+                                  Answer: 17 42
+
+Results are grouped by the number of pairs; ``accuracy`` is the share of queries recalled, ``all_correct``
+the share of samples with every query right."""
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass, field
+
+from evals.base import Instance, OptionError, Task
+from evals.registry import register_task
+
+SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
+
+
+@dataclass
+class MQAROptions:
+    pairs: int = field(default=16, metadata={"help": "key-value pairs per sample"})
+    queries: int = field(default=4, metadata={"help": "keys asked per sample"})
+    keys: int = field(default=64, metadata={"help": "key vocabulary size"})
+    values: int = field(default=64, metadata={"help": "value vocabulary size"})
+    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
+    shots: int = field(default=2, metadata={"help": "exemplars (text format)"})
+    samples: int = field(default=200, metadata={"help": "held-out samples"})
+    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
+    length: int | None = field(default=None, metadata={"help": "the trainer's --length: sets pairs"})
+
+    def check(self) -> None:
+        if self.length is not None:
+            self.pairs = self.length
+        if self.format not in ("text", "tokens"):
+            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
+        if not 1 <= self.queries <= self.pairs <= self.keys:
+            raise OptionError(f"--task-arg: need 1 <= queries ({self.queries}) <= pairs ({self.pairs}) <= keys "
+                              f"({self.keys})")
+        if self.values < 2 or self.samples < 1:
+            raise OptionError("--task-arg values must be >= 2 and samples >= 1")
+
+
+@register_task("mqar")
+class MQAR(Task):
+    Options = MQAROptions
+    metrics = ("accuracy", "all_correct")
+    condition = "pairs"
+    default_template = "mqar"
+
+    def __init__(self, data=None, split=None, **options):
+        super().__init__(data, split, **options)
+        o = self.options
+        self.stop = ["\n"] if o.format == "text" else ["[PAD]"]
+        self.default_max_new_tokens = 4 * o.queries + 4 if o.format == "text" else o.queries + 1
+        names = random.Random(f"mqar-keys:{o.keys}")
+        self.key_names = sorted({"".join(names.choices(string.ascii_uppercase, k=4)) for _ in range(4 * o.keys)})[
+            :o.keys]
+
+    def draw(self, rng: random.Random) -> tuple[list[tuple[int, int]], list[int]]:
+        o = self.options
+        keys = rng.sample(range(o.keys), o.pairs)
+        pairs = [(k, rng.randrange(o.values)) for k in keys]
+        return pairs, rng.sample(range(o.pairs), o.queries)
+
+    # tokens: the trainer's format --------------------------------------------------------------------
+    def vocabulary(self) -> list[str]:
+        return SPECIAL + [f"k{i}" for i in range(self.options.keys)] + [f"v{i}" for i in range(self.options.values)]
+
+    def tokens(self, pairs, asked) -> tuple[list[str], list[str]]:
+        body = [t for k, v in pairs for t in (f"k{k}", f"v{v}")]
+        return ["[BOS]", *body, "[SEP]", *[f"k{pairs[i][0]}" for i in asked], "[EOS]"], \
+            [f"v{pairs[i][1]}" for i in asked]
+
+    def stream(self, seed: int):
+        rng = random.Random(seed)
+        while True:
+            prompt, answer = self.tokens(*self.draw(rng))
+            yield prompt + answer
+
+    def max_tokens(self) -> int:
+        return 2 * self.options.pairs + 2 * self.options.queries + 4
+
+    # text: pretrained models -------------------------------------------------------------------------
+    def text(self, pairs, asked) -> tuple[str, str]:
+        codes = ", ".join(f"{self.key_names[k]} {v}" for k, v in pairs)
+        return (f"Codes: {codes}\nRecall: {' '.join(self.key_names[pairs[i][0]] for i in asked)}\nAnswer:",
+                " ".join(str(pairs[i][1]) for i in asked))
+
+    def load(self) -> list[dict]:
+        o = self.options
+        rng = random.Random(f"mqar-eval:{o.pairs}:{o.queries}:{o.keys}:{o.values}:{o.eval_seed}")
+        rows = []
+        for i in range(o.samples):
+            sample = self.draw(rng)
+            shots = [self.text(*self.draw(rng)) for _ in range(o.shots)] if o.format == "text" else []
+            if o.format == "text":
+                prompt, answer = self.text(*sample)
+            else:
+                p, a = self.tokens(*sample)
+                prompt, answer = " ".join(p), " ".join(a)
+            rows.append({"_id": f"mqar{i:05d}", "prompt": prompt, "answer": answer,
+                         "shots": [{"prompt": p, "answer": a} for p, a in shots]})
+        return rows
+
+    def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
+        return [Instance(id=r["_id"], condition=f"pairs={self.options.pairs}", question=r["prompt"],
+                         answer=r["answer"], meta={"shots": r["shots"]}) for r in rows]
+
+    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
+        gold = instance.answer.split()
+        said = generation.replace(",", " ").split()[:len(gold)]
+        hits = sum(a == b for a, b in zip(said, gold))
+        return {"prediction": " ".join(said), "answer_found": bool(said), "accuracy": hits / len(gold),
+                "all_correct": float(hits == len(gold))}

@@ -1,0 +1,153 @@
+"""Phonebook needle-in-a-haystack: one entry (the needle) hidden at a chosen depth in a phone book filled to
+a chosen context length in tokens of the model's own tokenizer; the model must give the needle's number.
+
+A sweep over ``lengths`` x ``depths`` in one run: each (length, depth) is a condition of the results table,
+and every length uses the same needle and the same filler (a shorter book is a prefix of a longer one), so
+length and depth effects are not confounded with content. ``context_tokens`` in each sample records the
+book's exact token count.
+
+    tokens (models trained here)  [BOS] n12 p3 n7 p9 ... [SEP] n7 [EOS] p9      (--length entries)
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from evals.base import Instance, OptionError, Task
+from evals.registry import register_task
+
+FIRST = ("Ada Bruno Clara Dmitri Elena Farid Greta Hugo Ines Jonas Kira Luca Mina Nils Olga Pavel Quinn Rosa Sami "
+         "Tova").split()
+LAST = ("Abbott Berg Costa Dahl Eriksen Fischer Garcia Holm Ito Jensen Kowal Lund Moreau Novak Okafor Petrov Quist "
+        "Rossi Sato Varga").split()
+SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
+NUMBER = re.compile(r"\d{3}-\d{4}")
+
+
+@dataclass
+class NeedleOptions:
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024], metadata={
+        "help": "phone-book lengths in tokens of the model's tokenizer (comma list)"})
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0], metadata={
+        "help": "where the needle sits: 0 = first entry, 1 = last (comma list)"})
+    samples: int = field(default=20, metadata={"help": "needles (each run at every length and depth)"})
+    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
+    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
+    length: int = field(default=32, metadata={"help": "tokens format: entries per book"})
+    names: int = field(default=64, metadata={"help": "tokens format: name vocabulary"})
+    numbers: int = field(default=64, metadata={"help": "tokens format: number vocabulary"})
+
+    def check(self) -> None:
+        if self.format not in ("text", "tokens"):
+            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
+        if not self.lengths or min(self.lengths) < 16:
+            raise OptionError(f"--task-arg lengths={self.lengths}: give lengths of 16 tokens or more")
+        if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
+            raise OptionError(f"--task-arg depths={self.depths}: give depths between 0 and 1")
+        if self.samples < 1 or not 2 <= self.length <= self.names:
+            raise OptionError("--task-arg samples must be >= 1 and 2 <= length <= names")
+
+
+@register_task("needle")
+class Needle(Task):
+    Options = NeedleOptions
+    metrics = ("accuracy",)
+    condition = "length@depth"
+    default_template = "needle"
+    needs_tokenizer = True  # the engine sets ``self.tokenizer`` (the backend's) before ``instances``
+
+    def __init__(self, data=None, split=None, **options):
+        super().__init__(data, split, **options)
+        self.tokenizer = None
+        tokens = self.options.format == "tokens"
+        self.stop = ["[PAD]"] if tokens else ["\n"]
+        self.default_max_new_tokens = 2 if tokens else 8
+
+    def load(self) -> list[dict]:
+        o = self.options
+        return [{"_id": f"needle{i:04d}", "seed": f"needle-eval:{o.eval_seed}:{i}"} for i in range(o.samples)]
+
+    # text: pretrained models -------------------------------------------------------------------------
+    @staticmethod
+    def _book(seed: str, count: int) -> list[tuple[str, str]]:
+        """``count`` distinct (name, number) entries, the same first ones for any ``count``."""
+        rng = random.Random(seed)
+        seen, out = set(), []
+        while len(out) < count:
+            name = f"{rng.choice(FIRST)} {rng.choice('ABCDEFGHIJKLMNOPRSTUVW')}. {rng.choice(LAST)}"
+            if name not in seen:
+                seen.add(name)
+                out.append((name, f"{rng.randrange(200, 1000)}-{rng.randrange(10000):04d}"))
+        return out
+
+    def _count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
+        o = self.options
+        if o.format == "tokens":
+            return self._token_instances(rows)
+        if self.tokenizer is None:
+            raise OptionError("task 'needle' measures lengths in the model's tokens; the engine must set its tokenizer")
+        out = []
+        for r in rows:
+            needle, *filler = self._book(r["seed"], 16 + max(o.lengths) // 4)  # >= 4 tokens per entry
+            line = lambda e: f"{e[0]}: {e[1]}"  # noqa: E731
+            per_line = [self._count(line(e) + "\n") for e in filler]
+            for length in o.lengths:
+                n, total = 0, self._count(line(needle) + "\n")
+                while n < len(filler) and total + per_line[n] <= length:
+                    total += per_line[n]
+                    n += 1
+                for depth in o.depths:
+                    at = round(depth * n)
+                    lines = [line(e) for e in filler[:at]] + [line(needle)] + [line(e) for e in filler[at:n]]
+                    book = "\n".join(lines)
+                    out.append(Instance(id=r["_id"], condition=f"{length}@{depth:g}", question=book,
+                                        answer=needle[1], meta={"name": needle[0], "entries": n + 1,
+                                                                "needle_index": at, "context_tokens": self._count(book)}))
+        return out
+
+    def record_fields(self, instance: Instance) -> dict:
+        return {k: instance.meta[k] for k in ("entries", "needle_index", "context_tokens") if k in instance.meta}
+
+    # tokens: the trainer's format --------------------------------------------------------------------
+    def vocabulary(self) -> list[str]:
+        o = self.options
+        return SPECIAL + [f"n{i}" for i in range(o.names)] + [f"p{i}" for i in range(o.numbers)]
+
+    def _draw_tokens(self, rng: random.Random, depth: float | None = None) -> tuple[list[str], str]:
+        o = self.options
+        names = rng.sample(range(o.names), o.length)
+        numbers = [rng.randrange(o.numbers) for _ in names]
+        at = rng.randrange(o.length) if depth is None else round(depth * (o.length - 1))
+        body = [t for n, p in zip(names, numbers) for t in (f"n{n}", f"p{p}")]
+        return ["[BOS]", *body, "[SEP]", f"n{names[at]}", "[EOS]"], f"p{numbers[at]}"
+
+    def stream(self, seed: int):
+        rng = random.Random(seed)
+        while True:
+            prompt, answer = self._draw_tokens(rng)
+            yield prompt + [answer]
+
+    def max_tokens(self) -> int:
+        return 2 * self.options.length + 6
+
+    def _token_instances(self, rows) -> list[Instance]:
+        out = []
+        for r in rows:
+            for depth in self.options.depths:
+                prompt, answer = self._draw_tokens(random.Random(r["seed"]), depth)
+                out.append(Instance(id=r["_id"], condition=f"{self.options.length}@{depth:g}",
+                                    question=" ".join(prompt), answer=answer))
+        return out
+
+    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
+        if self.options.format == "tokens":
+            words = generation.split()
+            pred = words[0] if words else ""
+        else:
+            m = NUMBER.search(generation)
+            pred = m.group(0) if m else ""
+        return {"prediction": pred, "answer_found": bool(pred), "accuracy": float(pred == instance.answer)}

@@ -1,0 +1,62 @@
+"""Phonebook needle-in-a-haystack: lengths in the model's tokens, needle depth, the engine and the CLI."""
+import json
+
+from evals import get_task
+from harness.engine import run_eval
+from harness.eval import main as eval_main
+from tests.helpers import run_config
+
+
+def _instances(tok, **opts):
+    task = get_task("needle", **opts)
+    task.tokenizer = tok
+    return task, task.instances(task.load(), seed=0)
+
+
+def test_books_fill_each_length_in_tokens_with_the_needle_at_its_depth(tiny_tokenizer):
+    task, inst = _instances(tiny_tokenizer, lengths=[64, 256], depths=[0, 0.5, 1], samples=3)
+    assert len(inst) == 3 * 2 * 3
+    for ins in inst:
+        length = int(ins.condition.split("@")[0])
+        n_tokens = len(tiny_tokenizer(ins.question, add_special_tokens=False)["input_ids"])
+        assert n_tokens == ins.meta["context_tokens"] and length - 20 <= n_tokens <= length + 1
+        lines = ins.question.split("\n")
+        hit = [i for i, l in enumerate(lines) if l == f"{ins.meta['name']}: {ins.answer}"]
+        depth = float(ins.condition.split("@")[1])
+        assert hit == [round(depth * (len(lines) - 1))]  # once, where the depth says
+        assert ins.question.count(ins.answer) == 1
+    by = {(i.id, i.condition): i for i in inst}
+    short, long = by[("needle0000", "64@1")], by[("needle0000", "256@1")]
+    assert long.question.startswith(short.question.rsplit("\n", 1)[0])  # same filler, a longer book
+    assert len({i.answer for i in inst}) == 3  # one needle per sample, the same at every length and depth
+
+
+def test_scores_the_number_only():
+    task = get_task("needle")
+    from evals.base import Instance
+
+    ins = Instance("x", "64@0", "book", "512-0042")
+    assert task.score(ins, " 512-0042.")["accuracy"] == 1.0
+    assert task.score(ins, " call 512-0043")["accuracy"] == 0.0
+    assert task.score(ins, " nobody")["answer_found"] is False
+
+
+def test_sweep_through_the_engine_and_the_cli(tiny_phi_dir, phi_backend, tmp_path):
+    cfg = run_config(tiny_phi_dir, tmp_path / "a", task="needle",
+                     task_args={"lengths": [48, 96], "depths": [0.0, 1.0], "samples": 3}, data=None, limit=None,
+                     max_new_tokens=None)
+    res = run_eval(cfg, backend=phi_backend, progress=False)
+    assert list(res["metrics"]) == ["48@0", "48@1", "96@0", "96@1"]
+    assert all(m["n"] == 3 for m in res["metrics"].values())
+    recs = [json.loads(l) for l in open(tmp_path / "a" / "samples.jsonl")]
+    assert all(r["context_tokens"] <= int(r["condition"].split("@")[0]) + 1 for r in recs)
+    rc = eval_main(["--model", tiny_phi_dir, "--task", "needle", "--task-arg", "lengths=48", "--task-arg",
+                    "depths=0.5", "--task-arg", "samples=2", "--device", "cpu", "--output", str(tmp_path / "b"),
+                    "--no-progress"])
+    assert rc == 0
+    assert list(json.loads((tmp_path / "b" / "results.json").read_text())["metrics"]) == ["48@0.5"]
+
+
+def test_hotpotqa_flags_are_refused_for_other_tasks(tiny_phi_dir, tmp_path, capsys):
+    rc = eval_main(["--model", tiny_phi_dir, "--task", "needle", "--distractors", "3", "--output", str(tmp_path)])
+    assert rc == 2 and "--distractors is an option of HotpotQA" in capsys.readouterr().err
