@@ -152,24 +152,6 @@ class RetrievalTask(Task):
         return {"prediction": pred, "answer_found": bool(words), "accuracy": float(pred == instance.answer)}
 
 
-@register_task("index")
-class IndexTask(RetrievalTask):
-    kind = "index"
-
-
-@register_task("ar")
-class AssociativeRecallTask(RetrievalTask):
-    kind = "ar"
-
-
-@register_task("cgram")
-class CGramTask(RetrievalTask):
-    kind = "cgram"
-
-
-@register_task("counting")
-class CountingTask(RetrievalTask):
-    kind = "counting"
-
-
-RETRIEVAL_TASKS = {c.kind: c for c in (IndexTask, AssociativeRecallTask, CGramTask, CountingTask)}
+# One registered task per kind: --task index, ar, cgram, counting.
+RETRIEVAL_TASKS = {kind: register_task(kind)(type(f"RetrievalTask[{kind}]", (RetrievalTask,), {"kind": kind}))
+                   for kind in TASK_NAMES}
