@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -57,6 +58,21 @@ class ToolSpec:
         return {"enabled": self.enabled, "call_open": tool.CALL_OPEN, "call_close": tool.CALL_CLOSE,
                 "result_open": tool.RESULT_OPEN, "result_close": tool.RESULT_CLOSE, "no_match": tool.NO_MATCH,
                 "separator": tool.SEPARATOR, "max_calls": self.max_calls}
+
+
+@dataclass
+class SyntheticOptions:
+    """Options every generated task shares: the format its samples are written in, and its held-out set."""
+
+    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
+    samples: int = field(default=200, metadata={"help": "held-out samples"})
+    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
+
+    def check(self) -> None:
+        if self.format not in ("text", "tokens"):
+            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
+        if self.samples < 1:
+            raise OptionError(f"--task-arg samples={self.samples}: use 1 or more")
 
 
 @dataclass
@@ -118,15 +134,11 @@ class Task(ABC):
         return ", ".join(f"{k}={v}" for k, v in opts.items()) or "no options"
 
 
-def option_fields(options_cls: type) -> list[dataclasses.Field]:
-    return list(dataclasses.fields(options_cls))
-
-
 def make_options(options_cls: type, values: dict[str, Any], task: str = ""):
     """Build a task's Options from loose values (strings from the command line, or typed values), converting
     each to its field's type; an unknown key or a value that does not convert is an OptionError."""
     hints = typing.get_type_hints(options_cls)
-    known = {f.name for f in option_fields(options_cls)}
+    known = {f.name for f in dataclasses.fields(options_cls)}
     out = {}
     for key, value in values.items():
         if key not in known:
@@ -143,7 +155,7 @@ def make_options(options_cls: type, values: dict[str, Any], task: str = ""):
 def _convert(value: Any, typ, where: str):
     origin = typing.get_origin(typ)
     args = [a for a in typing.get_args(typ) if a is not type(None)]
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None or value == "none":
             return None
         return _convert(value, args[0], where)
@@ -173,7 +185,7 @@ def options_help(options_cls: type) -> str:
     """``name (type, default): help`` for each option: the CLI's --task-arg help."""
     hints = typing.get_type_hints(options_cls)
     parts = []
-    for f in option_fields(options_cls):
+    for f in dataclasses.fields(options_cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         t = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
         parts.append(f"{f.name} ({t}, default {default}): {f.metadata.get('help', '')}".rstrip(": "))

@@ -14,34 +14,30 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, Task
+from evals.base import Instance, OptionError, SyntheticOptions, Task
 from evals.registry import register_task
 
 SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
 
 
 @dataclass
-class MQAROptions:
+class MQAROptions(SyntheticOptions):
     pairs: int = field(default=16, metadata={"help": "key-value pairs per sample"})
     queries: int = field(default=4, metadata={"help": "keys asked per sample"})
     keys: int = field(default=64, metadata={"help": "key vocabulary size"})
     values: int = field(default=64, metadata={"help": "value vocabulary size"})
-    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
     shots: int = field(default=2, metadata={"help": "exemplars (text format)"})
-    samples: int = field(default=200, metadata={"help": "held-out samples"})
-    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
     length: int | None = field(default=None, metadata={"help": "the trainer's --length: sets pairs"})
 
     def check(self) -> None:
+        super().check()
         if self.length is not None:
             self.pairs = self.length
-        if self.format not in ("text", "tokens"):
-            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
         if not 1 <= self.queries <= self.pairs <= self.keys:
             raise OptionError(f"--task-arg: need 1 <= queries ({self.queries}) <= pairs ({self.pairs}) <= keys "
                               f"({self.keys})")
-        if self.values < 2 or self.samples < 1:
-            raise OptionError("--task-arg values must be >= 2 and samples >= 1")
+        if self.values < 2:
+            raise OptionError("--task-arg values must be >= 2")
 
 
 @register_task("mqar")

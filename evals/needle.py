@@ -14,7 +14,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, Task
+from evals.base import Instance, OptionError, SyntheticOptions, Task
 from evals.registry import register_task
 
 FIRST = ("Ada Bruno Clara Dmitri Elena Farid Greta Hugo Ines Jonas Kira Luca Mina Nils Olga Pavel Quinn Rosa Sami "
@@ -26,27 +26,24 @@ NUMBER = re.compile(r"\d{3}-\d{4}")
 
 
 @dataclass
-class NeedleOptions:
+class NeedleOptions(SyntheticOptions):
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024], metadata={
         "help": "phone-book lengths in tokens of the model's tokenizer (comma list)"})
     depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0], metadata={
         "help": "where the needle sits: 0 = first entry, 1 = last (comma list)"})
     samples: int = field(default=20, metadata={"help": "needles (each run at every length and depth)"})
-    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
-    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
     length: int = field(default=32, metadata={"help": "tokens format: entries per book"})
     names: int = field(default=64, metadata={"help": "tokens format: name vocabulary"})
     numbers: int = field(default=64, metadata={"help": "tokens format: number vocabulary"})
 
     def check(self) -> None:
-        if self.format not in ("text", "tokens"):
-            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
+        super().check()
         if not self.lengths or min(self.lengths) < 16:
             raise OptionError(f"--task-arg lengths={self.lengths}: give lengths of 16 tokens or more")
         if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
             raise OptionError(f"--task-arg depths={self.depths}: give depths between 0 and 1")
-        if self.samples < 1 or not 2 <= self.length <= self.names:
-            raise OptionError("--task-arg samples must be >= 1 and 2 <= length <= names")
+        if not 2 <= self.length <= self.names:
+            raise OptionError("--task-arg length must be between 2 and names")
 
 
 @register_task("needle")

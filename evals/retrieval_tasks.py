@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, Task
+from evals.base import Instance, OptionError, SyntheticOptions, Task
 from evals.registry import register_task
 
 TASK_NAMES = ("index", "ar", "cgram", "counting")
@@ -33,29 +33,25 @@ class Draw:
 
 
 @dataclass
-class RetrievalOptions:
+class RetrievalOptions(SyntheticOptions):
     length: int = field(default=32, metadata={"help": "symbols per sequence"})
     symbols: int = field(default=16, metadata={"help": "alphabet size"})
     c: int = field(default=3, metadata={"help": "c-gram length (cgram)"})
-    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
     shots: int = field(default=2, metadata={"help": "exemplars (text format)"})
     samples: int = field(default=500, metadata={"help": "held-out samples"})
-    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
 
     def check(self) -> None:
-        if self.format not in ("text", "tokens"):
-            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
+        super().check()
         if self.symbols > len(WORDS) and self.format == "text":
             raise OptionError(f"--task-arg symbols={self.symbols}: format=text has {len(WORDS)} words")
-        if self.length < 2 or self.samples < 1:
-            raise OptionError("--task-arg length must be >= 2 and samples >= 1")
+        if self.length < 2:
+            raise OptionError("--task-arg length must be >= 2")
 
 
 class RetrievalTask(Task):
-    """One of TASK_NAMES (``kind``); ``length`` symbols per sequence over an alphabet of ``symbols``."""
+    """One of TASK_NAMES (its registered ``name``); ``length`` symbols per sequence over an alphabet of ``symbols``."""
 
     Options = RetrievalOptions
-    kind = ""
     metrics = ("accuracy",)
     default_template = "retrieval_tasks"
     condition = "length"
@@ -71,16 +67,16 @@ class RetrievalTask(Task):
     # ------------------------------------------------------------------------------------ drawing
     def draw(self, rng: random.Random) -> Draw:
         n, k = self.length, self.symbols
-        if self.kind == "index":
+        if self.name == "index":
             seq = [rng.randrange(k) for _ in range(n)]
             i = rng.randrange(n)
             return Draw(seq, [i], seq[i])
-        if self.kind == "ar":
+        if self.name == "ar":
             keys = rng.sample(range(k), min(k, n // 2))
             pairs = [(key, rng.randrange(k)) for key in keys]
             j = rng.randrange(len(pairs))
             return Draw([t for p in pairs for t in p], [pairs[j][0]], pairs[j][1])
-        if self.kind == "cgram":
+        if self.name == "cgram":
             while True:
                 seq = [rng.randrange(k) for _ in range(n)]
                 starts = list(range(n - self.c + 1))
@@ -101,8 +97,8 @@ class RetrievalTask(Task):
     def tokens(self, d: Draw) -> tuple[list[str], str]:
         sym = lambda i: f"a{i}"  # noqa: E731
         seq = [sym(i) for i in d.seq]
-        query = [str(d.query[0])] if self.kind == "index" else [sym(i) for i in d.query]
-        answer = str(d.answer) if self.kind == "counting" else sym(d.answer)
+        query = [str(d.query[0])] if self.name == "index" else [sym(i) for i in d.query]
+        answer = str(d.answer) if self.name == "counting" else sym(d.answer)
         return ["[BOS]", *seq, "[SEP]", *query, "[EOS]"], answer
 
     def max_tokens(self) -> int:
@@ -117,28 +113,28 @@ class RetrievalTask(Task):
     # -------------------------------------------------------------------------------------- text
     def text(self, d: Draw) -> tuple[str, str]:
         w = lambda i: WORDS[i]  # noqa: E731
-        if self.kind == "ar":
+        if self.name == "ar":
             pairs = ", ".join(f"{w(d.seq[i])}: {w(d.seq[i + 1])}" for i in range(0, len(d.seq), 2))
             return f"Pairs: {pairs}\nQuestion: What goes with {w(d.query[0])}?\nAnswer:", w(d.answer)
         words = " ".join(w(i) for i in d.seq)
-        if self.kind == "index":
+        if self.name == "index":
             q = f"What is word number {d.query[0] + 1}?"
-        elif self.kind == "cgram":
+        elif self.name == "cgram":
             q = f"Which word comes right after \"{' '.join(w(i) for i in d.query)}\"?"
         else:
             q = f"How many times does \"{w(d.query[0])}\" occur?"
-        answer = str(d.answer) if self.kind == "counting" else w(d.answer)
+        answer = str(d.answer) if self.name == "counting" else w(d.answer)
         return f"Words: {words}\nQuestion: {q}\nAnswer:", answer
 
     # ------------------------------------------------------------------------------- engine task
     def load(self) -> list[dict]:
-        rng = random.Random(f"retrieval-eval:{self.kind}:{self.length}:{self.symbols}:{self.eval_seed}")
+        rng = random.Random(f"retrieval-eval:{self.name}:{self.length}:{self.symbols}:{self.eval_seed}")
         rows = []
         for i in range(self.samples):
             d = self.draw(rng)
             shots = [self.text(self.draw(rng)) for _ in range(self.shots)] if self.format == "text" else []
             prompt, answer = self.text(d) if self.format == "text" else (" ".join(self.tokens(d)[0]), self.tokens(d)[1])
-            rows.append({"_id": f"{self.kind}{i:05d}", "prompt": prompt, "answer": answer,
+            rows.append({"_id": f"{self.name}{i:05d}", "prompt": prompt, "answer": answer,
                          "shots": [{"prompt": p, "answer": a} for p, a in shots]})
         return rows
 
@@ -153,5 +149,5 @@ class RetrievalTask(Task):
 
 
 # One registered task per kind: --task index, ar, cgram, counting.
-RETRIEVAL_TASKS = {kind: register_task(kind)(type(f"RetrievalTask[{kind}]", (RetrievalTask,), {"kind": kind}))
-                   for kind in TASK_NAMES}
+RETRIEVAL_TASKS = {name: register_task(name)(type(f"RetrievalTask[{name}]", (RetrievalTask,), {}))
+                   for name in TASK_NAMES}

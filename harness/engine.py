@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from evals import get_task
-from evals.base import DataError, Instance, ToolSpec, option_fields
+from evals.base import DataError, Instance, ToolSpec
 from harness.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
@@ -31,20 +31,26 @@ log = logging.getLogger("harness")
 MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 
 
-def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None):
-    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
-    ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
-    import dataclasses
-
-    from harness.backends import backend_class
+def model_spec(model: str, tokenizer: str | None = None):
+    """The registry's spec for a model name, with ``tokenizer`` (a hub id or local folder) overriding the
+    checkpoint's own or the registry's tokenizer."""
     from harness.models import resolve_model
 
     spec = resolve_model(model)
     if tokenizer:
-        spec = dataclasses.replace(spec, tokenizer=str(Path(tokenizer).expanduser().resolve())
+        return dataclasses.replace(spec, tokenizer=str(Path(tokenizer).expanduser().resolve())
                                    if Path(tokenizer).expanduser().is_dir() else tokenizer)
-    elif spec.tokenizer and Path(spec.path).is_dir():
+    return spec
+
+
+def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
+                 tokenizer: str | None = None):
+    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
+    ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
+    from harness.backends import backend_class
+
+    spec = model_spec(model, tokenizer)
+    if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
         log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
     name = spec.backend if backend == "auto" else backend
     if spec.backend == "phi-mamba" and name != "phi-mamba":
@@ -74,10 +80,9 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
 def _load_tokenizer(cfg: RunConfig):
     """The tokenizer the model will use, loaded before the model (a task builds its prompts with it)."""
     from harness.backends.hf import load_tokenizer
-    from harness.models import resolve_model
 
-    spec = resolve_model(cfg.model)
-    name = cfg.tokenizer or spec.tokenizer or spec.path
+    spec = model_spec(cfg.model, cfg.tokenizer)
+    name = spec.tokenizer or spec.path
     try:
         return load_tokenizer(name)
     except OSError as e:
@@ -185,7 +190,7 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     _check_unique(instances, cfg.data)
     tool_vars = spec.template_vars()
     prompts = {i.key: template.render(**task.template_vars(i), tool=tool_vars) for i in instances}
-    selects = tuple(f.name for f in option_fields(task.Options) if f.metadata.get("selects"))
+    selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
     resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
     config_hash = settings_hash(resolved)
 

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     from transformers import HfArgumentParser
 
     from evals import task_class, task_names
-    from evals.base import option_fields, options_help
+    from evals.base import options_help
 
     names = task_names()
     tasks_help = "\n".join(f"  {n:10s} {options_help(task_class(n).Options) or 'no options'}" for n in names)
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "task":
             action.choices = names
     group = ap.add_argument_group("HotpotQA's options (also --task-arg KEY=VALUE)")
-    for f in option_fields(task_class("hotpotqa").Options):
+    for f in dataclasses.fields(task_class("hotpotqa").Options):
         if f.name in HOTPOTQA_FLAGS:
             group.add_argument(f"--{f.name}", default=None, type=str if f.name == "positions" else int,
                                help=f.metadata.get("help"))

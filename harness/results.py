@@ -9,8 +9,6 @@ Files in a run directory:
 """
 from __future__ import annotations
 
-import json
-import logging
 import platform
 import subprocess
 from collections import defaultdict
@@ -18,9 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evals.metrics import bootstrap_se
-from harness.runlog import write_atomic
-
-log = logging.getLogger("harness")
 
 
 def summarize(records: Iterable[dict], metrics: tuple[str, ...], conditions: list[str] | None = None,

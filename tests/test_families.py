@@ -84,7 +84,7 @@ def family_backend(request, tmp_path_factory, tiny_tokenizer):
     from harness.engine import load_backend
     from harness.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param) / "ckpt", request.param, tokenizer=tiny_tokenizer,
+    path = make_tiny_model(tmp_path_factory.mktemp(f"family-{request.param}") / "ckpt", request.param, tokenizer=tiny_tokenizer,
                            init_std=INIT_STD.get(request.param, 0.2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -28,7 +28,6 @@ def test_fixture_follows_official_schema(rows):
 @pytest.mark.parametrize("k", [3, 8, 10, 20])
 @pytest.mark.parametrize("position,expected_start", [("first", 0), ("last", None), ("middle", "mid"), ("2", 2)])
 def test_gold_placement(rows, k, position, expected_start):
-    task = HotpotQA()
     (ins,) = HotpotQA(distractors=k, positions=[position]).instances(rows[:1], seed=7, pool_rows=rows)
     start = {None: k, "mid": k // 2}.get(expected_start, expected_start)
     assert _gold_slots(ins) == [start, start + 1]
@@ -45,7 +44,6 @@ def test_oracle_mode_has_gold_only(rows):
 
 
 def test_distractors_fixed_across_positions_and_seeded(rows):
-    task = HotpotQA()
     a = HotpotQA(distractors=12, positions=["first", "middle", "last"]).instances(rows[:4], seed=3)
     for q in range(4):
         orders = [[p["title"] for p in i.paragraphs if not p["gold"]] for i in a[3 * q:3 * q + 3]]
@@ -71,7 +69,6 @@ def test_too_many_distractors_is_a_clear_error(rows):
 
 
 def test_random_position_is_seeded_and_in_range(rows):
-    task = HotpotQA()
     a = HotpotQA(distractors=10, positions=["random"]).instances(rows, seed=5)
     b = HotpotQA(distractors=10, positions=["random"]).instances(rows, seed=5)
     starts = [i.meta["gold_start"] for i in a]

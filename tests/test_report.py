@@ -1,6 +1,5 @@
 import json
 
-from harness.config import RunConfig
 from tests.helpers import run_config
 from harness.engine import run_eval
 from harness.report import main as report_main

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import harness.istree_models  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.families import family_of, map_rows, recurrent_state, restore_rows
-from harness.generation import GenRequest, GenResult, greedy_generate, last_real_index, logits_at_last_real
+from harness.generation import GenRequest, GenResult, last_real_index, logits_at_last_real
 
 log = logging.getLogger("harness")
 
@@ -46,21 +46,15 @@ class TransformersBackend(Backend):
 
     # -- batching decisions ----------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None) -> list[GenResult]:
-        fam = self.family
-        if fam.padding == "alone":
-            return self._one_by_one(requests, f"model family {fam.name!r} cannot keep padding out of its state")
-        return super().generate(requests, shared_prefix)
-
-    def _one_by_one(self, requests, why: str) -> list[GenResult]:
+        if self.family.padding != "alone":
+            return super().generate(requests, shared_prefix)
         if not self._told_alone:
-            log.info("%s: each sample runs alone and unpadded (exact; batch size only groups the progress bar)", why)
+            log.info("model family %r cannot keep padding out of its state: each sample runs alone and unpadded "
+                     "(exact; the batch size only groups the progress bar)", self.family.name)
             self._told_alone = True
-        if not hasattr(self, "stats"):
-            self.stats = {}
-        out = []
+        out: list[GenResult] = []
         for r in requests:
-            out += greedy_generate(self, self.tokenizer, [r], device=self.device, max_context=self.max_context,
-                                   stats=self.stats)
+            out += super().generate([r])
         return out
 
     def prefix_reuse_pays(self) -> bool:
@@ -88,12 +82,9 @@ class TransformersBackend(Backend):
         return logits[:, -1].float(), {"cache": cache, "pos": pos[:, -1]}
 
     def step(self, state, input_ids, attention_mask):
-        fam = self.family
-        n = input_ids.shape[1]
-        if n > 1 and not (fam.block_steps and fam.padding == "masked"):
-            block = attention_mask[:, -n:].bool()
-            if fam.block_steps and bool(block.all()):
-                return self._block(state, input_ids, attention_mask)
+        fam, n = self.family, input_ids.shape[1]
+        ragged = not bool(attention_mask[:, -n:].all())
+        if n > 1 and fam.padding != "masked" and (ragged or not fam.block_steps):
             return self._token_by_token(state, input_ids, attention_mask)
         return self._block(state, input_ids, attention_mask)
 
