@@ -102,9 +102,10 @@ def main():
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = load_rows("fixture")[: a.questions]
-    inst = HotpotQA().instances(rows, distractors=a.distractors, positions=parse_positions(a.positions), seed=1234)
+    task = HotpotQA(distractors=a.distractors, positions=parse_positions(a.positions))
+    inst = task.instances(rows, seed=1234)
     tpl = PromptTemplate("hotpotqa_cot")
-    prompts = [tpl.render(**i.template_vars(), shots=4) for i in inst]
+    prompts = [tpl.render(**task.template_vars(i)) for i in inst]
     with tempfile.TemporaryDirectory() as d:
         model_dir = str(make_tiny_model(Path(d) / "m", "phi", hidden=a.hidden, layers=a.layers))
         backend = load_backend(model_dir, "cpu", "float32")
