@@ -60,7 +60,7 @@ def decode_cost(backend, length: int, steps: int) -> tuple[float, int]:
 
 # ------------------------------------------------------------------------------------------------ checks
 def _tiny_phi_mamba(attn_layers, device, seed=0):
-    from harness.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
+    from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 
     torch.manual_seed(seed)
     cfg = PhiMambaConfig.tiny(vocab_size=97, d_model=64, n_layer=2, attn_layers=attn_layers, chunk_size=16)

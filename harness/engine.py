@@ -22,7 +22,8 @@ from evals.base import DataError, Instance, ToolSpec
 from harness.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
-from harness.results import format_markdown, git_hash, metrics_table, summarize, versions
+from harness.results import format_markdown, git_hash, metrics_table, versions
+from harness.stats import summarize
 from harness.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, write_atomic,
                             write_run_meta)
 

@@ -43,15 +43,28 @@ def build_parser() -> argparse.ArgumentParser:
     ap = HfArgumentParser((RunConfig, CliFlags), prog="python -m harness.eval",
                           description=__doc__ + "\ntasks and their --task-arg options:\n" + tasks_help,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    for action in ap._actions:  # the task choices come from the registry  # noqa: SLF001
-        if action.dest == "task":
+    for action in ap._actions:  # noqa: SLF001  (argparse has no public way to edit an added flag)
+        if action.dest == "task":  # the task choices come from the registry
             action.choices = names
+        elif action.dest in SET_BY_HARNESS:  # fields of the recorded config, never flags
+            action.type = _refuse(action.dest)
     group = ap.add_argument_group("HotpotQA's options (also --task-arg KEY=VALUE)")
     for f in dataclasses.fields(task_class("hotpotqa").Options):
         if f.name in HOTPOTQA_FLAGS:
             group.add_argument(f"--{f.name}", default=None, type=str if f.name == "positions" else int,
                                help=f.metadata.get("help"))
     return ap
+
+
+# RunConfig fields that HfArgumentParser turns into flags but that are filled in by the harness itself.
+SET_BY_HARNESS = {"task_args": "the task's options are given with --task-arg KEY=VALUE",
+                  "template_sha256": "the template's hash is computed by the engine"}
+
+
+def _refuse(dest: str):
+    def parse(_value):
+        raise argparse.ArgumentTypeError(f"not a flag: {SET_BY_HARNESS[dest]}")
+    return parse
 
 
 def config_from_args(a: argparse.Namespace) -> RunConfig:

@@ -307,17 +307,6 @@ def logits_at_last_real(logits: torch.Tensor, block_mask: torch.Tensor) -> torch
     return logits[torch.arange(len(last), device=last.device), last]
 
 
-def block_attention_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
-    """Boolean [B, 1, q_len, T] mask for the last ``q_len`` queries over all T positions: causal and
-    padding-aware. A padded query may see itself, so no row is all-masked (which would give NaN)."""
-    t = attention_mask.shape[1]
-    dev = attention_mask.device
-    allowed = torch.ones(q_len, t, dtype=torch.bool, device=dev).tril(t - q_len)[None] & attention_mask.bool()[:, None]
-    own = torch.zeros(q_len, t, dtype=torch.bool, device=dev)
-    own[torch.arange(q_len), t - q_len + torch.arange(q_len)] = True
-    return (allowed | own[None])[:, None]
-
-
 def first_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
     """(index, stop string) of the earliest stop string in ``text[start:]``, or None."""
     hits = [(i, s) for s in stops if s for i in [text.find(s, start)] if i >= 0]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.results import condition_of, format_markdown, summarize
+from harness.results import format_markdown
+from harness.stats import condition_of, summarize
 from harness.runlog import write_atomic
 
 # Settings that name a run in a legend when they differ between the runs of one report, in this order.

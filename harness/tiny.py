@@ -150,7 +150,7 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
     tok = tokenizer or build_tokenizer()
     torch.manual_seed(seed)
     if arch in ("phi-mamba", "hybrid-phi-mamba"):
-        from harness.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
+        from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 
         cfg = PhiMambaConfig.tiny(vocab_size=len(tok), d_model=hidden, n_layer=layers,
                                   attn_layers=[layers - 1] if arch == "hybrid-phi-mamba" else [])

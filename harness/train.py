@@ -1,25 +1,28 @@
 """``python -m harness.train``: train the small IsTree models and evaluate them with the eval engine.
 
     python -m harness.train --task istree --arch mamba --size 0.5M --nodes 16 --setup retrieval --output runs/x
-    python -m harness.train --grid smoke                       # CPU demo: 3 archs x 3 setups at n=6
+    python -m harness.train --grid smoke                       # CPU demo: 3 archs x 3 setups at n=4, ~6 min
+    python -m harness.train --grid paper --plan                # the 81-run grid's GPU-hours, from measured steps
     accelerate launch -m harness.train --grid paper            # the 81-run grid, data parallel over GPUs
 
-Defaults follow the paper's code: AdamW (weight decay 0), cosine schedule with a 10,000-sample warm-up, batch
-64, lr 1e-3 for the Transformer and 3e-4 for Mamba and the hybrid, fresh samples every step. The checkpoint
-is written with ``save_pretrained`` next to its tokenizer and task, so
-``python -m harness.eval --model RUN_DIR --task istree`` evaluates it; the trainer itself evaluates through
-the same engine (greedy decoding, the retrieval tool live for the retrieval setup).
+Defaults follow the paper's code: AdamW (weight decay 0), cosine schedule with a 10,000-sample warm-up, a
+global batch of 64 (split over processes), lr 1e-3 for the Transformer and 3e-4 for Mamba and the hybrid,
+fresh samples every step, mamba-ssm's initialisation. Every ``--eval-every`` samples the model is scored by
+the paper's metric, teacher-forced exact match on held-out samples (every target token right, tool results
+given); the best checkpoint is kept, written with ``save_pretrained`` next to its tokenizer and task, and
+evaluated once more by live greedy generation through the eval engine (the retrieval tool live), so
+``python -m harness.eval --model RUN_DIR --task istree`` reproduces that number.
 """
 from __future__ import annotations
 
-import argparse
-import itertools
+import dataclasses
 import json
 import logging
 import math
+import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,59 +30,111 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from evals import istree
+from harness.config import ConfigError, _f
 
 log = logging.getLogger("harness")
 
 DEFAULT_LR = {"transformer": 1e-3, "mamba": 3e-4, "hybrid": 3e-4}
-GRIDS = {
-    "paper": {"arch": ["transformer", "mamba", "hybrid"], "size": ["0.5M", "1M", "2M"], "nodes": [16, 32, 64],
-              "setup": ["direct", "cot", "retrieval"]},
-    "smoke": {"arch": ["transformer", "mamba", "hybrid"], "size": ["smoke"], "nodes": [6],
-              "setup": ["direct", "cot", "retrieval"]},
-}
-GRID_DEFAULTS = {"paper": {"samples": 5_000_000, "eval_samples": 5000},
-                 # a CPU demo: 150 steps, so a hotter lr than the paper's 5M-sample runs
-                 "smoke": {"samples": 4800, "eval_samples": 200, "batch_size": 32, "warmup": 480, "lr": 3e-3}}
+# The paper's settings: what a flag left out means outside a grid.
+PAPER_DEFAULTS = {"samples": 5_000_000, "batch_size": 64, "warmup": 10_000, "eval_every": 100_000,
+                  "eval_samples": 5000, "eval_batch_size": 256}
+TRACKERS = ("auto", "tensorboard", "wandb", "none")
+# Settings that decide a finished run's numbers: a run directory is reused only with the same values.
+RESULT_DECIDING = ("task", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
+                   "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
+                   "precision", "bucket")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    task: str = "istree"  # or one of the retrieval tasks: index, ar, cgram, counting
-    length: int = 32  # sequence length for the retrieval tasks
-    arch: str = "transformer"
-    size: str = "0.5M"
-    nodes: int = 16
-    setup: str = "cot"
-    graph: str = "binary"
-    samples: int = 5_000_000
-    batch_size: int = 64
-    lr: float | None = None
-    warmup: int = 10_000  # samples
-    seed: int = 42
-    eval_samples: int = 5000
-    eval_batch_size: int = 256
-    output: str = "runs/istree"
+    """Every setting of one training run, defined once: the parser is built from these fields and the
+    resolved config is written into result.json. ``None`` means the paper's value (or the grid's)."""
+
+    task: str = _f("istree", "IsTree, or any registered task with a token stream (trained on its answers)")
+    length: int = _f(32, "size of a non-IsTree task: sequence length, key-value pairs (mqar), entries (needle)")
+    arch: str = _f("transformer", "architecture", choices=["transformer", "mamba", "hybrid"])
+    size: str = _f("0.5M", "parameter budget; architectures are matched within 10%% (smoke: a CPU demo size)",
+                   choices=["0.5M", "1M", "2M", "smoke"])
+    d_model: int | None = _f(None, "model width, overriding the size table")
+    layers: int | None = _f(None, "layers, overriding the size table (the hybrid: its Mamba layers)")
+    nodes: int = _f(16, "IsTree graph size n (paper: 16, 32, 64)")
+    setup: str = _f("cot", "IsTree setup", choices=list(istree.SETUPS))
+    graph: str = _f("binary", "IsTree graphs: binary (the paper's) or recursive (random recursive trees, half "
+                              "with one edge moved to close a cycle)", choices=list(istree.GRAPHS))
+    samples: int | None = _f(None, "training samples (default 5,000,000)")
+    batch_size: int | None = _f(None, "global batch, split over the processes (default 64)")
+    lr: float | None = _f(None, "peak lr (default 1e-3 Transformer, 3e-4 Mamba and hybrid)")
+    warmup: int | None = _f(None, "warm-up samples (default 10,000)")
+    seed: int = _f(42, "seeds the initialisation and the training streams")
+    eval_every: int | None = _f(None, "samples between teacher-forced evaluations (default 100,000)")
+    eval_samples: int | None = _f(None, "held-out samples for both evaluations (default 5,000)")
+    eval_batch_size: int | None = _f(None, "batch of the evaluations (default 256)")
+    eval_max_new_tokens: int | None = _f(None, "live evaluation's generation budget (default: the task's)")
+    live_eval: bool = _f(True, "after training, evaluate the best checkpoint by greedy generation (the tool live "
+                               "for retrieval)")
+    precision: str = _f("auto", "auto (bf16 autocast on CUDA, float32 elsewhere), fp32 or bf16",
+                        choices=["auto", "fp32", "bf16"])
+    workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
+    bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
+                        "(less padding; 1 = off, as the paper)")
+    threads: int | None = _f(None, "CPU threads for torch (default: torch's)")
+    allow_slow_scan: bool = _f(False, "train Mamba or the hybrid on CUDA without mamba-ssm/causal-conv1d kernels "
+                                      "(a Python-loop scan, tens of times slower)")
+    report_to: str = _f("auto", "experiment tracker through accelerate (auto: TensorBoard when installed)",
+                        choices=list(TRACKERS))
+    output: str | None = _f(None, "run directory (default runs/NAME; a grid's root with --grid)")
 
     @property
     def name(self) -> str:
+        shape = "".join([f"-d{self.d_model}" if self.d_model else "", f"-L{self.layers}" if self.layers else ""])
         if self.task == "istree":
-            return f"{self.arch}-{self.size}-n{self.nodes}-{self.setup}"
-        return f"{self.arch}-{self.size}-{self.task}-L{self.length}"
+            graph = "" if self.graph == "binary" else f"-{self.graph}"
+            return f"{self.arch}-{self.size}{shape}-n{self.nodes}{graph}-{self.setup}"
+        return f"{self.arch}-{self.size}{shape}-{self.task}-L{self.length}"
+
+    def resolved(self, defaults: dict | None = None) -> "TrainConfig":
+        """Every ``None`` filled from ``defaults`` (a grid's) and then the paper's; checked."""
+        fill = {**PAPER_DEFAULTS, **(defaults or {})}
+        values = {k: (fill[k] if getattr(self, k) is None and k in fill else getattr(self, k))
+                  for k in (f.name for f in dataclasses.fields(self))}
+        values["lr"] = values["lr"] or fill.get("lr") or DEFAULT_LR[self.arch]
+        cfg = TrainConfig(**values)
+        cfg = dataclasses.replace(cfg, output=cfg.output or f"runs/{cfg.name}")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def bad(flag, value, need):
+            raise ConfigError(f"{flag} {value!r}: {need}")
+
+        for flag in ("samples", "batch_size", "eval_every", "eval_samples", "eval_batch_size", "bucket"):
+            value = getattr(self, flag)
+            if value is not None and value < 1:
+                bad(f"--{flag.replace('_', '-')}", value, "use a positive number")
+        if self.samples < self.batch_size:
+            bad("--samples", self.samples, f"train on at least one batch ({self.batch_size} samples)")
+        if self.task == "istree" and self.nodes < 4:
+            bad("--nodes", self.nodes, "IsTree graphs need at least 4 nodes")
+        if self.workers is not None and self.workers < 0:
+            bad("--workers", self.workers, "use 0 (generate in the training process) or more")
+        if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
+            bad("--eval-max-new-tokens", self.eval_max_new_tokens, "use a positive number of tokens")
 
 
 class TrainTask:
-    """What the trainer needs from a task: its vocabulary, a fresh-sample stream, a length bound, and the
-    options under which the eval engine re-creates it (written to icr_task.json next to the checkpoint)."""
+    """What the trainer needs from a task: its vocabulary, a fresh-sample stream, a length bound, held-out
+    samples, and the options under which the eval engine re-creates it (icr_task.json next to the checkpoint)."""
 
     def __init__(self, cfg: TrainConfig):
+        from evals import get_task
+
         self.cfg = cfg
         if cfg.task == "istree":
             self.vocab = istree.vocabulary(cfg.nodes)
             self.max_len = {"direct": 4 * cfg.nodes, "cot": 8 * cfg.nodes, "retrieval": 64 * cfg.nodes}[cfg.setup]
             self.eval_args = {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph, "samples": cfg.eval_samples}
+            self.impl = get_task("istree", **self.eval_args)
         else:  # any registered task with a token stream (vocabulary, stream, max_tokens)
-            from evals import get_task
-
             self.eval_args = {"length": cfg.length, "format": "tokens", "samples": cfg.eval_samples}
             self.impl = get_task(cfg.task, **self.eval_args)
             self.vocab = self.impl.vocabulary()
@@ -89,6 +144,15 @@ class TrainTask:
         if self.cfg.task == "istree":
             return istree.stream(self.cfg.nodes, self.cfg.setup, self.cfg.graph, seed)
         return self.impl.stream(seed)
+
+    def heldout(self) -> list[list[str]]:
+        """The live evaluation's held-out samples as whole training sequences (gold trace and tool results
+        included): what teacher-forced exact match is computed on."""
+        rows = self.impl.load()
+        if self.cfg.task == "istree":
+            return [istree.sample_tokens(istree.Graph(self.cfg.nodes, [tuple(e) for e in r["edges"]]), self.cfg.setup)
+                    for r in rows]
+        return [r["prompt"].split() + r["answer"].split() for r in rows]
 
     def tokenizer(self):
         from evals.base import word_level_tokenizer
@@ -108,6 +172,29 @@ def batch_from_tokens(samples: list[list[str]], vocab: dict[str, int], device) -
     return ids.to(device), mask.to(device)
 
 
+class TrainingBatches(torch.utils.data.IterableDataset):
+    """Endless batches of fresh samples. Each DataLoader worker draws from a stream seeded by (seed, process,
+    worker), so generation runs off the training loop's critical path and no two workers repeat a sample."""
+
+    def __init__(self, task: TrainTask, batch: int, seed: int, process: int, bucket: int = 1):
+        self.task, self.batch, self.seed, self.process, self.bucket = task, batch, seed, process, bucket
+        self.vocab = {t: i for i, t in enumerate(task.vocab)}
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        stream = self.task.stream(seed=self.seed * 1000 + self.process * 64 + worker)
+        order = random.Random(f"bucket:{self.seed}:{self.process}:{worker}")
+        while True:
+            pool = [next(stream) for _ in range(self.batch * self.bucket)]
+            if self.bucket > 1:
+                pool.sort(key=len)
+            groups = [pool[i:i + self.batch] for i in range(0, len(pool), self.batch)]
+            order.shuffle(groups)
+            for g in groups:
+                yield batch_from_tokens(g, self.vocab, "cpu")
+
+
 def lr_at(step: int, total: int, warmup: int) -> float:
     """Linear warm-up, then cosine decay to zero (a multiplier of the peak learning rate)."""
     if step < warmup:
@@ -116,72 +203,210 @@ def lr_at(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train_one(cfg: TrainConfig, progress: bool = True, accelerator=None) -> dict:
-    """Train one model (or return the finished result: runs are resumable), evaluate it, save it."""
+def masked_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the loss mask's targets (next-token prediction)."""
+    logits, tgt, m = logits[:, :-1].float(), ids[:, 1:], mask[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+    return (ce * m.reshape(-1)).sum() / m.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def teacher_forced(model, batches, autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paper's metric on pre-built held-out batches: per batch, the summed loss, the number of samples whose
+    every target token is the argmax, and the sample count (tensors: summed over processes by the caller)."""
+    was_training = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    loss = torch.zeros((), device=dev)
+    right = torch.zeros((), device=dev)
+    count = torch.zeros((), device=dev)
+    for ids, mask in batches:
+        ids, mask = ids.to(dev), mask.to(dev)
+        with autocast():
+            logits = model(input_ids=ids).logits
+        ok = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | (mask[:, 1:] == 0)
+        right += ok.all(dim=1).sum()
+        count += len(ids)
+        loss += masked_loss(logits, ids, mask) * len(ids)
+    model.train(was_training)
+    return loss, right, count
+
+
+def check_kernels(cfg: TrainConfig, device: torch.device) -> None:
+    """On CUDA, Mamba without mamba-ssm and causal-conv1d falls back to a Python-loop scan: refuse unless asked."""
+    if device.type != "cuda" or cfg.arch == "transformer" or cfg.allow_slow_scan:
+        return
+    missing = []
+    for mod in ("mamba_ssm", "causal_conv1d"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod.replace("_", "-"))
+    if missing:
+        raise ConfigError(f"--arch {cfg.arch} on CUDA without {' and '.join(missing)}: training would use a "
+                          "Python-loop scan, tens of times slower; pip install 'icr-harness[gpu]' or pass "
+                          "--allow-slow-scan")
+
+
+def _tracker(cfg: TrainConfig) -> str | None:
+    import importlib.util
+
+    if cfg.report_to == "auto":
+        return "tensorboard" if importlib.util.find_spec("tensorboard") else None
+    return None if cfg.report_to == "none" else cfg.report_to
+
+
+def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
+    """Train one model (or return the finished result: runs are resumable), keep the best checkpoint by
+    teacher-forced exact match, evaluate it live, save it."""
     from accelerate import Accelerator
 
-    from harness.istree_models import build_model, trainable_parameters
+    from harness.models.istree import build_model, trainable_parameters
 
+    if cfg.output is None or any(getattr(cfg, k) is None for k in PAPER_DEFAULTS):
+        cfg = cfg.resolved()
     out = Path(cfg.output)
     done = out / "result.json"
     if done.exists():
+        earlier = json.loads(done.read_text())
+        changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)]
+        if changed:
+            raise ConfigError(f"{out} holds a finished run with other settings ("
+                              + ", ".join(f"{k}: {earlier[k]!r} there, {getattr(cfg, k)!r} now" for k in changed)
+                              + "); use another --output or the same settings")
         log.info("%s: finished earlier, skipped", out)
-        return json.loads(done.read_text())
-    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        return earlier
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tracker = _tracker(cfg)
+    from accelerate.utils import ProjectConfiguration
+
+    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=tracker,
+                      project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tracker")))
+    check_kernels(cfg, acc.device)
+    if cfg.batch_size % acc.num_processes:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
+                          f"{acc.num_processes} processes")
+    per_process = cfg.batch_size // acc.num_processes
+    cuda = acc.device.type == "cuda"
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def autocast():
+        return torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16)
+
     torch.manual_seed(cfg.seed)
     task = TrainTask(cfg)
     vocab = {t: i for i, t in enumerate(task.vocab)}
-    model = build_model(cfg.arch, cfg.size, len(task.vocab), max_positions=max(4096, 2 * task.max_len))
+    model = build_model(cfg.arch, cfg.size, len(task.vocab), max_positions=max(4096, 2 * task.max_len),
+                        d_model=cfg.d_model, layers=cfg.layers)
     n_params = trainable_parameters(model)
-    lr = cfg.lr or DEFAULT_LR[cfg.arch]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     model, opt = acc.prepare(model, opt)
-    steps = max(1, cfg.samples // (cfg.batch_size * acc.num_processes))
-    warm = max(1, cfg.warmup // (cfg.batch_size * acc.num_processes))
+    steps = max(1, cfg.samples // cfg.batch_size)
+    warm = max(1, cfg.warmup // cfg.batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps, warm))
-    data = task.stream(seed=cfg.seed * 1000 + acc.process_index)
-    log.info("%s: %s trainable parameters, %d steps of %d, lr %g, on %s x%d", cfg.name, f"{n_params:,}", steps,
-             cfg.batch_size, lr, acc.device, acc.num_processes)
+    workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
+    loader = torch.utils.data.DataLoader(
+        TrainingBatches(task, per_process, cfg.seed, acc.process_index, cfg.bucket), batch_size=None,
+        num_workers=workers, pin_memory=cuda, prefetch_factor=4 if workers else None, persistent_workers=False)
+    # held-out set: this process's share, batched once
+    heldout = task.heldout()[acc.process_index::acc.num_processes]
+    eval_batches = [batch_from_tokens(heldout[i:i + cfg.eval_batch_size], vocab, "cpu")
+                    for i in range(0, len(heldout), cfg.eval_batch_size)]
+    every = max(1, cfg.eval_every // cfg.batch_size)
+    eval_steps = {s for s in range(steps) if (s + 1) % every == 0} | {steps - 1}
+    log_every = max(1, min(every, steps // 100 or 1))
+    log.info("%s: %s trainable parameters, %d steps of %d (%d per process x %d), lr %g, %s, %s, %d data workers, "
+             "teacher-forced eval every %d steps on %d samples", cfg.name, f"{n_params:,}", steps, cfg.batch_size,
+             per_process, acc.num_processes, cfg.lr, acc.device, "bf16 autocast" if bf16 else "float32", workers,
+             every, len(heldout) * acc.num_processes)
     out.mkdir(parents=True, exist_ok=True)
+    if tracker:
+        acc.init_trackers(cfg.name, config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None})
+    curve: list[dict] = []
+    best = {"em": -1.0, "samples": 0, "state": None}
+    first_loss = None
+    loss_sum = torch.zeros((), device=acc.device)  # summed on the device: one host sync per log line
+    loss_n = 0
+    data_s = 0.0
     t0 = time.perf_counter()
-    losses = []
     model.train()
-    bar = tqdm(range(steps), desc=cfg.name, disable=not (progress and acc.is_main_process))
+    bar = tqdm(total=steps, desc=cfg.name, disable=not (progress and acc.is_main_process))
+    batches = iter(loader)
     with open(out / "train_log.jsonl", "w") as logf:
-        for step in bar:
-            ids, mask = batch_from_tokens([next(data) for _ in range(cfg.batch_size)], vocab, acc.device)
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            tgt, m = ids[:, 1:], mask[:, 1:]
-            loss = (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-                    * m.reshape(-1)).sum() / m.sum().clamp_min(1)
+        for step in range(steps):
+            t_data = time.perf_counter()
+            ids, mask = next(batches)
+            ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
+            data_s += time.perf_counter() - t_data
+            with autocast():
+                logits = model(input_ids=ids).logits
+            loss = masked_loss(logits, ids, mask)
             acc.backward(loss)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            if step % 20 == 0 or step == steps - 1:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-                logf.write(json.dumps({"step": step, "samples": (step + 1) * cfg.batch_size * acc.num_processes,
-                                       "loss": round(loss.item(), 6), "lr": sched.get_last_lr()[0]}) + "\n")
+            loss_sum += loss.detach()
+            loss_n += 1
+            bar.update(1)
+            if step % log_every and step not in eval_steps:
+                continue
+            seen = (step + 1) * cfg.batch_size
+            row = {"step": step, "samples": seen, "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6),
+                   "lr": sched.get_last_lr()[0]}
+            first_loss = row["loss"] if first_loss is None else first_loss
+            loss_sum.zero_()
+            loss_n = 0
+            if step in eval_steps:
+                tf_loss, right, count = (acc.reduce(t, "sum") for t in teacher_forced(model, eval_batches, autocast))
+                row["eval_loss"] = round(float(tf_loss / count), 6)
+                row["eval_em"] = int(right) / max(1, int(count))
+                if row["eval_em"] >= best["em"]:  # ties go to the later, longer-trained checkpoint
+                    best = {"em": row["eval_em"], "samples": seen, "state": {
+                        k: v.detach().to("cpu", copy=True) for k, v in acc.unwrap_model(model).state_dict().items()}}
+                bar.set_postfix(loss=f"{row['loss']:.4f}", em=f"{100 * row['eval_em']:.1f}%")
+            else:
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
+            curve.append(row)
+            if tracker:
+                acc.log({f"train/{k}" if k in ("loss", "lr") else k.replace("eval_", "eval/"): v
+                         for k, v in row.items() if k not in ("step", "samples")}, step=seen)
+            if acc.is_main_process:
+                logf.write(json.dumps(row) + "\n")
                 logf.flush()
+    bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     result = None
     if acc.is_main_process:
         model = acc.unwrap_model(model).eval()
+        final = {"em": curve[-1]["eval_em"], "loss": curve[-1]["loss"]}
+        model.load_state_dict(best["state"])  # the kept checkpoint is the best one
         tok = task.tokenizer()
         model.save_pretrained(out)
         tok.save_pretrained(out)
         (out / "icr_task.json").write_text(json.dumps({"task": cfg.task, "args": task.eval_args}, indent=2))
-        t1 = time.perf_counter()
-        acc_eval = evaluate(model, tok, out, cfg.task, task.eval_args, cfg.eval_batch_size, progress)
-        result = {**asdict(cfg), "lr": lr, "trainable_parameters": n_params, "steps": steps,
-                  "final_loss": float(sum(losses[-20:]) / len(losses[-20:])), "first_loss": losses[0],
-                  "train_seconds": round(train_s, 2), "eval_seconds": round(time.perf_counter() - t1, 2),
-                  "samples_per_second": round(steps * cfg.batch_size * acc.num_processes / train_s, 1),
-                  "accuracy": _only(acc_eval["metrics"])["accuracy"],
-                  "accuracy_se": _only(acc_eval["metrics"])["accuracy_se"], "device": str(acc.device)}
+        plot_curves(curve, out / "curves.png", cfg.name)
+        result = {**dataclasses.asdict(cfg), "trainable_parameters": n_params, "steps": steps,
+                  "processes": acc.num_processes, "device": str(acc.device),
+                  "compute_dtype": "bfloat16" if bf16 else "float32",
+                  "first_loss": first_loss, "final_loss": final["loss"],
+                  "teacher_forced_em": best["em"], "best_samples": best["samples"],
+                  "teacher_forced_em_final": final["em"],
+                  "train_seconds": round(train_s, 2), "data_seconds": round(data_s, 2),
+                  "samples_per_second": round(steps * cfg.batch_size / train_s, 1), "curve": curve}
+        if cfg.live_eval:
+            t1 = time.perf_counter()
+            live = _only(evaluate(model, tok, out, cfg.task, task.eval_args, cfg.eval_batch_size,
+                                  cfg.eval_max_new_tokens, progress)["metrics"])
+            result.update(accuracy=live["accuracy"], accuracy_se=live["accuracy_se"],
+                          eval_seconds=round(time.perf_counter() - t1, 2))
         done.write_text(json.dumps(result, indent=2))
+    if tracker:
+        acc.end_training()
     acc.wait_for_everyone()
     return result or {}
 
@@ -192,7 +417,8 @@ def _only(by_condition: dict) -> dict:
     return only
 
 
-def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int, progress: bool) -> dict:
+def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int,
+             max_new_tokens: int | None = None, progress: bool = False) -> dict:
     """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval)."""
     from harness.backends.hf import TransformersBackend
     from harness.config import RunConfig
@@ -201,72 +427,31 @@ def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: 
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
     cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
-                    output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
+                    max_new_tokens=max_new_tokens, output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
     return run_eval(cfg, backend=backend, progress=progress)
 
 
-def run_grid(name: str, base: TrainConfig, root: Path, progress: bool) -> list[dict]:
-    grid = GRIDS[name]
-    results = []
-    combos = list(itertools.product(grid["setup"], grid["nodes"], grid["size"], grid["arch"]))
-    for i, (setup, nodes, size, arch) in enumerate(combos, 1):
-        cfg = TrainConfig(**{**asdict(base), "arch": arch, "size": size, "nodes": nodes, "setup": setup})
-        cfg.output = str(root / cfg.name)
-        log.info("grid %s: run %d/%d %s", name, i, len(combos), cfg.name)
-        results.append(train_one(cfg, progress))
-    write_grid_report(root)
-    return results
-
-
-def write_grid_report(root: Path) -> str:
-    """Collect every finished run under ``root`` into results.csv / results.md and the paper-style figure."""
-    import pandas as pd
-
-    rows = [r for r in (json.loads(p.read_text()) for p in sorted(root.glob("*/result.json"))) if r.get("task") == "istree"]
-    if not rows:
-        return ""
-    df = pd.DataFrame(rows)[["setup", "nodes", "size", "arch", "trainable_parameters", "accuracy", "accuracy_se",
-                             "final_loss", "samples_per_second", "train_seconds"]]
-    df = df.sort_values(["setup", "nodes", "size", "arch"])
-    df.to_csv(root / "results.csv", index=False)
-    table = df.assign(accuracy=[f"{100 * a:.1f} ± {100 * s:.1f}" for a, s in zip(df.accuracy, df.accuracy_se)]) \
-        .drop(columns=["accuracy_se"]).to_markdown(index=False, floatfmt=".3f")
-    (root / "results.md").write_text(table + "\n")
-    plot_grid(df, root / "istree_grid.png")
-    return table
-
-
-def plot_grid(df, path: Path) -> None:
-    """Accuracy bars per architecture, one panel per (setup, graph size), sizes side by side: the paper's layout."""
+def plot_curves(curve: list[dict], path: Path, title: str) -> None:
+    """Training loss and teacher-forced exact match against samples seen: one PNG per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    setups = [s for s in istree.SETUPS if s in set(df.setup)]
-    nodes = sorted(set(df.nodes))
-    sizes = list(dict.fromkeys(df["size"]))
-    archs = [a for a in ("transformer", "mamba", "hybrid") if a in set(df.arch)]
-    fig, axes = plt.subplots(len(setups), len(nodes), figsize=(3.2 * len(nodes), 2.6 * len(setups)), squeeze=False,
-                             sharey=True)
-    width = 0.8 / len(archs)
-    for r, setup in enumerate(setups):
-        for c, n in enumerate(nodes):
-            ax = axes[r][c]
-            sub = df[(df.setup == setup) & (df.nodes == n)]
-            for k, arch in enumerate(archs):
-                vals = [sub[(sub["size"] == s) & (sub.arch == arch)].accuracy for s in sizes]
-                ys = [100 * float(v.iloc[0]) if len(v) else 0.0 for v in vals]
-                ax.bar([i + k * width for i in range(len(sizes))], ys, width, label=arch)
-            ax.set_xticks([i + width * (len(archs) - 1) / 2 for i in range(len(sizes))], sizes)
-            ax.set_ylim(0, 100)
-            ax.axhline(50, color="grey", lw=0.6, ls=":")
-            ax.set_title(f"{setup}, n={n}", fontsize=9)
-            if c == 0:
-                ax.set_ylabel("accuracy (%)")
-    axes[0][0].legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot([r["samples"] for r in curve], [r["loss"] for r in curve], color="tab:blue", label="train loss")
+    ax.set_xlabel("training samples")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.set_yscale("log")
+    em = [r for r in curve if "eval_em" in r]
+    ax2 = ax.twinx()
+    ax2.plot([r["samples"] for r in em], [100 * r["eval_em"] for r in em], "o-", color="tab:red",
+             label="teacher-forced EM")
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("teacher-forced EM (%)", color="tab:red")
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -277,58 +462,63 @@ def trainable_tasks() -> list[str]:
     return [n for n in task_names() if n == "istree" or hasattr(task_class(n), "stream")]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m harness.train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="istree", choices=trainable_tasks(),
-                    help="IsTree, or any task with a token stream (trained on direct answers)")
-    ap.add_argument("--length", type=int, default=32,
-                    help="size of a non-IsTree task: sequence length, key-value pairs (mqar), entries (needle)")
-    ap.add_argument("--arch", default="transformer", choices=["transformer", "mamba", "hybrid"])
-    ap.add_argument("--size", default="0.5M", choices=["0.5M", "1M", "2M", "smoke"],
-                    help="parameter budget; architectures are matched within 10%% (smoke: a CPU demo size)")
-    ap.add_argument("--nodes", type=int, default=16, help="graph size n (paper: 16, 32, 64)")
-    ap.add_argument("--setup", default="cot", choices=list(istree.SETUPS))
-    ap.add_argument("--graph", default="binary", choices=list(istree.GRAPHS))
-    ap.add_argument("--samples", type=int, default=None, help="training samples (default 5,000,000; smoke 4,800)")
-    ap.add_argument("--batch-size", type=int, default=None, help="per-process batch (default 64)")
-    ap.add_argument("--lr", type=float, default=None, help="peak lr (default 1e-3 Transformer, 3e-4 others)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up samples (default 10,000)")
-    ap.add_argument("--eval-samples", type=int, default=None, help="held-out samples (default 5,000)")
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--grid", choices=list(GRIDS), default=None,
-                    help="run a whole grid under --output (finished runs are skipped): paper = 81 runs, "
-                         "smoke = 9 small CPU runs at n=6 (about 5 minutes on 2 cores)")
-    ap.add_argument("--output", default=None, help="run directory (a grid's root with --grid)")
-    ap.add_argument("--no-progress", action="store_true")
+@dataclass
+class TrainCliFlags:
+    """Flags of the command line only: which runs to start and what to print, never a run's result."""
+
+    grid: str | None = _f(None, "run a whole grid under --output, finished cells skipped: paper = 81 runs, smoke = "
+                                "9 small CPU runs at n=4 (about 6 minutes on 2 cores)",
+                          choices=["paper", "smoke"])
+    jobs: int | None = _f(None, "grid cells trained at once, each in its own process with its share of the CPU "
+                                "threads (default: one per CPU core without a GPU, 1 with one)")
+    plan: bool = _f(False, "measure a few steps of every grid cell and print the grid's estimated hours; train "
+                           "nothing")
+    progress: bool = _f(True, "show progress bars")
+
+
+def build_parser():
+    from transformers import HfArgumentParser
+
+    ap = HfArgumentParser((TrainConfig, TrainCliFlags), prog="python -m harness.train", description=__doc__,
+                          formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    for action in ap._actions:  # the task choices come from the registry  # noqa: SLF001
+        if action.dest == "task":
+            action.choices = trainable_tasks()
     return ap
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    from harness import grid as grids
+
+    cfg, flags = build_parser().parse_args_into_dataclasses(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    defaults = {"samples": 5_000_000, "batch_size": 64, "warmup": 10_000, "eval_samples": 5000, "lr": None}
-    if a.grid:
-        defaults.update(GRID_DEFAULTS[a.grid])
-    pick = lambda k: getattr(a, k) if getattr(a, k) is not None else defaults[k]  # noqa: E731
-    base = TrainConfig(task=a.task, length=a.length, arch=a.arch, size=a.size, nodes=a.nodes, setup=a.setup, graph=a.graph,
-                       samples=pick("samples"), batch_size=pick("batch_size"), lr=pick("lr"), warmup=pick("warmup"),
-                       seed=a.seed, eval_samples=pick("eval_samples"))
-    if a.grid:
-        root = Path(a.output or f"runs/grid-{a.grid}")
-        t0 = time.perf_counter()
-        run_grid(a.grid, base, root, not a.no_progress)
-        table = write_grid_report(root)
-        print(f"\nIsTree grid '{a.grid}' ({time.perf_counter() - t0:.0f} s)\n\n{table}\n\nwrote {root}/results.md, "
-              f"results.csv, istree_grid.png")
-        return 0
-    base.output = a.output or f"runs/{base.name}"
-    res = train_one(base, not a.no_progress)
+    try:
+        if flags.grid:
+            root = Path(cfg.output or f"runs/grid-{flags.grid}")
+            if flags.plan:
+                print(grids.plan_grid(flags.grid, cfg, root))
+                return 0
+            t0 = time.perf_counter()
+            grids.run_grid(flags.grid, cfg, root, jobs=flags.jobs, progress=flags.progress)
+            table = grids.write_grid_report(root)
+            print(f"\nIsTree grid '{flags.grid}' ({time.perf_counter() - t0:.0f} s)\n\n{table}\n\nwrote "
+                  f"{root}/results.md, results.csv, istree_grid.png")
+            return 0
+        if flags.plan:
+            raise ConfigError("--plan estimates a grid: give --grid paper or --grid smoke")
+        cfg = cfg.resolved()
+        res = train_one(cfg, flags.progress)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if res:
-        print(f"\n{base.name}: accuracy {100 * res['accuracy']:.1f}% ± {100 * res['accuracy_se']:.1f} on "
-              f"{base.eval_samples} held-out samples; {res['trainable_parameters']:,} trainable parameters; "
-              f"loss {res['first_loss']:.3f} -> {res['final_loss']:.3f}; wrote {base.output}")
+        live = (f"live greedy accuracy {100 * res['accuracy']:.1f}% ± {100 * res['accuracy_se']:.1f}; "
+                if "accuracy" in res else "")
+        print(f"\n{cfg.name}: teacher-forced EM {100 * res['teacher_forced_em']:.1f}% (best, at "
+              f"{res['best_samples']:,} samples); {live}{cfg.eval_samples} held-out samples; "
+              f"{res['trainable_parameters']:,} trainable parameters; loss {res['first_loss']:.3f} -> "
+              f"{res['final_loss']:.3f}; wrote {cfg.output}")
     return 0
 
 

@@ -145,6 +145,14 @@ def test_cli_end_to_end_and_bad_inputs(tiny_phi_dir, tmp_path, capsys):
     assert "bundled templates" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--task-args", "--template-sha256"])
+def test_recorded_fields_are_not_flags(flag, capsys):
+    """RunConfig fields the harness fills in are refused on the command line, with the right way named."""
+    with pytest.raises(SystemExit):
+        eval_main(["--model", "x", flag, "{}"])
+    assert "not a flag" in capsys.readouterr().err
+
+
 def test_ids_file_selects_questions(tiny_phi_dir, phi_backend, tmp_path):
     ids = tmp_path / "ids.txt"
     ids.write_text("fx0003\nfx0007\n")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evals import istree
-from harness.istree_models import ARCHS, build_model, trainable_parameters
+from harness.models.istree import ARCHS, build_model, trainable_parameters
 
 
 def _connected(n, edges):
@@ -155,7 +155,7 @@ def test_parameter_counts_matched_within_10_percent(size):
 
 
 def test_embedding_is_frozen_sinusoidal_and_tied():
-    from harness.istree_models import sinusoidal_table
+    from harness.models.istree import sinusoidal_table
 
     for arch in ARCHS:
         m = build_model(arch, "smoke", 25)
@@ -164,11 +164,15 @@ def test_embedding_is_frozen_sinusoidal_and_tied():
         assert trainable_parameters(m) == sum(p.numel() for n, p in m.named_parameters() if "embed" not in n)
 
 
-def _tool_free_reference(model, ids, n):
+def _tool_free_reference(model, ids, n, eos=None):
+    """Uncached greedy decoding; stops before ``eos`` as the harness does (the EOS token is not kept)."""
     out = []
     with torch.no_grad():
         for _ in range(n):
-            out.append(int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
+            nxt = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            if nxt == eos:
+                break
+            out.append(nxt)
     return out
 
 
@@ -191,7 +195,7 @@ def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
     batch = backend.generate([GenRequest("", 8, prompt_ids=p) for p in prompts])
     for p, r in zip(prompts, batch):
         assert r.token_ids == backend.generate([GenRequest("", 8, prompt_ids=p)])[0].token_ids
-        assert r.token_ids == _tool_free_reference(model, p, 8)
+        assert r.token_ids == _tool_free_reference(model, p, 8, eos=tok.eos_token_id)
     # a right-padded multi-token block after a saved state == a fresh pass over the concatenation
     with torch.no_grad():
         ids, mask = left_pad(prompts[:3], tok.pad_token_id, "cpu")
@@ -220,7 +224,8 @@ def trained(tmp_path_factory):
     out = {}
     for arch in ARCHS:
         cfg = TrainConfig(arch=arch, size="smoke", nodes=6, setup="cot", samples=200 * 16, batch_size=16,
-                          warmup=320, lr=3e-3, eval_samples=40, eval_batch_size=40, output=str(root / arch))
+                          warmup=320, lr=3e-3, eval_every=800, eval_samples=40, eval_batch_size=40,
+                          report_to="none", output=str(root / arch)).resolved()
         out[arch] = (cfg, train_one(cfg, progress=False))
     return out
 
@@ -294,7 +299,7 @@ def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
 def test_linear_scan_matches_transformers_reference_with_gradients():
     from transformers.models.mamba import modeling_mamba as mm
 
-    from harness.istree_models import selective_scan_linear
+    from harness.models.istree import selective_scan_linear
 
     reference = getattr(mm, "_reference_selective_scan", mm.mamba_selective_scan)
     g = torch.Generator().manual_seed(0)

@@ -58,7 +58,8 @@ def test_trains_and_evaluates_as_a_trainer_task(tmp_path):
     from harness.train import TrainConfig, TrainTask, train_one
 
     cfg = TrainConfig(task="mqar", length=4, arch="transformer", size="smoke", samples=64, batch_size=16, lr=3e-3,
-                      warmup=16, eval_samples=8, eval_batch_size=8, output=str(tmp_path / "run"))
+                      warmup=16, eval_samples=8, eval_batch_size=8, report_to="none",
+                      output=str(tmp_path / "run")).resolved()
     sample = next(TrainTask(cfg).stream(0))
     assert sample[0] == "[BOS]" and "[EOS]" in sample
     res = train_one(cfg, progress=False)

@@ -5,7 +5,7 @@ import torch
 
 from harness.generation import GenRequest
 from harness.models import resolve_model
-from harness.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
+from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
 from tests.test_generation import _diverse_prompts, _reference_greedy
 from tests.helpers import assert_varied
 
@@ -119,6 +119,29 @@ def test_decode_from_saved_state_after_appending_tokens(which, request):
             assert torch.allclose(got[row], fresh, atol=1e-4)
 
 
+@torch.no_grad()
+def test_kv_cache_is_written_in_place_and_grows_rarely():
+    """300 decode steps after a 40-token prompt: the KV buffer is reallocated twice (prefill, then one growth
+    by >= 256 positions), logits equal a full recompute, and the state's size counts only filled positions."""
+    torch.manual_seed(0)
+    model = PhiMambaForCausalLM(PhiMambaConfig.tiny(97, d_model=32, n_layer=2, attn_layers=(1,))).eval()
+    ids = torch.randint(0, 97, (1, 40))
+    mask = torch.ones_like(ids)
+    _, state = model(ids, mask)
+    buffers, seq = set(), ids
+    for _ in range(300):
+        nxt = torch.randint(0, 97, (1, 1))
+        seq, mask = torch.cat([seq, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+        logits, state = model(nxt, mask, state)
+        buffers.add(state.layers[1]["k"].data_ptr())
+    assert len(buffers) == 2 and state.layers[1]["len"] == 340 and state.layers[1]["k"].shape[2] >= 340
+    full, _ = model(seq, torch.ones_like(seq))
+    assert torch.allclose(logits[:, -1], full[:, -1], atol=1e-4)
+    kv = 2 * 340 * 32 * 4  # k and v, 340 positions, d_model 32, float32
+    recurrent = sum(v.numel() * 4 for v in state.layers[0].values())
+    assert state.nbytes() == kv + recurrent
+
+
 def test_hybrid_places_attention_at_configured_layers(tiny_hybrid_dir):
     cfg = json.loads(open(f"{tiny_hybrid_dir}/config.json").read())
     assert [cfg[k]["CoreType"] for k in sorted(k for k in cfg if k.startswith("Block"))] == \
@@ -210,7 +233,7 @@ def test_real_1_5b_parameter_names_and_shapes(hybrid):
 def test_hybrid_attention_is_built_as_the_official_code_builds_it(caplog):
     """goombalab/phi-mamba builds attention from Phi-1.5's defaults whatever core_input says; so does the
     loader, naming what it ignores. The project's own checkpoints (marked) keep their core_input."""
-    from harness.phi_mamba import OWN_MARKER, PhiMambaConfig
+    from harness.models.phi_mamba import OWN_MARKER, PhiMambaConfig
 
     own = PhiMambaConfig.tiny(vocab_size=100, d_model=64, n_layer=3, attn_layers=[1])
     cfg = own.to_goombalab()

@@ -46,9 +46,12 @@ def test_two_concurrent_processes_lose_no_row(tiny_phi_dir, tmp_path):
     finished run holds every one of its rows."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "harness.eval", "--model", tiny_phi_dir, "--data", "fixture", "--distractors", "4",
-           "--max-new-tokens", "16", "--device", "cpu", "--output", str(out), "--no-progress", "--batch-size", "2"]
+           "--max-new-tokens", "96", "--device", "cpu", "--output", str(out), "--no-progress", "--batch-size", "2"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    long = subprocess.Popen(cmd + ["--limit", "12"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    # batch 1 without prefix reuse (neither is part of the run's settings): the long run outlasts the short
+    # one's start-up
+    long = subprocess.Popen(cmd + ["--limit", "12", "--batch-size", "1", "--no-prefix-reuse"], cwd=REPO, env=env,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not (out / ".lock.json").exists() and time.time() < deadline:
         time.sleep(0.05)

@@ -54,7 +54,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mamba2", padding="restore", cache_arg="cache_params", cache_out="cache_params", positions=False,
            max_context=False),
     Family("icr_hybrid", padding="restore", cache_arg="cache_params", cache_out="cache_params",
-           block_steps=False),  # the trainer's Mamba + one attention layer (harness.istree_models)
+           block_steps=False),  # the trainer's Mamba + one attention layer (harness.models.istree)
     Family("zamba2", padding="restore"),
     Family("jamba", padding="restore", block_steps=False),
     Family("bamba", padding="restore"),  # its cached steps need position_ids (the mask alone gives wrong logits)

@@ -1,4 +1,4 @@
-"""Phi-Mamba / Hybrid-Phi-Mamba backend: the project's own model (harness.phi_mamba) in the shared loop."""
+"""Phi-Mamba / Hybrid-Phi-Mamba backend: the project's own model (harness.models.phi_mamba) in the shared loop."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.hf import load_tokenizer
 from harness.generation import logits_at_last_real
 from harness import kernels
-from harness.phi_mamba import PhiMambaForCausalLM
+from harness.models.phi_mamba import PhiMambaForCausalLM
 
 log = logging.getLogger("harness")
 

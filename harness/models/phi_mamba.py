@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import kernels
-from harness.generation import block_attention_mask
+from harness.models.masks import block_attention_mask
 
 log = logging.getLogger("harness")
 
@@ -263,7 +263,10 @@ class DiscreteMamba2(nn.Module):
 
 
 class PhiAttentionMixer(nn.Module):
-    """Phi-1.5 attention (partial rotary, biased projections) with a plain tensor KV cache."""
+    """Phi-1.5 attention (partial rotary, biased projections) with a preallocated KV cache: keys and values are
+    written in place and the buffer grows by a quarter (at least 256 positions) when full, so a decode step
+    does not copy the whole cache (a ``torch.cat`` per step makes decoding quadratic in context length) and
+    at most a quarter of it is spare."""
 
     def __init__(self, cfg: PhiMambaConfig):
         super().__init__()
@@ -280,9 +283,9 @@ class PhiAttentionMixer(nn.Module):
     def rope_frequencies(self, device=None) -> torch.Tensor:
         return 1.0 / (self.theta ** (torch.arange(0, self.rot, 2, dtype=torch.float32, device=device) / self.rot))
 
-    def init_state(self, batch: int, device, dtype) -> dict:
-        empty = torch.zeros(batch, self.heads, 0, self.head_dim, device=device, dtype=dtype)
-        return {"k": empty, "v": empty.clone()}
+    def init_state(self, batch: int, device, dtype, capacity: int = 0) -> dict:
+        empty = torch.zeros(batch, self.heads, capacity, self.head_dim, device=device, dtype=dtype)
+        return {"k": empty, "v": empty.clone(), "len": 0}
 
     def _rotate(self, t, pos):
         freqs = pos[..., None].float() * self.inv_freq  # b l r/2
@@ -299,8 +302,18 @@ class PhiAttentionMixer(nn.Module):
         q, k, v = (getattr(sa, n)(u).view(b, l, self.heads, self.head_dim).transpose(1, 2)
                    for n in ("q_proj", "k_proj", "v_proj"))
         q, k = self._rotate(q, pos), self._rotate(k, pos)
-        state["k"] = k = torch.cat([state["k"], k], dim=2)
-        state["v"] = v = torch.cat([state["v"], v], dim=2)
+        past, end = state["len"], state["len"] + l
+        if end > state["k"].shape[2]:
+            cap = state["k"].shape[2]
+            grown = max(end, cap + max(256, cap // 4))
+            for name in ("k", "v"):
+                buf = state[name].new_zeros(b, self.heads, grown, self.head_dim)
+                buf[:, :, :past] = state[name][:, :, :past]
+                state[name] = buf
+        state["k"][:, :, past:end] = k
+        state["v"][:, :, past:end] = v
+        state["len"] = end
+        k, v = state["k"][:, :, :end], state["v"][:, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_attention_mask(full_mask, l))
         return sa.dense(out.transpose(1, 2).reshape(b, l, -1))
 
@@ -339,17 +352,24 @@ class PhiMambaState:
         self.layers, self.pos = layers, pos  # pos: last position id per row
 
     def select(self, keep: torch.Tensor) -> "PhiMambaState":
-        self.layers = [{k: v.index_select(0, keep) for k, v in s.items()} for s in self.layers]
+        self.layers = [{k: v.index_select(0, keep) if torch.is_tensor(v) else v for k, v in s.items()}
+                       for s in self.layers]
         self.pos = self.pos.index_select(0, keep)
         return self
 
     def repeat(self, n: int) -> "PhiMambaState":
         """A new state with this (one-row) state copied into ``n`` rows."""
-        return PhiMambaState([{k: v.repeat_interleave(n, dim=0) for k, v in s.items()} for s in self.layers],
-                             self.pos.repeat_interleave(n, dim=0))
+        return PhiMambaState([{k: v.repeat_interleave(n, dim=0) if torch.is_tensor(v) else v for k, v in s.items()}
+                              for s in self.layers], self.pos.repeat_interleave(n, dim=0))
 
     def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for s in self.layers for v in s.values())
+        """Bytes of state in use: the recurrent state, and the filled part of each KV buffer."""
+        total = 0
+        for s in self.layers:
+            for name, v in s.items():
+                if torch.is_tensor(v):
+                    total += (v[:, :, : s["len"]] if name in ("k", "v") else v).numel() * v.element_size()
+        return total
 
 
 class PhiMambaForCausalLM(nn.Module):
@@ -373,7 +393,7 @@ class PhiMambaForCausalLM(nn.Module):
         if state is None:
             state = self.init_state(b)
         if attention_mask is None:
-            past = state.layers[self.config.attn_layers[0]]["k"].shape[2] if self.config.attn_layers else 0
+            past = state.layers[self.config.attn_layers[0]]["len"] if self.config.attn_layers else 0
             attention_mask = torch.ones(b, past + l, dtype=torch.long, device=input_ids.device)
         block = attention_mask[:, -l:]
         pos = state.pos[:, None] + block.cumsum(-1)

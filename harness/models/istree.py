@@ -26,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.mamba.modeling_mamba import MambaModel
 
-from harness.generation import block_attention_mask
+from harness.models.masks import block_attention_mask
 
 ARCHS = ("transformer", "mamba", "hybrid")
 SIZES = {
@@ -38,6 +38,7 @@ SIZES = {
     "smoke": {"transformer": (32, 128, 2, 4), "mamba": (32, 3), "hybrid": (32, 2, 96)},
 }
 HYBRID_ATTN_HEADS = 4
+RMS_NORM_EPS = 1e-5  # Llama-2's, which the paper's Transformer and hybrid layer copy; mamba-ssm's default too
 
 
 def sinusoidal_table(vocab: int, d: int) -> torch.Tensor:
@@ -54,6 +55,7 @@ def _mamba_config(vocab, d, layers) -> MambaConfig:
     # mamba-ssm 1.x defaults: d_state 16, expand 2, d_conv 4, dt_rank ceil(d/16); RMSNorm; no linear biases.
     return MambaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, state_size=16, expand=2,
                        conv_kernel=4, time_step_rank=math.ceil(d / 16), use_bias=False, use_conv_bias=True,
+                       layer_norm_epsilon=RMS_NORM_EPS,
                        tie_word_embeddings=True, pad_token_id=4, bos_token_id=11, eos_token_id=4)
 
 
@@ -135,7 +137,7 @@ class HybridConfig(PretrainedConfig):
     def llama(self) -> LlamaConfig:
         cfg = LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.attn_ffn,
                           num_hidden_layers=1, num_attention_heads=self.attn_heads, num_key_value_heads=self.attn_heads,
-                          max_position_embeddings=self.max_position_embeddings)
+                          max_position_embeddings=self.max_position_embeddings, rms_norm_eps=RMS_NORM_EPS)
         cfg._attn_implementation = "sdpa"
         return cfg
 
@@ -190,30 +192,84 @@ AutoConfig.register("icr_hybrid", HybridConfig)
 AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM)
 
 
-def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192) -> PreTrainedModel:
+def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192, d_model: int | None = None,
+                layers: int | None = None) -> PreTrainedModel:
+    """A fresh model of the size table's shape (``d_model`` / ``layers`` override its width and depth; for the
+    hybrid, ``layers`` counts Mamba layers), initialised as the paper's code initialises it."""
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; choose {', '.join(ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"unknown --size {size!r}; choose {', '.join(SIZES)}")
-    spec = SIZES[size][arch]
+    spec = list(SIZES[size][arch])
+    if d_model is not None:
+        if d_model < 8 or d_model % 8:
+            raise ValueError(f"--d-model {d_model}: use a multiple of 8 (4 attention heads of even width)")
+        spec[0] = d_model
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers {layers}: use 1 or more")
+        spec[2 if arch == "transformer" else 1] = layers
     if arch == "transformer":
-        d, ffn, layers, heads = spec
+        d, ffn, n_layers, heads = spec
         model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn,
-                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_hidden_layers=n_layers, num_attention_heads=heads,
                                              num_key_value_heads=heads, max_position_embeddings=max_positions,
-                                             tie_word_embeddings=True, pad_token_id=4, bos_token_id=11,
-                                             eos_token_id=4))
+                                             rms_norm_eps=RMS_NORM_EPS, tie_word_embeddings=True, pad_token_id=4,
+                                             bos_token_id=11, eos_token_id=4))
     elif arch == "mamba":
         model = MambaForCausalLM(_mamba_config(vocab, *spec))
+        mamba_ssm_init_(model.backbone)
     else:
-        d, layers, ffn = spec
-        model = HybridForCausalLM(HybridConfig(vocab_size=vocab, hidden_size=d, mamba_layers=layers,
+        d, n_layers, ffn = spec
+        model = HybridForCausalLM(HybridConfig(vocab_size=vocab, hidden_size=d, mamba_layers=n_layers,
                                                attn_heads=HYBRID_ATTN_HEADS, attn_ffn=ffn,
                                                max_position_embeddings=max_positions))
+        mamba_ssm_init_(model.backbone)
+        torch_default_init_(model.attn)
     if arch != "transformer":
         use_linear_scan_without_kernels()
     freeze_sinusoidal_embedding(model)
     return model
+
+
+@torch.no_grad()
+def mamba_ssm_init_(backbone: nn.Module) -> None:
+    """Re-initialise a transformers ``MambaModel`` as mamba-ssm initialises ``MambaLMHeadModel`` (the paper's
+    Mamba): PyTorch's default init for ``in_proj``, ``x_proj`` and ``conv1d`` (bias included), ``out_proj``
+    PyTorch-default then divided by sqrt(n_layer) (the GPT-2 residual rule, one residual per Mamba block),
+    dt_proj weight U(+-dt_rank^-0.5) and its bias the inverse softplus of dt ~ logU(1e-3, 0.1) floored at 1e-4,
+    A_log = log(1..d_state), D = 1, norms 1. transformers instead draws every linear from N(0, 0.1), zeroes the
+    conv bias and leaves out_proj unscaled. Written by hand: no library exposes mamba-ssm's rule for these modules."""
+    layers = backbone.layers
+    for block in layers:
+        mixer = block.mixer
+        for lin in (mixer.in_proj, mixer.x_proj, mixer.conv1d):
+            lin.reset_parameters()
+        mixer.out_proj.reset_parameters()
+        mixer.out_proj.weight /= math.sqrt(len(layers))
+        rank = mixer.dt_proj.in_features
+        nn.init.uniform_(mixer.dt_proj.weight, -rank ** -0.5, rank ** -0.5)
+        dt = torch.exp(torch.rand(mixer.dt_proj.out_features) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        dt = dt.clamp(min=1e-4)
+        mixer.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        state = mixer.A_log.shape[1]
+        mixer.A_log.copy_(torch.log(torch.arange(1, state + 1, dtype=torch.float32)).expand_as(mixer.A_log))
+        mixer.D.fill_(1.0)
+        for lin in (mixer.in_proj, mixer.x_proj, mixer.out_proj):
+            if lin.bias is not None:
+                lin.bias.zero_()
+    for module in backbone.modules():
+        if "RMSNorm" in type(module).__name__:
+            module.weight.fill_(1.0)
+
+
+@torch.no_grad()
+def torch_default_init_(module: nn.Module) -> None:
+    """PyTorch's own initialisation for every linear layer under ``module``: the paper's hybrid builds its
+    Llama layer after mamba-ssm's init pass, so that layer keeps torch's defaults (not N(0, 0.02))."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
 
 
 def freeze_sinusoidal_embedding(model: PreTrainedModel) -> None:

@@ -1,0 +1,13 @@
+"""Every model implementation the project writes itself, and the name registry.
+
+- ``registry``: short names for the paper's models and the rule for any other hub id or local checkpoint.
+- ``phi_mamba``: Phi-Mamba and Hybrid-Phi-Mamba (goombalab's checkpoints), plain PyTorch.
+- ``istree``: the trainer's small Transformer / Mamba / hybrid; importing this package registers the hybrid's
+  config type with transformers' Auto classes, so a trained checkpoint loads in any fresh process.
+- ``masks``: the attention mask both model files use (a leaf: models never import the decode loop).
+"""
+from harness.models import istree  # noqa: F401  registers icr_hybrid with AutoConfig / AutoModelForCausalLM
+from harness.models.registry import (PHI_TOKENIZER, REGISTRY, TOKENIZER_FILES, ModelSpec, UnknownModelError,
+                                     resolve_model)
+
+__all__ = ["PHI_TOKENIZER", "REGISTRY", "TOKENIZER_FILES", "ModelSpec", "UnknownModelError", "resolve_model"]

@@ -1,0 +1,16 @@
+"""Attention masks shared by the project's models and read by nothing else: a leaf module, so the models never
+import the decode loop."""
+from __future__ import annotations
+
+import torch
+
+
+def block_attention_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean [B, 1, q_len, T] mask for the last ``q_len`` queries over all T positions: causal and
+    padding-aware. A padded query may see itself, so no row is all-masked (which would give NaN)."""
+    t = attention_mask.shape[1]
+    dev = attention_mask.device
+    allowed = torch.ones(q_len, t, dtype=torch.bool, device=dev).tril(t - q_len)[None] & attention_mask.bool()[:, None]
+    own = torch.zeros(q_len, t, dtype=torch.bool, device=dev)
+    own[torch.arange(q_len), t - q_len + torch.arange(q_len)] = True
+    return (allowed | own[None])[:, None]
