@@ -392,7 +392,7 @@ def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
         plot_curves(curve, out / "curves.png", cfg.name)
         result = {**dataclasses.asdict(cfg), "trainable_parameters": n_params, "steps": steps,
                   "processes": acc.num_processes, "device": str(acc.device),
-                  "compute_dtype": "bfloat16" if bf16 else "float32",
+                  "compute_dtype": "bfloat16" if bf16 else "float32", "data_workers": workers,
                   "first_loss": first_loss, "final_loss": final["loss"],
                   "teacher_forced_em": best["em"], "best_samples": best["samples"],
                   "teacher_forced_em_final": final["em"],

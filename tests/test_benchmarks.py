@@ -1,0 +1,36 @@
+"""Every benchmark runs end to end at toy sizes (no timing is asserted: the numbers are for people, the machines
+are noisy), and where it compares two paths their outputs agree (each prints the check as True/False)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = {
+    "decode_scaling.py": (["--lengths", "32,64", "--steps", "2", "--hidden", "32", "--layers", "2"],
+                          "decode-state memory"),
+    "kv_cache.py": (["--lengths", "40,300", "--steps", "4", "--hidden", "32", "--layers", "2"], "True"),
+    "retrieval_resume.py": (["--context", "120", "--calls", "2", "--new-tokens", "8", "--hidden", "32", "--layers",
+                             "2", "--samples", "2"], "identical tokens: True"),
+    "throughput.py": (["--questions", "2", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
+                       "--hidden", "32", "--layers", "1"], "True"),
+    "train_throughput.py": (["--nodes", "4", "--setups", "direct,retrieval", "--measure-batch", "2", "--steps", "1"],
+                            "paper grid"),
+}
+
+
+def test_every_benchmark_is_covered():
+    assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")) == sorted(CASES)
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_runs(script):
+    args, expect = CASES[script]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert expect in res.stdout and "False" not in res.stdout, res.stdout[-2000:]
