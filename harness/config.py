@@ -65,6 +65,8 @@ class RunConfig:
     tool_max_chars: int = _f(300, "cap on one tool result's length")
     prefix_reuse: bool = _f(True, "prefill the shared few-shot prefix once and copy it into each batch "
                                   "(outputs are identical either way)")
+    cuda_graphs: bool = _f(False, "Phi-Mamba on CUDA: replay each decode step from a CUDA graph (one per batch "
+                                  "bucket; checked against the eager step by harness.doctor)")
     template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,6 +93,8 @@ class RunConfig:
             bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             bad("--stop", self.stop, "stop strings must be non-empty")
+        if self.cuda_graphs and self.resolved_device().type != "cuda":
+            bad("--cuda-graphs", True, "CUDA graphs need a CUDA device; drop the flag on this machine")
         self.resolved_device()
 
     def resolved_device(self):
@@ -140,6 +144,8 @@ class RunConfig:
                 "split": self.split, "template_sha256": template_sha256, "max_new_tokens": self.max_new_tokens, "dtype": dtype,
                 "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
                 "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
+                # graphs pad a batch to its bucket: GEMMs of another shape may round differently
+                **({"cuda_graphs": True} if self.cuda_graphs else {}),
                 "tool_max_chars": self.tool_max_chars}
 
 

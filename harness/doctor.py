@@ -77,9 +77,10 @@ def _probe_prompts() -> list[list[int]]:
     return [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
 
 
-def _run_paths(model, seqs, steps: int, scan: str, device) -> tuple[torch.Tensor, list[torch.Tensor], list[list[int]]]:
-    """Prefill a left-padded batch, then greedy-decode ``steps`` tokens; logits at real positions, per-step
-    logits and tokens."""
+def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                                             list[list[int]]]:
+    """Prefill a left-padded batch, then greedy-decode ``steps`` tokens (through ``graphs``, a GraphedDecode,
+    when given); logits at real positions, per-step logits and tokens."""
     from harness.generation import left_pad
 
     model.scan = scan
@@ -91,9 +92,13 @@ def _run_paths(model, seqs, steps: int, scan: str, device) -> tuple[torch.Tensor
         step_logits, toks = [], [tok[:, 0].tolist()]
         for _ in range(steps):
             mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], 1)
-            out, state = model(tok, mask, state)
-            step_logits.append(out[:, -1])
-            tok = out[:, -1].argmax(-1, keepdim=True)
+            if graphs is not None:
+                last = graphs(state, tok, mask[:, -1:])
+            else:
+                out, state = model(tok, mask, state)
+                last = out[:, -1]
+            step_logits.append(last)
+            tok = last.argmax(-1, keepdim=True)
             toks.append(tok[:, 0].tolist())
     return real, step_logits, toks
 
@@ -131,6 +136,36 @@ def check_phi_mamba_kernels(device) -> dict:
             "same_tokens": same_tokens, "kernel_calls": launched, "ok": ok}
 
 
+def check_cuda_graphs(device="cuda") -> dict:
+    """Phi-Mamba's decode step replayed from CUDA graphs against the eager step (a batch of 3: bucket 4)."""
+    from harness.models.decode_graphs import GraphedDecode
+
+    model = _tiny_phi_mamba([], device)
+    seqs = _probe_prompts()
+    eager = _run_paths(model, seqs, 8, "auto", device)
+    graphed = _run_paths(model, seqs, 8, "auto", device, graphs=GraphedDecode(model))
+    worst = max((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1]))
+    same = eager[2] == graphed[2]
+    return {"name": "phi-mamba decode: CUDA graphs == eager", "max_diff": worst, "same_tokens": same,
+            "ok": worst < TOL and same}
+
+
+def memory_bandwidth(device) -> float:
+    """Bytes per second a large device-to-device copy moves (read + write): the bound a decode step that
+    reads every weight once cannot beat."""
+    n = (256 if torch.device(device).type == "cuda" else 64) * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    dst.copy_(src)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync()
+    return 10 * 2 * n * 4 / (time.perf_counter() - t0)
+
+
 def check_vllm(tmp: Path) -> dict:
     """vLLM against the transformers backend: greedy tokens of a tiny random Llama."""
     from harness.backends.hf import TransformersBackend
@@ -148,24 +183,32 @@ def check_vllm(tmp: Path) -> dict:
             "ok": same == len(prompts)}
 
 
-def decode_table(device, size: str) -> list[dict]:
-    """Phi-Mamba decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache."""
+def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16) -> list[dict]:
+    """Phi-Mamba decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache (and
+    Phi-Mamba from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth over
+    the bytes a batch-1 step must read (every weight once, and the decoding state)."""
     from harness.engine import load_backend
     from harness.tiny import build_tokenizer, make_tiny_model
 
     hidden, layers = (2048, 24) if size == "real" else (128, 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
+    bandwidth = memory_bandwidth(device)
+    runs = [("phi-mamba", False), ("phi", False)] + ([("phi-mamba", True)] if device == "cuda" else [])
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
-        for arch in ("phi-mamba", "phi"):
+        for arch, graphs in runs:
             path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
-                                   max_positions=8192 + 64, init_std=0.02)
-            backend = load_backend(str(path), device, dtype)
-            for n in (512, 2048, 8192):
-                sec, nbytes = decode_cost(backend, n, 16)
-                rows.append({"model": arch, "context": n, "ms_per_token": round(1e3 * sec, 3),
-                             "tokens_per_s": round(1 / sec, 1), "state_mib": round(nbytes / 2**20, 3)})
+                                   max_positions=max(lengths) + 64, init_std=0.02)
+            backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
+            weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+            for n in lengths:
+                sec, nbytes = decode_cost(backend, n, steps)
+                bound = bandwidth / (weights + nbytes)
+                rows.append({"model": arch + (" (graphs)" if graphs else ""), "context": n,
+                             "ms_per_token": round(1e3 * sec, 3), "tokens_per_s": round(1 / sec, 1),
+                             "bound_tokens_per_s": round(bound, 1), "of_bound": round(1 / sec / bound, 3),
+                             "state_mib": round(nbytes / 2**20, 3)})
             del backend
     return rows
 
@@ -252,6 +295,8 @@ def main(argv=None) -> int:
                            "error": "triton is not installed: pip install triton"})
         else:
             checks.append(_interpreted_kernel_check(Path(a.cache)))
+    if env["cuda_available"]:
+        checks.append(check_cuda_graphs("cuda"))
     if env["cuda_available"] and env["vllm"]:
         with tempfile.TemporaryDirectory() as d:
             checks.append(check_vllm(Path(d)))
@@ -261,7 +306,7 @@ def main(argv=None) -> int:
         print(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']}  ({detail})")
     skipped = []
     if not env["cuda_available"]:
-        skipped.append("CUDA kernels and vLLM parity: no CUDA GPU here")
+        skipped.append("CUDA kernels, CUDA graphs and vLLM parity: no CUDA GPU here")
         if not a.interpret_kernels:
             skipped.append("kernels under the CPU interpreter: pass --interpret-kernels")
     for s in skipped:
@@ -273,10 +318,11 @@ def main(argv=None) -> int:
         size = a.decode_size or ("real" if device == "cuda" else "tiny")
         table = decode_table(device, size)
         print(f"== decode, batch 1, {size} random models on {device}")
-        print(f"  {'model':10s} {'context':>8s} {'ms/token':>9s} {'tokens/s':>9s} {'state MiB':>10s}")
+        print(f"  {'model':18s} {'context':>8s} {'ms/token':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
+              f"{'state MiB':>10s}")
         for r in table:
-            print(f"  {r['model']:10s} {r['context']:8d} {r['ms_per_token']:9.3f} {r['tokens_per_s']:9.1f} "
-                  f"{r['state_mib']:10.3f}")
+            print(f"  {r['model']:18s} {r['context']:8d} {r['ms_per_token']:9.3f} {r['tokens_per_s']:9.1f} "
+                  f"{r['bound_tokens_per_s']:9.1f} {100 * r['of_bound']:8.1f}% {r['state_mib']:10.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"environment": env, "paths": paths(env), "checks": checks,
                                             "decode": table}, indent=2, default=str))

@@ -45,7 +45,7 @@ def model_spec(model: str, tokenizer: str | None = None):
 
 
 def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, cuda_graphs: bool = False):
     """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
     ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
     from harness.backends import backend_class
@@ -57,8 +57,11 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     if spec.backend == "phi-mamba" and name != "phi-mamba":
         raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
     cls = backend_class(name)
+    if cuda_graphs and name != "phi-mamba":
+        raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
+    extra = {"cuda_graphs": True} if cuda_graphs else {}
     try:
-        return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype)
+        return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
     except OSError as e:
         tok = spec.tokenizer or spec.path
         hint = (f"\n{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
@@ -240,7 +243,7 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, sp
         device = cfg.device
         if world > 1 and device == "auto" and torch.cuda.is_available():
             device = f"cuda:{dist.local_process_index}"
-        backend = load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer)
+        backend = load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()

@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
+    "decode_bound.py": (["--lengths", "32,64", "--steps", "2"], "of bound"),
     "decode_scaling.py": (["--lengths", "32,64", "--steps", "2", "--hidden", "32", "--layers", "2"],
                           "decode-state memory"),
     "kv_cache.py": (["--lengths", "40,300", "--steps", "4", "--hidden", "32", "--layers", "2"], "True"),

@@ -142,6 +142,42 @@ def test_kv_cache_is_written_in_place_and_grows_rarely():
     assert state.nbytes() == kv + recurrent
 
 
+@torch.no_grad()
+def test_graphed_decode_buffers_equal_the_plain_step():
+    """The CUDA-graph decoder's static-buffer logic, run eagerly: a left-padded batch of 3 (bucket 4), then 2
+    rows (bucket 2), then 1, gives the plain step's logits and state; only capture/replay needs CUDA."""
+    from harness.generation import left_pad
+    from harness.models.decode_graphs import GraphedDecode
+
+    torch.manual_seed(0)
+    model = PhiMambaForCausalLM(PhiMambaConfig.tiny(97, d_model=32, n_layer=2)).eval()
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 0.5)
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]], 0, "cpu")
+    _, plain = model(ids, mask)
+    _, graphed = model(ids, mask)
+    decode = GraphedDecode(model, capture=False)
+    tok = torch.tensor([[1], [2], [3]])
+    for keep in (None, torch.tensor([0, 2]), torch.tensor([1])):
+        if keep is not None:
+            plain, graphed, tok = plain.select(keep), graphed.select(keep), tok[keep]
+        for _ in range(3):
+            ones = torch.ones_like(tok)
+            want, plain = model(tok, ones, plain)
+            got = decode(graphed, tok, ones)
+            # equal up to the rounding of GEMMs over a padded batch (a bucket of 4 rows for 3)
+            assert torch.allclose(got, want[:, -1], atol=1e-4, rtol=1e-4)
+            assert torch.equal(got.argmax(-1), want[:, -1].argmax(-1))
+            for a, b in zip(plain.layers, graphed.layers):
+                assert all(torch.allclose(a[k], b[k], atol=1e-4, rtol=1e-4) for k in a)
+            assert torch.equal(plain.pos, graphed.pos)
+            tok = want[:, -1].argmax(-1, keepdim=True)
+    assert sorted(decode.buckets) == [1, 2, 4]
+    with pytest.raises(ValueError, match="attention"):
+        GraphedDecode(PhiMambaForCausalLM(PhiMambaConfig.tiny(97, d_model=32, n_layer=2, attn_layers=(1,))))
+
+
 def test_hybrid_places_attention_at_configured_layers(tiny_hybrid_dir):
     cfg = json.loads(open(f"{tiny_hybrid_dir}/config.json").read())
     assert [cfg[k]["CoreType"] for k in sorted(k for k in cfg if k.startswith("Block"))] == \

@@ -18,7 +18,7 @@ class PhiMambaBackend(Backend):
     name = "phi-mamba"
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 model: PhiMambaForCausalLM | None = None, tok=None):
+                 model: PhiMambaForCausalLM | None = None, tok=None, cuda_graphs: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, family=self.name)
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
@@ -29,14 +29,26 @@ class PhiMambaBackend(Backend):
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
         on_device = torch.empty(0, device=self.device)
         self.scan_path = "mamba-ssm triton kernels" if kernels.require("auto", on_device) else "pytorch reference"
-        log.info("phi-mamba: %d layers (%s attention), scan path: %s", cfg.n_layer,
-                 cfg.attn_layers or "no", self.scan_path)
+        self.graphs = None
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
+            if cfg.attn_layers:
+                log.warning("--cuda-graphs: %s has attention layers (a growing KV cache); decoding eagerly", path)
+            else:
+                from harness.models.decode_graphs import GraphedDecode
+
+                self.graphs = GraphedDecode(self.model)
+        log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
+                 cfg.attn_layers or "no", self.scan_path, "CUDA graphs" if self.graphs else "eager")
 
     def prefill(self, input_ids, attention_mask):
         logits, state = self.model(input_ids, attention_mask, logits_to_keep=1)
         return logits[:, -1], state
 
     def step(self, state, input_ids, attention_mask):
+        if self.graphs is not None and input_ids.shape[1] == 1:
+            return self.graphs(state, input_ids, attention_mask[:, -1:])
         logits, state = self.model(input_ids, attention_mask, state)
         return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 
