@@ -14,6 +14,7 @@ import argparse
 import torch
 
 from harness.doctor import decode_table, memory_bandwidth
+from harness.grid import device_name
 
 
 def main():
@@ -24,8 +25,7 @@ def main():
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = a.size or ("real" if device == "cuda" else "tiny")
-    name = torch.cuda.get_device_name(0) if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}: copy bandwidth {memory_bandwidth(device) / 1e9:.1f} GB/s; {size} random models, batch 1\n")
+    print(f"{device_name(torch.device(device))}: copy bandwidth {memory_bandwidth(device) / 1e9:.1f} GB/s; {size} random models, batch 1\n")
     print(f"{'model':18s} {'context':>8s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} {'state MiB':>10s}")
     for r in decode_table(device, size, tuple(int(x) for x in a.lengths.split(",")), a.steps):
         print(f"{r['model']:18s} {r['context']:8d} {r['tokens_per_s']:9.1f} {r['bound_tokens_per_s']:9.1f} "

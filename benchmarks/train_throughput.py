@@ -13,11 +13,12 @@ training, so its share is what workers must hide, not time added."""
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 
-from harness.grid import ARCH_ORDER, GRID_DEFAULTS, measure_cell
+from harness.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measure_cell
 from harness.models.istree import build_model, trainable_parameters
 from harness.train import TrainConfig
 
@@ -32,11 +33,10 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     sizes, archs = a.sizes.split(","), a.archs.split(",")
     paper = GRID_DEFAULTS["paper"]
     batch = 64
-    print(f"device: {name}; step measured at batch {a.measure_batch} over {a.steps} step(s), scaled to batch {batch}\n")
+    print(f"device: {device_name(device)}; step measured at batch {a.measure_batch} over {a.steps} step(s), scaled to batch {batch}\n")
     print(f"{'setup':10s} {'n':>3s} {'size':5s} {'arch':12s} {'tok/sample':>10s} {'samples/s':>10s} "
           f"{'vs transformer':>15s} {'data share':>11s} {'5M samples (h)':>15s}")
     hours: dict[tuple, float] = {}
@@ -77,6 +77,7 @@ def main():
           f"time{how}; live greedy evaluation not included. Measured in {time.perf_counter() - t_all:.0f} s.")
 
 
+@functools.cache
 def _params(arch: str, size: str, n: int) -> int:
     vocab = n + 17
     return trainable_parameters(build_model(arch, size, vocab))

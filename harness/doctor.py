@@ -35,13 +35,18 @@ def state_bytes(state) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def _synchronizer(device):
+    """Waits for queued GPU work before a clock is read (nothing to wait for on a CPU)."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def decode_cost(backend, length: int, steps: int) -> tuple[float, int]:
     """(seconds per decoded token, decoding-state bytes) after a ``length``-token prompt, batch 1."""
     vocab = backend.tokenizer.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (1, length), generator=g).to(backend.device)
     mask = torch.ones_like(ids)
-    sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(backend.device)
     with torch.inference_mode():
         logits, state = backend.prefill(ids, mask)
         tok = logits.argmax(-1, keepdim=True)
@@ -156,7 +161,7 @@ def memory_bandwidth(device) -> float:
     n = (256 if torch.device(device).type == "cuda" else 64) * 2**20 // 4
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     dst.copy_(src)
     sync()
     t0 = time.perf_counter()

@@ -178,13 +178,14 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
     df = pd.DataFrame(rows)
     total = df["train h"].sum() + df["eval h"].sum()
     table = df.to_markdown(index=False, floatfmt=".3g")
-    return (f"{table}\n\ngrid '{name}' on {_device_name(device)}: {len(cells)} cells, about {total:.1f} hours of "
+    return (f"{table}\n\ngrid '{name}' on {device_name(device)}: {len(cells)} cells, about {total:.1f} hours of "
             f"training and teacher-forced evaluation one cell at a time (data generated in worker processes "
             f"alongside; 'data share' is the share of a step the generation would take inline; live greedy "
             f"evaluation not included)")
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """What a measurement ran on, for the lines benchmarks and the planner print."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({torch.get_num_threads()} threads)"

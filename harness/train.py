@@ -260,6 +260,7 @@ def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
     """Train one model (or return the finished result: runs are resumable), keep the best checkpoint by
     teacher-forced exact match, evaluate it live, save it."""
     from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
     from harness.models.istree import build_model, trainable_parameters
 
@@ -279,8 +280,6 @@ def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tracker = _tracker(cfg)
-    from accelerate.utils import ProjectConfiguration
-
     acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=tracker,
                       project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tracker")))
     check_kernels(cfg, acc.device)
@@ -317,8 +316,7 @@ def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
     eval_batches = [batch_from_tokens(heldout[i:i + cfg.eval_batch_size], vocab, "cpu")
                     for i in range(0, len(heldout), cfg.eval_batch_size)]
     every = max(1, cfg.eval_every // cfg.batch_size)
-    eval_steps = {s for s in range(steps) if (s + 1) % every == 0} | {steps - 1}
-    log_every = max(1, min(every, steps // 100 or 1))
+    log_every = max(1, min(every, steps // 100))
     log.info("%s: %s trainable parameters, %d steps of %d (%d per process x %d), lr %g, %s, %s, %d data workers, "
              "teacher-forced eval every %d steps on %d samples", cfg.name, f"{n_params:,}", steps, cfg.batch_size,
              per_process, acc.num_processes, cfg.lr, acc.device, "bf16 autocast" if bf16 else "float32", workers,
@@ -352,7 +350,8 @@ def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
             loss_sum += loss.detach()
             loss_n += 1
             bar.update(1)
-            if step % log_every and step not in eval_steps:
+            evaluate_now = (step + 1) % every == 0 or step == steps - 1
+            if step % log_every and not evaluate_now:
                 continue
             seen = (step + 1) * cfg.batch_size
             row = {"step": step, "samples": seen, "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6),
@@ -360,7 +359,7 @@ def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
             first_loss = row["loss"] if first_loss is None else first_loss
             loss_sum.zero_()
             loss_n = 0
-            if step in eval_steps:
+            if evaluate_now:
                 tf_loss, right, count = (acc.reduce(t, "sum") for t in teacher_forced(model, eval_batches, autocast))
                 row["eval_loss"] = round(float(tf_loss / count), 6)
                 row["eval_em"] = int(right) / max(1, int(count))
