@@ -121,6 +121,19 @@ def test_teacher_forced_exact_match_is_every_target_token():
     _, right, count = teacher_forced(Oracle(model), batches, _no_autocast)
     assert int(right) == int(count) == 12
 
+    class HalfOracle(Oracle):
+        """Right on every target except the verdict of every other sample: EM must count exactly half."""
+
+        def forward(self, input_ids):
+            out = super().forward(input_ids)
+            for row in range(0, len(input_ids), 2):
+                last = int((input_ids[row] != vocab[istree.PAD]).sum()) - 2  # predicts the final label
+                out.logits[row, last] = -out.logits[row, last]
+            return out
+
+    _, right, count = teacher_forced(HalfOracle(model), batches, _no_autocast)
+    assert int(count) == 12 and int(right) == 3 + 2  # odd rows of a batch of 7 and of 5
+
 
 def _no_autocast():
     return torch.autocast("cpu", enabled=False)
@@ -147,8 +160,12 @@ def test_best_checkpoint_is_kept_and_scored_by_the_papers_metric(run):
     model = AutoModelForCausalLM.from_pretrained(cfg.output).eval()
     task = TrainTask(cfg)
     vocab = {t: i for i, t in enumerate(task.vocab)}
-    _, right, count = teacher_forced(model, [batch_from_tokens(task.heldout(), vocab, "cpu")], _no_autocast)
+    loss, right, count = teacher_forced(model, [batch_from_tokens(task.heldout(), vocab, "cpu")], _no_autocast)
     assert float(right / count) == pytest.approx(res["teacher_forced_em"])
+    # EM may tie between evaluations; the held-out loss tells the checkpoints apart
+    assert len({r["eval_loss"] for r in curve}) == len(curve)
+    kept = next(r for r in curve if r["samples"] == res["best_samples"])
+    assert float(loss / count) == pytest.approx(kept["eval_loss"], rel=1e-4)
     assert 0.0 <= res["accuracy"] <= 1.0 and "eval_seconds" in res  # the live evaluation ran too
     assert (Path(cfg.output) / "curves.png").stat().st_size > 5000
     logged = [json.loads(line) for line in open(Path(cfg.output) / "train_log.jsonl")]
