@@ -65,8 +65,9 @@ class RunConfig:
     tool_max_chars: int = _f(300, "cap on one tool result's length")
     prefix_reuse: bool = _f(True, "prefill the shared few-shot prefix once and copy it into each batch "
                                   "(outputs are identical either way)")
-    cuda_graphs: bool = _f(False, "Phi-Mamba on CUDA: replay each decode step from a CUDA graph (one per batch "
-                                  "bucket; checked against the eager step by harness.doctor)")
+    cuda_graphs: bool = _f(False, "Phi-Mamba and the hybrid on CUDA: replay each decode step from a CUDA graph "
+                                  "(one per batch and context bucket; checked against the eager step by "
+                                  "harness.doctor)")
     template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
 
     def to_dict(self) -> dict[str, Any]:

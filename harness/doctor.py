@@ -98,7 +98,7 @@ def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple
         for _ in range(steps):
             mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], 1)
             if graphs is not None:
-                last = graphs(state, tok, mask[:, -1:])
+                last = graphs(state, tok, mask)
             else:
                 out, state = model(tok, mask, state)
                 last = out[:, -1]
@@ -142,16 +142,19 @@ def check_phi_mamba_kernels(device) -> dict:
 
 
 def check_cuda_graphs(device="cuda") -> dict:
-    """Phi-Mamba's decode step replayed from CUDA graphs against the eager step (a batch of 3: bucket 4)."""
+    """Phi-Mamba's and the hybrid's decode steps replayed from CUDA graphs against the eager step (a batch of
+    3: bucket 4; the hybrid's KV cache fixed-capacity and resident)."""
     from harness.models.decode_graphs import GraphedDecode
 
-    model = _tiny_phi_mamba([], device)
-    seqs = _probe_prompts()
-    eager = _run_paths(model, seqs, 8, "auto", device)
-    graphed = _run_paths(model, seqs, 8, "auto", device, graphs=GraphedDecode(model))
-    worst = max((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1]))
-    same = eager[2] == graphed[2]
-    return {"name": "phi-mamba decode: CUDA graphs == eager", "max_diff": worst, "same_tokens": same,
+    worst, same = 0.0, True
+    for attn in ([], [1]):
+        model = _tiny_phi_mamba(attn, device)
+        seqs = _probe_prompts()
+        eager = _run_paths(model, seqs, 8, "auto", device)
+        graphed = _run_paths(model, seqs, 8, "auto", device, graphs=GraphedDecode(model))
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
+        same &= eager[2] == graphed[2]
+    return {"name": "phi-mamba and hybrid decode: CUDA graphs == eager", "max_diff": worst, "same_tokens": same,
             "ok": worst < TOL and same}
 
 
@@ -189,22 +192,23 @@ def check_vllm(tmp: Path) -> dict:
 
 
 def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16) -> list[dict]:
-    """Phi-Mamba decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache (and
-    Phi-Mamba from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth over
-    the bytes a batch-1 step must read (every weight once, and the decoding state)."""
+    """Phi-Mamba and hybrid decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache
+    (and both replayed from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth
+    over the bytes a batch-1 step must read (every weight once, and the decoding state)."""
     from harness.engine import load_backend
     from harness.tiny import build_tokenizer, make_tiny_model
 
     hidden, layers = (2048, 24) if size == "real" else (128, 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
-    runs = [("phi-mamba", False), ("phi", False)] + ([("phi-mamba", True)] if device == "cuda" else [])
+    family = ("phi-mamba", "hybrid-phi-mamba")
+    runs = [(a, False) for a in (*family, "phi")] + ([(a, True) for a in family] if device == "cuda" else [])
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
         for arch, graphs in runs:
             path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
-                                   max_positions=max(lengths) + 64, init_std=0.02)
+                                   max_positions=max(lengths) + 64, init_std=0.02, real_heads=size == "real")
             backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
             for n in lengths:
@@ -323,10 +327,10 @@ def main(argv=None) -> int:
         size = a.decode_size or ("real" if device == "cuda" else "tiny")
         table = decode_table(device, size)
         print(f"== decode, batch 1, {size} random models on {device}")
-        print(f"  {'model':18s} {'context':>8s} {'ms/token':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
+        print(f"  {'model':26s} {'context':>8s} {'ms/token':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
               f"{'state MiB':>10s}")
         for r in table:
-            print(f"  {r['model']:18s} {r['context']:8d} {r['ms_per_token']:9.3f} {r['tokens_per_s']:9.1f} "
+            print(f"  {r['model']:26s} {r['context']:8d} {r['ms_per_token']:9.3f} {r['tokens_per_s']:9.1f} "
                   f"{r['bound_tokens_per_s']:9.1f} {100 * r['of_bound']:8.1f}% {r['state_mib']:10.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"environment": env, "paths": paths(env), "checks": checks,

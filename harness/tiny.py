@@ -142,8 +142,11 @@ def _scale_init(model, std: float) -> None:
 
 
 def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_positions: int = 4096,
-                    layers: int = 2, hidden: int = 64, tokenizer=None, init_std: float = 0.5) -> Path:
-    """Write a random-weight checkpoint and its tokenizer to ``out`` and return the path."""
+                    layers: int = 2, hidden: int = 64, tokenizer=None, init_std: float = 0.5,
+                    real_heads: bool = False) -> Path:
+    """Write a random-weight checkpoint and its tokenizer to ``out`` and return the path. ``real_heads``
+    gives a Phi-Mamba family model the released checkpoints' head shapes (32 heads, d_state 64; the hybrid's
+    attention at every sixth layer from layer 5), for speed measurements at 1.3B scale."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
@@ -152,8 +155,13 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
     if arch in ("phi-mamba", "hybrid-phi-mamba"):
         from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 
-        cfg = PhiMambaConfig.tiny(vocab_size=len(tok), d_model=hidden, n_layer=layers,
-                                  attn_layers=[layers - 1] if arch == "hybrid-phi-mamba" else [])
+        if real_heads:
+            cfg = PhiMambaConfig(vocab_size=len(tok), d_model=hidden, n_layer=layers,
+                                 max_position_embeddings=max_positions,
+                                 attn_layers=list(range(5, layers, 6)) if arch == "hybrid-phi-mamba" else [])
+        else:
+            cfg = PhiMambaConfig.tiny(vocab_size=len(tok), d_model=hidden, n_layer=layers,
+                                      attn_layers=[layers - 1] if arch == "hybrid-phi-mamba" else [])
         model = PhiMambaForCausalLM(cfg)
         _scale_init(model, init_std)
     else:

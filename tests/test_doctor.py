@@ -22,6 +22,8 @@ def test_doctor_reports_paths_and_passes_on_cpu(capsys, tmp_path):
     decode = {(r["model"], r["context"]): r for r in report["decode"]}
     assert decode[("phi-mamba", 8192)]["state_mib"] == decode[("phi-mamba", 512)]["state_mib"]  # constant state
     assert decode[("phi", 8192)]["state_mib"] > 10 * decode[("phi", 512)]["state_mib"] / 2  # a growing KV cache
+    hybrid = [decode[("hybrid-phi-mamba", n)]["state_mib"] for n in (512, 8192)]
+    assert decode[("phi-mamba", 512)]["state_mib"] < hybrid[0] < hybrid[1] < decode[("phi", 8192)]["state_mib"]
 
 
 @pytest.fixture(scope="session")

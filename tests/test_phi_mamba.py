@@ -142,18 +142,46 @@ def test_kv_cache_is_written_in_place_and_grows_rarely():
     assert state.nbytes() == kv + recurrent
 
 
+def _graph_test_model(attn_layers):
+    torch.manual_seed(0)
+    model = PhiMambaForCausalLM(PhiMambaConfig.tiny(97, d_model=32, n_layer=2, attn_layers=attn_layers)).eval()
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def _assert_same_state(plain, graphed):
+    for a, b in zip(plain.layers, graphed.layers):
+        if "k" in a:  # a KV cache: its filled part (the buffers' capacities differ)
+            assert a["len"] == b["len"]
+            for name in ("k", "v"):
+                assert torch.allclose(a[name][:, :, : a["len"]], b[name][:, :, : b["len"]], atol=1e-4, rtol=1e-4)
+        else:
+            assert all(torch.allclose(a[k], b[k], atol=1e-4, rtol=1e-4) for k in a)
+    assert torch.equal(plain.pos, graphed.pos)
+
+
+def _step_both(model, decode, plain, graphed, tok, mask):
+    """One decode step on both paths; the graphed logits must equal the plain step's (up to the rounding of
+    GEMMs over a batch padded to its bucket, and of attention over a masked fixed capacity)."""
+    want, plain = model(tok, mask, plain)
+    got = decode(graphed, tok, mask)
+    assert torch.allclose(got, want[:, -1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want[:, -1].argmax(-1))
+    _assert_same_state(plain, graphed)
+    return want[:, -1].argmax(-1, keepdim=True)
+
+
 @torch.no_grad()
-def test_graphed_decode_buffers_equal_the_plain_step():
+@pytest.mark.parametrize("attn_layers", [[], [1]])
+def test_graphed_decode_buffers_equal_the_plain_step(attn_layers):
     """The CUDA-graph decoder's static-buffer logic, run eagerly: a left-padded batch of 3 (bucket 4), then 2
     rows (bucket 2), then 1, gives the plain step's logits and state; only capture/replay needs CUDA."""
     from harness.generation import left_pad
     from harness.models.decode_graphs import GraphedDecode
 
-    torch.manual_seed(0)
-    model = PhiMambaForCausalLM(PhiMambaConfig.tiny(97, d_model=32, n_layer=2)).eval()
-    for p in model.parameters():
-        if p.dim() >= 2:
-            p.normal_(0.0, 0.5)
+    model = _graph_test_model(attn_layers)
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]], 0, "cpu")
     _, plain = model(ids, mask)
     _, graphed = model(ids, mask)
@@ -162,23 +190,97 @@ def test_graphed_decode_buffers_equal_the_plain_step():
     seen = set()
     for keep in (None, torch.tensor([0, 2]), torch.tensor([1])):
         if keep is not None:
-            plain, graphed, tok = plain.select(keep), graphed.select(keep), tok[keep]
+            plain, graphed, tok, mask = plain.select(keep), graphed.select(keep), tok[keep], mask[keep]
         for _ in range(3):
-            ones = torch.ones_like(tok)
-            want, plain = model(tok, ones, plain)
-            got = decode(graphed, tok, ones)
-            # equal up to the rounding of GEMMs over a padded batch (a bucket of 4 rows for 3)
-            assert torch.allclose(got, want[:, -1], atol=1e-4, rtol=1e-4)
-            assert torch.equal(got.argmax(-1), want[:, -1].argmax(-1))
-            for a, b in zip(plain.layers, graphed.layers):
-                assert all(torch.allclose(a[k], b[k], atol=1e-4, rtol=1e-4) for k in a)
-            assert torch.equal(plain.pos, graphed.pos)
-            tok = want[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            tok = _step_both(model, decode, plain, graphed, tok, mask)
             seen.update(tok[:, 0].tolist())
     assert len(seen) > 3  # the compared steps decode different tokens, not one repeated token
-    assert sorted(decode.buckets) == [1, 2, 4]
-    with pytest.raises(ValueError, match="attention"):
-        GraphedDecode(PhiMambaForCausalLM(PhiMambaConfig.tiny(97, d_model=32, n_layer=2, attn_layers=(1,))))
+    assert sorted(rows for rows, _ in decode.graphs) == [1, 2, 4]
+
+
+@torch.no_grad()
+def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
+    """The hybrid's fixed-capacity KV cache: after the first step the state's cache *is* the static cache (no
+    per-step copy); a multi-token eager block (a tool result, right-padded with a hole in one row) writes into
+    it in place; crossing 256 positions grows it to the next capacity bucket; and a second state taking the
+    graphs over leaves the first one intact (its cache is copied out first)."""
+    from harness.generation import left_pad
+    from harness.models.decode_graphs import GraphedDecode
+
+    model = _graph_test_model([1])
+    decode = GraphedDecode(model, capture=False)
+    g = torch.Generator().manual_seed(3)
+    ids, mask = left_pad([torch.randint(1, 97, (n,), generator=g).tolist() for n in (240, 200)], 0, "cpu")
+    _, plain = model(ids, mask)
+    _, graphed = model(ids, mask)
+    tok, seen = torch.tensor([[1], [2]]), set()
+    for _ in range(4):
+        mask = torch.cat([mask, torch.ones_like(tok)], 1)
+        tok = _step_both(model, decode, plain, graphed, tok, mask)
+        seen.update(tok[:, 0].tolist())
+    static_k = decode.buffers.kv(1, "k")
+    assert graphed.layers[1]["k"].data_ptr() == static_k.data_ptr()  # resident: views of the static cache
+
+    # a tool result: row 0 gets 3 tokens, row 1 one token and 2 pads, through the eager model step
+    block = torch.tensor([[tok[0, 0], 7, 8], [tok[1, 0], 0, 0]])
+    mask = torch.cat([mask, torch.tensor([[1, 1, 1], [1, 0, 0]])], 1)
+    want, plain = model(block, mask, plain)
+    got, graphed = model(block, mask, graphed)
+    assert torch.allclose(got, want, atol=1e-4) and graphed.layers[1]["k"].data_ptr() == static_k.data_ptr()
+    tok = torch.stack([want[0, -1].argmax(), want[1, 0].argmax()])[:, None]  # each row's last real position
+
+    # a second state (one row) takes the graphs over between two steps of the first
+    other_ids = torch.randint(1, 97, (1, 30), generator=g)
+    _, other_plain = model(other_ids)
+    _, other_graphed = model(other_ids)
+    other_mask, other_tok = torch.ones(1, 30, dtype=torch.long), torch.tensor([[4]])
+    for _ in range(20):  # 240 + 4 + 3 + 20 > 256: the first state's steps cross into the 512 bucket
+        mask = torch.cat([mask, torch.ones_like(tok)], 1)
+        tok = _step_both(model, decode, plain, graphed, tok, mask)
+        other_mask = torch.cat([other_mask, torch.ones_like(other_tok)], 1)
+        other_tok = _step_both(model, decode, other_plain, other_graphed, other_tok, other_mask)
+        seen.update(tok[:, 0].tolist())
+    assert len(seen) > 3
+    # growing the static cache dropped the graphs over the old one; the second state's were captured again
+    assert decode.buffers.capacity == 512 and set(decode.graphs) == {(2, 512), (1, 256)}
+    with pytest.raises(ValueError, match="attention mask covers"):
+        decode(graphed, tok, mask[:, 1:])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
+def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, request):
+    """The backend's decode loop with the static-buffer decoder (run eagerly) gives the eager tokens, through
+    what a run does to a state: a shared prefix copied into every row, tool results fed as multi-token blocks,
+    and rows leaving the batch at different lengths."""
+    from harness.generation import common_prefix
+    from harness.models.decode_graphs import GraphedDecode
+    from retrieval import RetrievalTool
+    from tests.test_retrieval import UNITS
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    base = _diverse_prompts(1, seed=21)[0]
+    prompts = [base + s for s in ("alpha", "beta gamma", "delta", "epsilon zeta", "eta")]
+    limits = (10, 24, 16, 24, 6)
+    free = backend.generate([GenRequest(p, 24) for p in prompts])
+
+    def reqs():
+        return [GenRequest(p, n, tool=RetrievalTool(UNITS, call_open=f.text[0:2], call_close=f.text[5:8]))
+                for p, n, f in zip(prompts, limits, free)]
+
+    shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
+    eager = backend.generate(reqs(), shared_prefix=shared)
+    backend.graphs = GraphedDecode(backend.model, capture=False)
+    try:
+        graphed = backend.generate(reqs(), shared_prefix=shared)
+        buckets = sorted(rows for rows, _ in backend.graphs.graphs)
+    finally:
+        backend.graphs = None
+    assert_varied([r.token_ids for r in eager])
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert sum(len(r.tool_spans) for r in eager) >= 2
+    assert len(buckets) >= 2  # the batch shrank through buckets
 
 
 def test_hybrid_places_attention_at_configured_layers(tiny_hybrid_dir):
@@ -311,3 +413,16 @@ def test_dtype_auto_is_float32_for_the_phi_mamba_family():
     assert resolve_dtype("auto", torch.device("cuda"), family="phi-mamba") == torch.float32
     assert resolve_dtype("auto", torch.device("cpu"), family="transformers") == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu"), family="phi-mamba") == torch.bfloat16
+
+
+def test_real_head_shapes_for_speed_measurements(tmp_path, tiny_tokenizer):
+    """The decode benchmark's `real` models: the released checkpoints' heads, the hybrid's attention at layers
+    5, 11, ... , written and read back through the goombalab format."""
+    from harness.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "h", "hybrid-phi-mamba", tokenizer=tiny_tokenizer, hidden=128, layers=12,
+                           max_positions=9000, real_heads=True)
+    cfg = PhiMambaForCausalLM.from_pretrained(str(path)).config
+    assert (cfg.attn_layers, cfg.n_qk_heads, cfg.n_v_heads, cfg.d_state, cfg.num_attention_heads) == ([5, 11], 32, 32,
+                                                                                                      64, 32)
+    assert cfg.max_position_embeddings == 9000 and not cfg.ignored_core_input

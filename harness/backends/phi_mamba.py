@@ -33,12 +33,9 @@ class PhiMambaBackend(Backend):
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
-            if cfg.attn_layers:
-                log.warning("--cuda-graphs: %s has attention layers (a growing KV cache); decoding eagerly", path)
-            else:
-                from harness.models.decode_graphs import GraphedDecode
+            from harness.models.decode_graphs import GraphedDecode
 
-                self.graphs = GraphedDecode(self.model)
+            self.graphs = GraphedDecode(self.model)
         log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
                  cfg.attn_layers or "no", self.scan_path, "CUDA graphs" if self.graphs else "eager")
 
@@ -48,7 +45,7 @@ class PhiMambaBackend(Backend):
 
     def step(self, state, input_ids, attention_mask):
         if self.graphs is not None and input_ids.shape[1] == 1:
-            return self.graphs(state, input_ids, attention_mask[:, -1:])
+            return self.graphs(state, input_ids, attention_mask)
         logits, state = self.model(input_ids, attention_mask, state)
         return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 

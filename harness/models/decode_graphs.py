@@ -1,94 +1,202 @@
-"""Phi-Mamba's single-token decode step replayed from CUDA graphs, one graph per batch-size bucket.
+"""Phi-Mamba's and the hybrid's single-token decode step replayed from CUDA graphs.
 
-A decode step of a pure Phi-Mamba stack is a fixed-shape function of (token, mask, conv and SSM state,
-position): dozens of small kernels per layer whose launch overhead, not memory bandwidth, bounds batch-1
-decoding on a GPU. ``GraphedDecode`` keeps static buffers per bucket (1, 2, 4, ... rows), copies the live
-rows' inputs and state in, replays the captured step and copies the new state out; rows past the batch are
-padding (mask 0), which leaves their state untouched and their logits unused. A batch larger than the largest
-bucket, and any model with attention layers (its KV cache grows), runs the eager step.
+A decode step is dozens of small kernels per layer whose launch overhead, not memory bandwidth, bounds
+batch-1 decoding on a GPU. A graph replays them at fixed addresses and shapes, so ``GraphedDecode`` keeps one
+set of static buffers (the largest batch and context seen so far) and captures one graph per (batch bucket,
+context bucket) over views of them:
+
+- rows: buckets 1, 2, 4, ... 64. The live rows' token, mask, recurrent state and position are copied in; rows
+  past the batch are padding (mask 0), which leaves their state untouched and their logits unused. A larger
+  batch runs the eager step.
+- attention layers (the hybrid): a fixed-capacity KV cache with a device-side write index. Each step writes
+  the new key and value at that index and attends over the bucket's capacity (256 x a power of two) through a
+  visibility mask copied from the step's attention mask, so a graph never sees a shape change; at most half the
+  capacity is spare. The KV cache is copied in once and then stays *resident*: the caller's state holds views
+  of the static cache, so a step copies O(1) of it, not the context. A multi-token eager step (a tool result)
+  writes into those views in place. Before another state takes the cache over, the previous owner's views are
+  replaced by copies, so no state is ever overwritten behind its back.
 
 ``capture=False`` runs the same static-buffer code eagerly: that is what the CPU tests check against the plain
-step; graph capture and replay themselves need CUDA (``harness.doctor`` compares them with the eager step).
+step; graph capture and replay need CUDA (``harness.doctor`` compares them with the eager step on a GPU).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_CAPACITY = 256
 
 
-class _Bucket:
-    """Static inputs, state and outputs of one batch size, and its captured graph."""
+def capacity_bucket(positions: int) -> int:
+    """KV capacity a graph covers for ``positions`` filled positions: 256 x the next power of two."""
+    cap = MIN_CAPACITY
+    while cap < positions:
+        cap *= 2
+    return cap
 
-    def __init__(self, model, rows: int, device, capture: bool):
-        self.model = model
+
+class _StaticBuffers:
+    """The static inputs and state every graph reads and writes: ``rows`` x ``capacity`` at most."""
+
+    def __init__(self, model, rows: int, capacity: int, device):
+        self.rows, self.capacity = rows, capacity
+        self.attn = list(model.config.attn_layers)
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.state = model.init_state(rows, device=device)
+        self.visible = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        self.write_at = torch.zeros(1, dtype=torch.long, device=device)
+        for i in self.attn:
+            mixer = model.backbone.layers[i].mixer
+            self.state.layers[i] = mixer.init_state(rows, device, model.lm_head.weight.dtype, capacity=capacity)
+
+    def kv(self, i: int, name: str) -> torch.Tensor:
+        return self.state.layers[i][name]
+
+    def view(self, rows: int, capacity: int):
+        """The model state over the first ``rows`` rows and ``capacity`` positions, in the static form the
+        attention mixer recognises by its ``write_at`` key."""
+        from harness.models.phi_mamba import PhiMambaState
+
+        layers = []
+        for i, layer in enumerate(self.state.layers):
+            if i in self.attn:
+                layers.append({"k": layer["k"][:rows, :, :capacity], "v": layer["v"][:rows, :, :capacity],
+                               "write_at": self.write_at, "visible": self.visible[:rows, :capacity]})
+            else:
+                layers.append({k: v[:rows] for k, v in layer.items()})
+        return PhiMambaState(layers, self.state.pos[:rows])
+
+
+class _Graph:
+    """One (rows, capacity) step over views of the static buffers, captured on CUDA or run eagerly."""
+
+    def __init__(self, model, buffers: _StaticBuffers, rows: int, capacity: int, capture: bool, pool):
+        self.model = model
+        self.ids, self.mask = buffers.ids[:rows], buffers.mask[:rows]
+        self.state = buffers.view(rows, capacity)
         self.graph = None
         if capture:
-            self._run()  # warm-up outside the graph (lazy initialisation, autotuning) on a side stream
+            device = self.ids.device
+            self.run()  # warm-up outside the graph (lazy initialisation, autotuning) on a side stream
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._run()
+                self.run()
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._run()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.run()
 
-    def _run(self):
-        """The model's own step on the static buffers; the new state is written back into them, so the graph
-        reads and writes fixed addresses."""
-        logits, new = self.model(self.ids, self.mask, _shallow_copy(self.state))
+    def run(self):
+        """The model's own step on the static views; the new recurrent state is written back into them (the
+        attention mixer writes its key and value in place), so the graph reads and writes fixed addresses."""
+        from harness.models.phi_mamba import PhiMambaState
+
+        logits, new = self.model(self.ids, self.mask, PhiMambaState([dict(x) for x in self.state.layers],
+                                                                    self.state.pos))
         for old_layer, new_layer in zip(self.state.layers, new.layers):
-            for k, v in old_layer.items():
-                v.copy_(new_layer[k])
+            if "write_at" not in old_layer:
+                for k, v in old_layer.items():
+                    v.copy_(new_layer[k])
         self.state.pos.copy_(new.pos)
         self.logits = logits[:, -1]
 
-    def step(self, state, ids, mask) -> torch.Tensor:
-        b = ids.shape[0]
-        self.ids[:b].copy_(ids)
-        self.mask.zero_()
-        self.mask[:b].copy_(mask)
-        for mine, theirs in zip(self.state.layers, state.layers):
-            for k, v in mine.items():
-                v[:b].copy_(theirs[k])
-        self.state.pos[:b].copy_(state.pos)
+    def replay(self) -> torch.Tensor:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._run()
-        for mine, theirs in zip(self.state.layers, state.layers):
-            for k, v in theirs.items():
-                v.copy_(mine[k][:b])
-        state.pos.copy_(self.state.pos[:b])
-        return self.logits[:b].clone()
-
-
-def _shallow_copy(state):
-    from harness.models.phi_mamba import PhiMambaState
-
-    return PhiMambaState([dict(layer) for layer in state.layers], state.pos)
+            self.run()
+        return self.logits
 
 
 class GraphedDecode:
-    """Callable as ``(state, ids [b, 1], block_mask [b, 1]) -> logits [b, V]``, updating ``state`` in place."""
+    """Callable as ``(state, ids [b, 1], attention_mask [b, past + 1]) -> logits [b, V]``, updating ``state``
+    in place (for the hybrid, its KV cache becomes views of the static cache)."""
 
     def __init__(self, model, capture: bool = True):
-        if model.config.attn_layers:
-            raise ValueError("CUDA graphs cover Phi-Mamba stacks without attention layers (a KV cache grows)")
         self.model, self.capture = model, capture
         self.device = model.lm_head.weight.device
-        self.buckets: dict[int, _Bucket] = {}
+        self.attn = list(model.config.attn_layers)
+        self.buffers: _StaticBuffers | None = None
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every graph
+        self._owner = None  # weak reference to the state whose KV cache lives in the static buffers
 
-    def __call__(self, state, ids, mask) -> torch.Tensor:
+    def __call__(self, state, ids, attention_mask) -> torch.Tensor:
         b = ids.shape[0]
-        rows = next((r for r in BUCKETS if r >= b), None)
-        if rows is None:
-            logits, _ = self.model(ids, mask, state)
+        rows = next((r for r in ROW_BUCKETS if r >= b), None)
+        if rows is None or ids.shape[1] != 1:
+            logits, _ = self.model(ids, attention_mask, state)
             return logits[:, -1]
-        if rows not in self.buckets:
-            self.buckets[rows] = _Bucket(self.model, rows, self.device, self.capture)
-        return self.buckets[rows].step(state, ids, mask)
+        past = state.layers[self.attn[0]]["len"] if self.attn else 0
+        if self.attn and attention_mask.shape[1] != past + 1:
+            raise ValueError(f"attention mask covers {attention_mask.shape[1]} positions; the state holds {past} "
+                             "and the step adds 1")
+        capacity = capacity_bucket(past + 1) if self.attn else 0
+        self._reserve(rows, capacity)
+        buf = self.buffers
+        if self.attn and not self._resident(state, b):
+            self._release_owner()
+            for i in self.attn:
+                for name in ("k", "v"):
+                    buf.kv(i, name)[:b, :, :past].copy_(state.layers[i][name][:, :, :past])
+        buf.ids[:b].copy_(ids)
+        buf.mask.zero_()
+        buf.mask[:b].copy_(attention_mask[:, -1:])
+        for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers)):
+            if i not in self.attn:
+                for k, v in mine.items():
+                    v[:b].copy_(theirs[k])
+        buf.state.pos[:b].copy_(state.pos)
+        if self.attn:
+            buf.visible[:rows, :capacity].zero_()
+            buf.visible[:b, : past + 1].copy_(attention_mask.bool())
+            buf.visible[:rows, past] = True  # a query sees itself (as in block_attention_mask): no empty row
+            buf.write_at.fill_(past)
+        key = (rows, capacity)
+        if key not in self.graphs:
+            self.graphs[key] = _Graph(self.model, buf, rows, capacity, self.capture, self.pool)
+        logits = self.graphs[key].replay()[:b].clone()
+        for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers)):
+            if i in self.attn:
+                theirs.update(k=mine["k"][:b], v=mine["v"][:b], len=past + 1)
+            else:
+                for k, v in theirs.items():
+                    v.copy_(mine[k][:b])
+        state.pos.copy_(buf.state.pos[:b])
+        if self.attn:
+            self._owner = weakref.ref(state)
+        return logits
+
+    def _reserve(self, rows: int, capacity: int) -> None:
+        """Static buffers at least ``rows`` x ``capacity``; growing them drops every graph (new addresses)."""
+        buf = self.buffers
+        if buf is not None and buf.rows >= rows and buf.capacity >= capacity:
+            return
+        if buf is not None:
+            rows, capacity = max(rows, buf.rows), max(capacity, buf.capacity)
+        self._release_owner()
+        self.graphs.clear()
+        self.buffers = buf = None  # freed before the larger set is allocated
+        self.buffers = _StaticBuffers(self.model, rows, capacity, self.device)
+
+    def _resident(self, state, b: int) -> bool:
+        """Whether ``state``'s KV cache is already the static cache's first ``b`` rows."""
+        buf = self.buffers
+        return all(state.layers[i][name].data_ptr() == buf.kv(i, name).data_ptr()
+                   and state.layers[i][name].shape[0] == b for i in self.attn for name in ("k", "v"))
+
+    def _release_owner(self) -> None:
+        """Give the state that holds views of the static KV cache its own copies before the cache is reused."""
+        owner = self._owner() if self._owner is not None else None
+        self._owner = None
+        if owner is None or self.buffers is None:
+            return
+        for i in self.attn:
+            layer = owner.layers[i]
+            for name in ("k", "v"):
+                if layer[name].data_ptr() == self.buffers.kv(i, name).data_ptr():
+                    layer[name] = layer[name][:, :, : max(layer["len"], 1)].clone()

@@ -266,7 +266,8 @@ class PhiAttentionMixer(nn.Module):
     """Phi-1.5 attention (partial rotary, biased projections) with a preallocated KV cache: keys and values are
     written in place and the buffer grows by a quarter (at least 256 positions) when full, so a decode step
     does not copy the whole cache (a ``torch.cat`` per step makes decoding quadratic in context length) and
-    at most a quarter of it is spare."""
+    at most a quarter of it is spare. A state with a ``write_at`` key is the fixed-capacity form CUDA graphs
+    replay (see ``_static_step``)."""
 
     def __init__(self, cfg: PhiMambaConfig):
         super().__init__()
@@ -302,6 +303,8 @@ class PhiAttentionMixer(nn.Module):
         q, k, v = (getattr(sa, n)(u).view(b, l, self.heads, self.head_dim).transpose(1, 2)
                    for n in ("q_proj", "k_proj", "v_proj"))
         q, k = self._rotate(q, pos), self._rotate(k, pos)
+        if "write_at" in state:
+            return sa.dense(self._static_step(q, k, v, state).transpose(1, 2).reshape(b, l, -1))
         past, end = state["len"], state["len"] + l
         if end > state["k"].shape[2]:
             cap = state["k"].shape[2]
@@ -316,6 +319,18 @@ class PhiAttentionMixer(nn.Module):
         k, v = state["k"][:, :, :end], state["v"][:, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_attention_mask(full_mask, l))
         return sa.dense(out.transpose(1, 2).reshape(b, l, -1))
+
+
+    @staticmethod
+    def _static_step(q, k, v, state: dict) -> torch.Tensor:
+        """One token into a fixed-capacity cache (CUDA graphs, harness.models.decode_graphs): written at the
+        device-side index ``write_at``, attended over the whole capacity through the ``visible`` mask, so the
+        shapes and addresses never change."""
+        if q.shape[2] != 1:
+            raise ValueError("the fixed-capacity KV cache takes one token per step")
+        state["k"].index_copy_(2, state["write_at"], k)
+        state["v"].index_copy_(2, state["write_at"], v)
+        return F.scaled_dot_product_attention(q, state["k"], state["v"], attn_mask=state["visible"][:, None, None])
 
 
 class PhiMLP(nn.Module):
