@@ -78,9 +78,13 @@ class _Graph:
         self.ids, self.mask = buffers.ids[:rows], buffers.mask[:rows]
         self.state = buffers.view(rows, capacity)
         self.graph = None
+        # The graph is built after this step's inputs were copied in. Warm-up runs (lazy initialisation,
+        # autotuning; on every device, so the CPU tests run this too) advance the recurrent state and position:
+        # they are put back. Their keys and values go to position write_at, which this step writes anyway.
+        kept = [t.clone() for t in self._recurrent()]
+        self.run()
         if capture:
             device = self.ids.device
-            self.run()  # warm-up outside the graph (lazy initialisation, autotuning) on a side stream
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
@@ -88,7 +92,14 @@ class _Graph:
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.run()
+                self.run()  # recorded, not run
+        for t, saved in zip(self._recurrent(), kept):
+            t.copy_(saved)
+
+    def _recurrent(self) -> list[torch.Tensor]:
+        """The static tensors a step replaces (its keys and values are written at a fresh position)."""
+        return [v for layer in self.state.layers if "write_at" not in layer for v in layer.values()] + \
+            [self.state.pos]
 
     def run(self):
         """The model's own step on the static views; the new recurrent state is written back into them (the
