@@ -320,7 +320,6 @@ class PhiAttentionMixer(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_attention_mask(full_mask, l))
         return sa.dense(out.transpose(1, 2).reshape(b, l, -1))
 
-
     @staticmethod
     def _static_step(q, k, v, state: dict) -> torch.Tensor:
         """One token into a fixed-capacity cache (CUDA graphs, harness.models.decode_graphs): written at the
