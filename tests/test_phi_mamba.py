@@ -199,6 +199,15 @@ def test_graphed_decode_buffers_equal_the_plain_step(attn_layers):
     assert sorted(rows for rows, _ in decode.graphs) == [1, 2, 4]
 
 
+def test_kv_capacity_buckets_are_few_and_tight():
+    from harness.models.decode_graphs import capacity_bucket
+
+    caps = [capacity_bucket(n) for n in range(1, 8193)]
+    assert all(c >= n and c % 64 == 0 for n, c in enumerate(caps, 1))
+    assert all(c <= 1.25 * n for n, c in enumerate(caps, 1) if n > 256)
+    assert caps == sorted(caps) and len(set(caps)) == 21
+
+
 @torch.no_grad()
 def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
     """The hybrid's fixed-capacity KV cache: after the first step the state's cache *is* the static cache (no
@@ -235,7 +244,7 @@ def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
     _, other_plain = model(other_ids)
     _, other_graphed = model(other_ids)
     other_mask, other_tok = torch.ones(1, 30, dtype=torch.long), torch.tensor([[4]])
-    for _ in range(20):  # 240 + 4 + 3 + 20 > 256: the first state's steps cross into the 512 bucket
+    for _ in range(20):  # 240 + 4 + 3 + 20 > 256: the first state's steps cross into the next bucket (320)
         mask = torch.cat([mask, torch.ones_like(tok)], 1)
         tok = _step_both(model, decode, plain, graphed, tok, mask)
         other_mask = torch.cat([other_mask, torch.ones_like(other_tok)], 1)
@@ -243,7 +252,7 @@ def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
         seen.update(tok[:, 0].tolist())
     assert len(seen) > 3
     # growing the static cache dropped the graphs over the old one; the second state's were captured again
-    assert decode.buffers.capacity == 512 and set(decode.graphs) == {(2, 512), (1, 256)}
+    assert decode.buffers.capacity == 320 and set(decode.graphs) == {(2, 320), (1, 256)}
     with pytest.raises(ValueError, match="attention mask covers"):
         decode(graphed, tok, mask[:, 1:])
 

@@ -9,11 +9,11 @@ context bucket) over views of them:
   past the batch are padding (mask 0), which leaves their state untouched and their logits unused. A larger
   batch runs the eager step.
 - attention layers (the hybrid): a fixed-capacity KV cache with a device-side write index. Each step writes
-  the new key and value at that index and attends over the bucket's capacity (256 x a power of two) through a
-  visibility mask copied from the step's attention mask, so a graph never sees a shape change; at most half the
-  capacity is spare. The KV cache is copied in once and then stays *resident*: the caller's state holds views
-  of the static cache, so a step copies O(1) of it, not the context. A multi-token eager step (a tool result)
-  writes into those views in place. Before another state takes the cache over, the previous owner's views are
+  the new key and value at that index and attends over the bucket's capacity (``capacity_bucket``) through a
+  visibility mask copied from the step's attention mask, so a graph never sees a shape change; past 256
+  positions the capacity is at most 1.25x the filled positions. The KV cache is copied in once and then stays
+  *resident*: the caller's state holds views of the static cache, so a step copies O(1) of it, not the
+  context. A multi-token eager step (a tool result) writes into those views in place. Before another state takes the cache over, the previous owner's views are
   replaced by copies, so no state is ever overwritten behind its back.
 
 ``capture=False`` runs the same static-buffer code eagerly: that is what the CPU tests check against the plain
@@ -30,11 +30,15 @@ MIN_CAPACITY = 256
 
 
 def capacity_bucket(positions: int) -> int:
-    """KV capacity a graph covers for ``positions`` filled positions: 256 x the next power of two."""
-    cap = MIN_CAPACITY
-    while cap < positions:
-        cap *= 2
-    return cap
+    """KV capacity a graph covers for ``positions`` positions: 256, then five to eight eighths of the next power
+    of two (320, 384, 448, 512, 640, ...): at most 1.25x the positions, while a run to 8k positions captures
+    21 graphs per batch bucket."""
+    if positions <= MIN_CAPACITY:
+        return MIN_CAPACITY
+    power = MIN_CAPACITY
+    while power < positions:
+        power *= 2
+    return next(power * k // 8 for k in (5, 6, 7, 8) if power * k // 8 >= positions)
 
 
 class _StaticBuffers:
