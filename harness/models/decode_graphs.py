@@ -13,8 +13,9 @@ context bucket) over views of them:
   visibility mask copied from the step's attention mask, so a graph never sees a shape change; past 256
   positions the capacity is at most 1.25x the filled positions. The KV cache is copied in once and then stays
   *resident*: the caller's state holds views of the static cache, so a step copies O(1) of it, not the
-  context. A multi-token eager step (a tool result) writes into those views in place. Before another state takes the cache over, the previous owner's views are
-  replaced by copies, so no state is ever overwritten behind its back.
+  context. A multi-token eager step (a tool result) writes into those views in place. Before another state
+  takes the cache over, the previous owner's views are replaced by copies, so no state is ever overwritten
+  behind its back.
 
 ``capture=False`` runs the same static-buffer code eagerly: that is what the CPU tests check against the plain
 step; graph capture and replay need CUDA (``harness.doctor`` compares them with the eager step on a GPU).
@@ -24,6 +25,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from harness.models.phi_mamba import PhiMambaState
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CAPACITY = 256
@@ -62,8 +65,6 @@ class _StaticBuffers:
     def view(self, rows: int, capacity: int):
         """The model state over the first ``rows`` rows and ``capacity`` positions, in the static form the
         attention mixer recognises by its ``write_at`` key."""
-        from harness.models.phi_mamba import PhiMambaState
-
         layers = []
         for i, layer in enumerate(self.state.layers):
             if i in self.attn:
@@ -72,6 +73,11 @@ class _StaticBuffers:
             else:
                 layers.append({k: v[:rows] for k, v in layer.items()})
         return PhiMambaState(layers, self.state.pos[:rows])
+
+
+def _replaced_by_a_step(state: PhiMambaState) -> list[torch.Tensor]:
+    """The tensors a step replaces: recurrent state and position (keys and values are written in place)."""
+    return [v for layer in state.layers if "write_at" not in layer for v in layer.values()] + [state.pos]
 
 
 class _Graph:
@@ -85,7 +91,7 @@ class _Graph:
         # The graph is built after this step's inputs were copied in. Warm-up runs (lazy initialisation,
         # autotuning; on every device, so the CPU tests run this too) advance the recurrent state and position:
         # they are put back. Their keys and values go to position write_at, which this step writes anyway.
-        kept = [t.clone() for t in self._recurrent()]
+        kept = [t.clone() for t in _replaced_by_a_step(self.state)]
         self.run()
         if capture:
             device = self.ids.device
@@ -97,26 +103,16 @@ class _Graph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.run()  # recorded, not run
-        for t, saved in zip(self._recurrent(), kept):
+        for t, saved in zip(_replaced_by_a_step(self.state), kept):
             t.copy_(saved)
-
-    def _recurrent(self) -> list[torch.Tensor]:
-        """The static tensors a step replaces (its keys and values are written at a fresh position)."""
-        return [v for layer in self.state.layers if "write_at" not in layer for v in layer.values()] + \
-            [self.state.pos]
 
     def run(self):
         """The model's own step on the static views; the new recurrent state is written back into them (the
         attention mixer writes its key and value in place), so the graph reads and writes fixed addresses."""
-        from harness.models.phi_mamba import PhiMambaState
-
         logits, new = self.model(self.ids, self.mask, PhiMambaState([dict(x) for x in self.state.layers],
                                                                     self.state.pos))
-        for old_layer, new_layer in zip(self.state.layers, new.layers):
-            if "write_at" not in old_layer:
-                for k, v in old_layer.items():
-                    v.copy_(new_layer[k])
-        self.state.pos.copy_(new.pos)
+        for static, fresh in zip(_replaced_by_a_step(self.state), _replaced_by_a_step(new)):
+            static.copy_(fresh)
         self.logits = logits[:, -1]
 
     def replay(self) -> torch.Tensor:
