@@ -230,6 +230,8 @@ def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
         seen.update(tok[:, 0].tolist())
     static_k = decode.buffers.kv(1, "k")
     assert graphed.layers[1]["k"].data_ptr() == static_k.data_ptr()  # resident: views of the static cache
+    static_ssm = decode.buffers.state.layers[0]["ssm"]
+    assert graphed.layers[0]["ssm"].data_ptr() == static_ssm.data_ptr()  # the recurrent state too
 
     # a tool result: row 0 gets 3 tokens, row 1 one token and 2 pads, through the eager model step
     block = torch.tensor([[tok[0, 0], 7, 8], [tok[1, 0], 0, 0]])

@@ -5,17 +5,18 @@ batch-1 decoding on a GPU. A graph replays them at fixed addresses and shapes, s
 set of static buffers (the largest batch and context seen so far) and captures one graph per (batch bucket,
 context bucket) over views of them:
 
-- rows: buckets 1, 2, 4, ... 64. The live rows' token, mask, recurrent state and position are copied in; rows
-  past the batch are padding (mask 0), which leaves their state untouched and their logits unused. A larger
-  batch runs the eager step.
+- rows: buckets 1, 2, 4, ... 64. Rows past the batch are padding (mask 0), which leaves their state untouched
+  and their logits unused. A larger batch runs the eager step.
 - attention layers (the hybrid): a fixed-capacity KV cache with a device-side write index. Each step writes
   the new key and value at that index and attends over the bucket's capacity (``capacity_bucket``) through a
   visibility mask copied from the step's attention mask, so a graph never sees a shape change; past 256
-  positions the capacity is at most 1.25x the filled positions. The KV cache is copied in once and then stays
-  *resident*: the caller's state holds views of the static cache, so a step copies O(1) of it, not the
-  context. A multi-token eager step (a tool result) writes into those views in place. Before another state
-  takes the cache over, the previous owner's views are replaced by copies, so no state is ever overwritten
-  behind its back.
+  positions the capacity is at most 1.25x the filled positions.
+- the state is *resident*: it is copied in once, and after each step the caller's state holds views of the
+  static buffers, so a step copies only its token and masks (a copy per layer and step would cost the kernel
+  launches the graph saves, and copying a KV cache O(context)). An eager step on it (a multi-token tool result)
+  writes its keys and values into those views in place; its new recurrent state and a select() of rows are new
+  tensors, copied in at the next graphed step. Before another state takes the buffers over, the previous
+  owner's views are replaced by copies, so no state is ever overwritten behind its back.
 
 ``capture=False`` runs the same static-buffer code eagerly: that is what the CPU tests check against the plain
 step; graph capture and replay need CUDA (``harness.doctor`` compares them with the eager step on a GPU).
@@ -149,19 +150,12 @@ class GraphedDecode:
         capacity = capacity_bucket(past + 1) if self.attn else 0
         self._reserve(rows, capacity)
         buf = self.buffers
-        if self.attn and not self._resident(state, b):
+        if not self._resident(state, b):
             self._release_owner()
-            for i in self.attn:
-                for name in ("k", "v"):
-                    buf.kv(i, name)[:b, :, :past].copy_(state.layers[i][name][:, :, :past])
+            self._copy_in(state, b, past)
         buf.ids[:b].copy_(ids)
         buf.mask.zero_()
         buf.mask[:b].copy_(attention_mask[:, -1:])
-        for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers)):
-            if i not in self.attn:
-                for k, v in mine.items():
-                    v[:b].copy_(theirs[k])
-        buf.state.pos[:b].copy_(state.pos)
         if self.attn:
             buf.visible[:rows, :capacity].zero_()
             buf.visible[:b, : past + 1].copy_(attention_mask.bool())
@@ -171,16 +165,27 @@ class GraphedDecode:
         if key not in self.graphs:
             self.graphs[key] = _Graph(self.model, buf, rows, capacity, self.capture, self.pool)
         logits = self.graphs[key].replay()[:b].clone()
+        # the state becomes (or stays) views of the static buffers: the next step copies none of it
         for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers)):
+            theirs.update({k: mine[k][:b] for k in self._held(i, mine)})
             if i in self.attn:
-                theirs.update(k=mine["k"][:b], v=mine["v"][:b], len=past + 1)
-            else:
-                for k, v in theirs.items():
-                    v.copy_(mine[k][:b])
-        state.pos.copy_(buf.state.pos[:b])
-        if self.attn:
-            self._owner = weakref.ref(state)
+                theirs["len"] = past + 1
+        state.pos = buf.state.pos[:b]
+        self._owner = weakref.ref(state)
         return logits
+
+    def _held(self, i: int, layer: dict) -> tuple[str, ...]:
+        """The names of layer ``i``'s tensors the static buffers hold."""
+        return ("k", "v") if i in self.attn else tuple(layer)
+
+    def _copy_in(self, state, b: int, past: int) -> None:
+        for i, (mine, theirs) in enumerate(zip(self.buffers.state.layers, state.layers)):
+            for k in self._held(i, mine):
+                if i in self.attn:
+                    mine[k][:b, :, :past].copy_(theirs[k][:, :, :past])
+                else:
+                    mine[k][:b].copy_(theirs[k])
+        self.buffers.state.pos[:b].copy_(state.pos)
 
     def _reserve(self, rows: int, capacity: int) -> None:
         """Static buffers at least ``rows`` x ``capacity``; growing them drops every graph (new addresses)."""
@@ -195,19 +200,21 @@ class GraphedDecode:
         self.buffers = _StaticBuffers(self.model, rows, capacity, self.device)
 
     def _resident(self, state, b: int) -> bool:
-        """Whether ``state``'s KV cache is already the static cache's first ``b`` rows."""
+        """Whether ``state`` is already the static buffers' first ``b`` rows (left so by the previous step)."""
         buf = self.buffers
-        return all(state.layers[i][name].data_ptr() == buf.kv(i, name).data_ptr()
-                   and state.layers[i][name].shape[0] == b for i in self.attn for name in ("k", "v"))
+        pairs = [(theirs[k], mine[k]) for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers))
+                 for k in self._held(i, mine)] + [(state.pos, buf.state.pos)]
+        return all(t.data_ptr() == m.data_ptr() and t.shape[0] == b for t, m in pairs)
 
     def _release_owner(self) -> None:
-        """Give the state that holds views of the static KV cache its own copies before the cache is reused."""
+        """Give the state that holds views of the static buffers its own copies before they are reused."""
         owner = self._owner() if self._owner is not None else None
         self._owner = None
         if owner is None or self.buffers is None:
             return
-        for i in self.attn:
-            layer = owner.layers[i]
-            for name in ("k", "v"):
-                if layer[name].data_ptr() == self.buffers.kv(i, name).data_ptr():
-                    layer[name] = layer[name][:, :, : max(layer["len"], 1)].clone()
+        for i, (mine, theirs) in enumerate(zip(self.buffers.state.layers, owner.layers)):
+            for k in self._held(i, mine):
+                if theirs[k].data_ptr() == mine[k].data_ptr():
+                    theirs[k] = (theirs[k][:, :, : max(theirs["len"], 1)] if i in self.attn else theirs[k]).clone()
+        if owner.pos.data_ptr() == self.buffers.state.pos.data_ptr():
+            owner.pos = owner.pos.clone()
