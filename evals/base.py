@@ -14,6 +14,19 @@ class DataError(ValueError):
     """A dataset is missing or a row is malformed; the message names the row, the field and the fix."""
 
 
+def read_utf8(path, what: str = "data file", error=DataError) -> str:
+    """A text file's content; a file that is not UTF-8 is an ``error`` naming the file, line and byte."""
+    from pathlib import Path
+
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise error(f"{what} {path} is not UTF-8 text: byte {e.start} (line {line}) is 0x{raw[e.start]:02x}; "
+                    "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 class OptionError(ValueError):
     """A task option (``--task-arg KEY=VALUE`` or a task's own flag) cannot work; the message names it."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evals import metrics
-from evals.base import DataError, Instance, OptionError, Task, ToolSpec
+from evals.base import DataError, Instance, OptionError, Task, ToolSpec, read_utf8
 from evals.fixture import FIXTURE_PATH
 from evals.metrics import ANSWER_PHRASE
 from evals.registry import register_task
@@ -37,7 +37,7 @@ def load_rows(data: str | None, split: str = "validation") -> list[dict]:
         path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"HotpotQA data file {str(path)!r} does not exist. {_HOW_TO_GET}")
-    text = path.read_text()
+    text = read_utf8(path, "HotpotQA data file")
     try:
         rows = json.loads(text) if path.suffix != ".jsonl" else [json.loads(l) for l in text.splitlines() if l.strip()]
     except json.JSONDecodeError as e:
@@ -266,13 +266,16 @@ class HotpotQA(Task):
 
 def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[str]) -> list[Path]:
     """Official HotpotQA prediction files ({"answer": {id: text}, "sp": {id: []}}), one per position, written
-    for every position (empty if nothing was scored); files of positions no longer in the run are removed."""
+    for every position (empty if nothing was scored); files of positions no longer in the run are removed.
+    A generation without an answer scores 0 here; written as "" it would score EM 1 in the official script
+    against a gold that normalises to "" (e.g. "A"), so it is written as a text that matches no part of its gold."""
     from harness.runlog import write_atomic
 
     by_pos: dict[str, dict] = {p: {"answer": {}, "sp": {}} for p in positions}
     for r in records:
         if not r.get("skipped") and r["condition"] in by_pos:
-            by_pos[r["condition"]]["answer"][r["id"]] = r["prediction"]
+            pred = r["prediction"] if r.get("answer_found", True) else metrics.no_answer_text(r["gold"])
+            by_pos[r["condition"]]["answer"][r["id"]] = pred
             by_pos[r["condition"]]["sp"][r["id"]] = []
     pred_dir = out_dir / "predictions"
     pred_dir.mkdir(exist_ok=True)

@@ -26,6 +26,17 @@ def normalize_answer(s: str) -> str:
     return " ".join(s.split())
 
 
+NO_ANSWER_TEXTS = ("[no answer]", "[none]", "[unanswered]")
+
+
+def no_answer_text(gold: str) -> str:
+    """What a prediction file says for a generation without an answer: a text whose EM and F1 against ``gold``
+    are 0 under the official normalisation, as the harness scores it (an empty string would equal a gold that
+    normalises to "")."""
+    gold_tokens = set(normalize_answer(gold).split())
+    return next(t for t in NO_ANSWER_TEXTS if not gold_tokens & set(normalize_answer(t).split()))
+
+
 def exact_match(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
 

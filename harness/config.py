@@ -1,9 +1,10 @@
 """One run, as data: every flag of ``harness.eval`` lands in a RunConfig, which is written into results.json.
 
 ``validate`` checks every flag before anything is written; ``resolved`` turns the settings that decide a
-sample's generation into content (absolute paths, the dtype and device type that will really be used, the
-data's and the template's hashes), so two spellings of one run are one run and a resumed run can never mix
-rows made under different settings."""
+sample's generation into content (the dtype and device type that will really be used, the data's and the
+template's hashes; the engine adds the model's and tokenizer's files and the package versions from
+``harness.identity``), so two spellings of one run are one run and a resumed run can never mix rows made under
+different settings."""
 from __future__ import annotations
 
 import argparse
@@ -68,6 +69,8 @@ class RunConfig:
     cuda_graphs: bool = _f(False, "Phi-Mamba and the hybrid on CUDA: replay each decode step from a CUDA graph "
                                   "(one per batch and context bucket; checked against the eager step by "
                                   "harness.doctor)")
+    overwrite: bool = _f(False, "start over in --output even if it holds a run (of other settings, or this one): "
+                                "its files are moved to OUTPUT/replaced-TIMESTAMP/, never deleted")
     template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,8 +141,9 @@ class RunConfig:
         model = model_path or self.model
         local = Path(model).expanduser()
         tok = Path(self.tokenizer).expanduser() if self.tokenizer else None
-        return {"model": str(local.resolve()) if local.is_dir() else model, "backend": self.backend,
-                "tokenizer": str(tok.resolve()) if tok is not None and tok.is_dir() else self.tokenizer,
+        # a local folder is identified by its files' content (harness.identity), not by where it lies
+        return {"model": "local folder" if local.is_dir() else model, "backend": self.backend,
+                "tokenizer": "local folder" if tok is not None and tok.is_dir() else self.tokenizer,
                 "task": self.task, "task_args": {k: v for k, v in self.task_args.items() if k not in selects},
                 "data_sha256": data_sha256,
                 "split": self.split, "template_sha256": template_sha256, "max_new_tokens": self.max_new_tokens, "dtype": dtype,

@@ -18,14 +18,15 @@ import torch
 from tqdm.auto import tqdm
 
 from evals import get_task
-from evals.base import DataError, Instance, ToolSpec
+from evals.base import DataError, Instance, ToolSpec, read_utf8
 from harness.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
 from harness.results import format_markdown, git_hash, metrics_table, versions
 from harness.stats import summarize
-from harness.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, write_atomic,
-                            write_run_meta)
+from harness.identity import awaits_download, model_identity
+from harness.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, move_aside,
+                            write_atomic, write_run_meta)
 
 log = logging.getLogger("harness")
 
@@ -49,6 +50,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
     ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
     from harness.backends import backend_class
+    from harness.backends.hf import TokenizerError
 
     spec = model_spec(model, tokenizer)
     if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
@@ -71,7 +73,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
                              f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
                              f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a "
                              "local checkpoint directory to --model.") from e
-    except ImportError:
+    except (ImportError, TokenizerError):
         raise
     except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
         files = ", ".join(sorted(p.name for p in Path(spec.path).glob("*") if p.is_file())[:12]) \
@@ -111,7 +113,7 @@ def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> li
     if ids_file:
         if not Path(ids_file).is_file():
             raise DataError(f"--ids {ids_file}: no such file; give a file of question ids, one per line or a JSON list")
-        text = Path(ids_file).read_text()
+        text = read_utf8(ids_file, "--ids file")
         wanted = json.loads(text) if text.lstrip().startswith("[") else [l.strip() for l in text.splitlines() if l.strip()]
         have = {r["_id"] for r in rows}
         missing = [i for i in wanted if i not in have]
@@ -194,33 +196,90 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     _check_unique(instances, cfg.data)
     tool_vars = spec.template_vars()
     prompts = {i.key: template.render(**task.template_vars(i), tool=tool_vars) for i in instances}
+    empty = [k for k, p in prompts.items() if not p.strip()]
+    if empty:
+        names = ", ".join(task.template_vars(instances[0]))
+        raise ConfigError(f"template {template.path} renders an empty prompt for {len(empty)} instance(s) (e.g. "
+                          f"{empty[0]}); check that it writes the task's variables ({names})")
     selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
-    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
-    config_hash = settings_hash(resolved)
-
+    spec_m = model_spec(cfg.model, cfg.tokenizer)
+    identity = model_identity(spec_m.path, spec_m.tokenizer)
     dist = distributed_state()
     rank, world = (dist.process_index, dist.num_processes) if dist else (0, 1)
-    out = Path(cfg.output)
-    lock = RunLock(out).acquire() if rank == 0 else None
+    if awaits_download(spec_m.path, spec_m.tokenizer, identity) and backend is None:
+        # a hub model not in the HF cache: loading it downloads it, and then its commit is known
+        backend = _load_model(cfg, dist)
+        identity = model_identity(spec_m.path, spec_m.tokenizer)
+    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
+    resolved.update(identity)
+    config_hash = settings_hash(resolved)
+    run = RunContext(cfg=cfg, task=task, rows=rows, instances=instances, prompts=prompts, stop=stop,
+                     score_kw=score_kw, tool_spec=spec, resolved=resolved, config_hash=config_hash, dist=dist,
+                     rank=rank, world=world, progress=progress, t0=t0,
+                     lock=RunLock(cfg.output) if rank == 0 else None)
+    if run.lock is not None:
+        run.lock.acquire()
     try:
-        return _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, spec, resolved,
-                           config_hash, dist, rank, world, progress, t0)
+        if cfg.overwrite and rank == 0:
+            move_aside(Path(cfg.output), RUN_FILES + tuple(_shards(Path(cfg.output))))
+        return _run_locked(run, backend)
     finally:
-        if lock is not None:
-            lock.release()
+        if run.lock is not None:
+            run.lock.release()
 
 
-def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, spec, resolved, config_hash, dist,
-                rank, world, progress, t0) -> dict[str, Any]:
+# A run directory's own files: what --overwrite moves aside (with the ranks' shards).
+RUN_FILES = ("run.json", "samples.jsonl", "samples.rejected.txt", "results.json", "table.md", "table.csv",
+             "predictions")
+
+
+def _shards(out: Path) -> list[str]:
+    return [p.name for p in out.glob("samples.rank*.jsonl")]
+
+
+def _load_model(cfg: RunConfig, dist):
+    """The run's backend, on this rank's GPU when launched on several."""
+    device = cfg.device
+    if dist is not None and device == "auto" and torch.cuda.is_available():
+        device = f"cuda:{dist.local_process_index}"
+    return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs)
+
+
+@dataclasses.dataclass
+class RunContext:
+    """Everything one evaluation run has resolved before it writes: passed whole instead of a dozen arguments."""
+
+    cfg: RunConfig
+    task: Any
+    rows: list
+    instances: list[Instance]
+    prompts: dict[str, str]
+    stop: Any
+    score_kw: dict
+    tool_spec: ToolSpec
+    resolved: dict
+    config_hash: str
+    dist: Any
+    rank: int
+    world: int
+    progress: bool
+    t0: float
+    lock: RunLock | None
+
+
+def _run_locked(run: RunContext, backend) -> dict[str, Any]:
+    cfg, task, instances, prompts, config_hash = run.cfg, run.task, run.instances, run.prompts, run.config_hash
+    dist, rank, world = run.dist, run.rank, run.world
     out = Path(cfg.output)
-    has_meta = check_run_meta(out, config_hash, resolved)
+    has_meta = check_run_meta(out, config_hash, run.resolved)
     samples = SampleLog(out, shard=f"rank{rank}" if world > 1 else None)
-    foreign = Counter(r["config_hash"] for r in samples.records.values() if r.get("config_hash", config_hash) != config_hash)
+    foreign = Counter(str(r.get("config_hash")) for r in samples.records.values()
+                      if r.get("config_hash") != config_hash)
     if foreign:
         raise ResumeMismatchError(
-            f"{out}/samples.jsonl holds {sum(foreign.values())} row(s) made with other settings (config hash "
-            f"{', '.join(foreign)} vs {config_hash} now); they would mix with this run's. Use a new --output, or "
-            "move samples.jsonl away to start over.")
+            f"{out}/samples.jsonl holds {sum(foreign.values())} row(s) made with other settings or with no settings "
+            f"hash (hash {', '.join(foreign)} vs {config_hash} now); they would mix with this run's. Use a new "
+            "--output, or --overwrite to start over (the old rows are moved aside, not deleted).")
     by_key = {i.key: i for i in instances}
     stale = [k for k, i in by_key.items() if k in samples and _is_stale(samples.records[k], i, prompts[k])]
     if stale:
@@ -230,7 +289,7 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, sp
     if dist:
         dist.wait_for_everyone()  # every rank has read the same "done" set before anyone writes
     todo = [ins for ins in instances if ins.key not in samples or ins.key in stale_set]
-    log.info("task %s: %d questions x %d %s(s) = %d instances (%d already done in %s)", cfg.task, len(rows),
+    log.info("task %s: %d questions x %d %s(s) = %d instances (%d already done in %s)", cfg.task, len(run.rows),
              len({i.condition for i in instances}), task.condition, len(instances), len(instances) - len(todo),
              cfg.output)
     n_todo = len(todo)
@@ -240,26 +299,23 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, sp
 
     t_load = time.perf_counter()
     if backend is None and (todo or not has_meta):
-        device = cfg.device
-        if world > 1 and device == "auto" and torch.cuda.is_available():
-            device = f"cuda:{dist.local_process_index}"
-        backend = load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs)
+        backend = _load_model(cfg, dist)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()
         log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", cfg.model, d.get("backend"),
                  d.get("device"), d.get("dtype"), cfg.batch_size)
     if not has_meta and rank == 0:
-        write_run_meta(out, config_hash, resolved, cfg.to_dict())  # only now: model, data, template, flags all work
+        write_run_meta(out, config_hash, run.resolved, cfg.to_dict())  # only now: model, data, template, flags work
 
-    gen_s, new_tokens = _generate_all(cfg, task, backend, todo, prompts, samples, stop, score_kw, spec,
-                                      config_hash, progress and rank == 0)
+    gen_s, new_tokens = _generate_all(run, backend, todo, samples)
     samples.close()
     if dist:
         dist.wait_for_everyone()
         if rank != 0:
             return {"rank": rank, "counts": {"generated": len(todo)}}
-    samples.merge([i.key for i in instances])
+    run.lock.verify()  # the directory is still the one this run locked: its rows are this run's
+    samples.merge([i.key for i in instances], config_hash)
     missing = [i.key for i in instances if i.key not in samples.records]
     if missing:
         raise RunDirError(f"{out}: {len(missing)} instance(s) have no record after the run ({', '.join(missing[:5])}"
@@ -271,14 +327,14 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, sp
     results = {
         "task": cfg.task, "task_summary": task.describe(), "condition": task.condition, "model": cfg.model,
         "config": cfg.to_dict(), "config_hash": config_hash,
-        "resolved": resolved, "backend": backend.describe() if backend is not None else None,
+        "resolved": run.resolved, "backend": backend.describe() if backend is not None else None,
         "metrics": by_pos,
-        "counts": {"questions": len(rows), "instances": len(instances), "generated": n_todo,
+        "counts": {"questions": len(run.rows), "instances": len(instances), "generated": n_todo,
                    "resumed": len(instances) - n_todo, "stale_regenerated": len(stale), "ranks": world,
                    "skipped_too_long": sum(m["skipped_too_long"] for m in by_pos.values())},
         "selection": {"ids": list(dict.fromkeys(i.id for i in instances)), "conditions": conditions},
         "timings": {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
-                    "total_s": round(time.perf_counter() - t0, 3), "new_tokens": new_tokens,
+                    "total_s": round(time.perf_counter() - run.t0, 3), "new_tokens": new_tokens,
                     "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None},
         "seed": cfg.seed, "versions": versions(), "git": git_hash(),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -289,6 +345,7 @@ def _run_locked(cfg, task, backend, rows, instances, prompts, stop, score_kw, sp
                         "table.csv"]
     write_atomic(out / "table.csv", df.to_csv(index=False))
     write_atomic(out / "table.md", results["table"] + "\n")
+    run.lock.verify()
     write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))  # last: it marks the run finished
     return results
 
@@ -304,10 +361,13 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _generate_all(cfg, task, backend, todo, prompts_by_key, samples, stop, score_kw, spec, config_hash,
-                  progress) -> tuple[float, int]:
+def _generate_all(run: RunContext, backend, todo: list[Instance], samples: SampleLog) -> tuple[float, int]:
+    cfg, task, config_hash, stop, score_kw, spec = (run.cfg, run.task, run.config_hash, run.stop, run.score_kw,
+                                                    run.tool_spec)
+    progress = run.progress and run.rank == 0
     if not todo:
         return 0.0, 0
+    prompts_by_key = run.prompts
     prompts = [prompts_by_key[ins.key] for ins in todo]
     prompt_ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
     limit = backend.max_context

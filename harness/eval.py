@@ -124,17 +124,23 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from harness.engine import run_eval
+    from harness.procs import stop_on_sigterm
     from harness.runlog import RunDirError
 
+    cfg = None
     try:
-        cfg = config_from_args(a)
-        results = run_eval(cfg, progress=a.progress)
+        with stop_on_sigterm():
+            cfg = config_from_args(a)
+            results = run_eval(cfg, progress=a.progress)
     except (ValueError, KeyError, OSError, RunDirError) as e:  # DataError, ConfigError, TemplateError, ...
         if a.verbose:
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {_kept(cfg)}", file=sys.stderr)
+        return 130
     if results.get("rank", 0) != 0:
         return 0  # rank 0 merges and reports
     print(f"\n{cfg.model} on {cfg.task}, {results['task_summary']} ({results['counts']['instances']} instances, "
@@ -142,6 +148,17 @@ def main(argv=None) -> int:
     print(results["table"])
     print(f"\nwrote {results['config']['output']}/{', '.join(results['files'])}")
     return 0
+
+
+def _kept(cfg) -> str:
+    """What an interrupted run leaves, in one line."""
+    from harness.runlog import SampleLog
+
+    if cfg is None or not Path(cfg.output).is_dir():
+        return "nothing was written"
+    n = len(SampleLog(cfg.output, read_only=True).records)
+    return (f"{n} finished row(s) are kept in {cfg.output}; rerun the same command to resume (finished rows are "
+            "not generated again)")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import itertools
 import json
 import logging
 import os
+import signal
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from evals import istree
 from harness.config import ConfigError
+from harness.runlog import savefig_atomic, write_atomic
 from harness.train import TrainConfig, TrainTask, batch_from_tokens, masked_loss, train_one
 
 log = logging.getLogger("harness")
@@ -68,15 +69,10 @@ def _cost(cell: TrainConfig) -> float:
     return per_token * length * cell.samples
 
 
-def _run_cell(cfg: TrainConfig, threads: int) -> dict:
-    torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.WARNING)
-    return train_one(cfg, progress=False)
-
-
-def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, progress: bool = True) -> list[dict]:
+def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, progress: bool = True,
+             overwrite: bool = False) -> list[dict]:
     """Train every unfinished cell (``jobs`` at a time; default: one per core on a CPU, one on a GPU), then
-    write the grid's report."""
+    write the grid's report. A cell that fails is named at the end; the others still train."""
     cells = grid_cells(name, base, root)
     if jobs is None:
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -87,28 +83,89 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
         raise ConfigError("--jobs > 1 runs cells in separate processes; under accelerate launch (data parallel) "
                           "use --jobs 1")
     root.mkdir(parents=True, exist_ok=True)
-    results = []
     if jobs == 1:
+        results = []
         for i, cell in enumerate(cells, 1):
             log.info("grid %s: cell %d/%d %s", name, i, len(cells), cell.name)
-            results.append(train_one(cell, progress))
+            results.append(train_one(cell, progress, overwrite=overwrite))
     else:
         threads = base.threads or max(1, (os.cpu_count() or 1) // jobs)
-        todo = sorted(cells, key=_cost, reverse=True)
         log.info("grid %s: %d cells, %d at a time, %d CPU thread(s) each", name, len(cells), jobs, threads)
-        import multiprocessing
-
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_run_cell, c, threads): c for c in todo}
-            bar = tqdm(total=len(futures), desc=f"grid {name}", unit="cell", disable=not progress)
-            for fut in as_completed(futures):
-                res = fut.result()
-                results.append(res)
-                bar.update(1)
-                bar.set_postfix_str(f"{futures[fut].name}: EM {100 * res.get('teacher_forced_em', 0):.0f}%")
-            bar.close()
+        results = _train_in_processes(name, sorted(cells, key=_cost, reverse=True), jobs, threads, progress,
+                                      overwrite)
     write_grid_report(root)
     return results
+
+
+def _train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: int, progress: bool,
+                        overwrite: bool) -> list[dict]:
+    """Cells in child processes, ``jobs`` at a time. A child dies with this process however it ends (SIGKILL
+    included), and on any exit here (Ctrl-C, SIGTERM, an error) the running children are stopped before it
+    returns: no cell keeps training unseen, so a rerun never trains a cell twice at once (each cell's directory
+    lock refuses that too). Processes are managed by hand because ProcessPoolExecutor waits for running cells
+    when interrupted and has no public way to stop them."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    ctx = multiprocessing.get_context("spawn")
+    pending, running, results, failed = list(cells), {}, [], []
+    bar = tqdm(total=len(cells), desc=f"grid {name}", unit="cell", disable=not progress)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                cell = pending.pop(0)
+                proc = ctx.Process(target=_cell_process, args=(cell, threads, os.getpid(), overwrite),
+                                   name=f"cell {cell.name}")
+                proc.start()
+                running[proc.sentinel] = (proc, cell)
+            for sentinel in wait(list(running)):
+                proc, cell = running.pop(sentinel)
+                proc.join()
+                done = Path(cell.output) / "result.json"
+                if proc.exitcode == 0 and done.exists():
+                    res = json.loads(done.read_text())
+                    results.append(res)
+                    bar.set_postfix_str(f"{cell.name}: EM {100 * res.get('teacher_forced_em', 0):.0f}%")
+                else:
+                    failed.append(f"{cell.name} (exit code {proc.exitcode})")
+                bar.update(1)
+    finally:
+        _stop(proc for proc, _ in running.values())
+        bar.close()
+    if failed:
+        raise ConfigError(f"grid {name}: {len(failed)} cell(s) failed ({'; '.join(failed)}); their errors are printed "
+                          "above; the other cells are finished and kept; rerun the same command to retry them")
+    return results
+
+
+def _stop(procs) -> None:
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bool) -> None:
+    """One grid cell in a child process: an error is one line on stderr and a non-zero exit code."""
+    import sys
+
+    from harness.procs import die_with_parent
+    from harness.runlog import RunDirError
+    from harness.train_state import TrainingError
+
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the cells
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        train_one(cfg, progress=False, overwrite=overwrite)
+    except (ConfigError, ValueError, RunDirError, TrainingError) as e:
+        print(f"error: {cfg.name}: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -207,13 +264,13 @@ def write_grid_report(root: Path) -> str:
     df = df[["setup", "nodes", "size", "arch", "trainable_parameters", "teacher_forced_em", "accuracy",
              "accuracy_se", "best_samples", "samples", "final_loss", "samples_per_second", "train_seconds"]]
     df = df.sort_values(["setup", "nodes", "size", "arch"], key=lambda s: s.map(_order) if s.name == "arch" else s)
-    df.to_csv(root / "results.csv", index=False)
+    write_atomic(root / "results.csv", df.to_csv(index=False))
     shown = df.assign(teacher_forced_em=[f"{100 * e:.1f}" for e in df.teacher_forced_em],
                       accuracy=[f"{100 * a:.1f} ± {100 * s:.1f}" if a == a else "n/a"
                                 for a, s in zip(df.accuracy, df.accuracy_se)]) \
         .drop(columns=["accuracy_se"]).rename(columns={"teacher_forced_em": "TF EM (best)", "accuracy": "live acc"})
     table = shown.to_markdown(index=False, floatfmt=".3f")
-    (root / "results.md").write_text(table + "\n")
+    write_atomic(root / "results.md", table + "\n")
     plot_grid(df, root / "istree_grid.png")
     return table
 
@@ -260,5 +317,5 @@ def plot_grid(df, path: Path) -> None:
                 ax.set_ylabel("teacher-forced EM (%)")
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    savefig_atomic(fig, path, dpi=130)
     plt.close(fig)

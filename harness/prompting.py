@@ -43,22 +43,55 @@ def _raise(message: str):
 
 
 class PromptTemplate:
-    """A compiled template with StrictUndefined, so a missing variable is an error and never an empty string."""
+    """A compiled template with StrictUndefined, so a missing variable is an error and never an empty string.
+
+    Templates run in Jinja's immutable sandbox: a template file is data someone handed over, and an ordinary
+    Environment lets it reach Python (``cycler.__init__.__globals__.os``). ``{% include "NAME.j2" %}`` finds a
+    sibling of the template first, then a bundled one; the template's hash covers every file it includes."""
 
     def __init__(self, name_or_path: str):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         self.path = resolve_template(name_or_path)
-        self.source = self.path.read_text()
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False,
-                                 autoescape=False)
+        self.source = _read(self.path)
+        loader = jinja2.FileSystemLoader([str(self.path.parent), str(PROMPTS_DIR)])
+        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False,
+                                            autoescape=False, loader=loader)
         env.globals["raise_exception"] = _raise  # the name Hugging Face chat templates use for the same job
+        self._env = env
         try:
             self._template = env.from_string(self.source)
+            parsed = env.parse(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"template {self.path} does not parse: line {e.lineno}: {e.message}") from e
-        self.sha256 = hashlib.sha256(self.source.encode()).hexdigest()[:16]
-        self._declared = {n.target.name: n.node.value for n in env.parse(self.source).body
+        self.sha256 = hashlib.sha256(self._sources(parsed).encode()).hexdigest()[:16]
+        self._declared = {n.target.name: n.node.value for n in parsed.body
                           if isinstance(n, jinja2.nodes.Assign) and isinstance(n.target, jinja2.nodes.Name)
                           and isinstance(n.node, jinja2.nodes.Const)}
+
+    def _sources(self, parsed, seen: frozenset = frozenset()) -> str:
+        """This template's text and, recursively, that of every template it includes, imports or extends."""
+        from jinja2 import meta
+
+        text = self.source if not seen else ""
+        for name in meta.find_referenced_templates(parsed):
+            if name is None:
+                raise TemplateError(f"template {self.path} includes a template by a computed name; name included "
+                                    "templates literally ({% include \"NAME.j2\" %}) so the run's hash covers them")
+            if name in seen:
+                continue
+            try:
+                src, file, _ = self._env.loader.get_source(self._env, name)
+            except jinja2.TemplateNotFound:
+                raise TemplateError(f"template {self.path} includes {name!r}, which is neither beside it "
+                                    f"({self.path.parent}) nor a bundled template ({PROMPTS_DIR})") from None
+            try:
+                sub = self._env.parse(src)
+            except jinja2.TemplateSyntaxError as e:
+                raise TemplateError(f"template {file} (included by {self.path}) does not parse: line {e.lineno}: "
+                                    f"{e.message}") from e
+            text += f"\0{name}\0{src}" + self._sources(sub, seen | {name})
+        return text
 
     def declared(self, name: str, default=None):
         """A constant the template sets at top level (``{% set name = "..." %}``), or ``default``."""
@@ -70,6 +103,8 @@ class PromptTemplate:
 
     def render(self, **variables) -> str:
         """``tool`` defaults to the retrieval tool's syntax (evals.base.ToolSpec), disabled."""
+        from jinja2.exceptions import SecurityError
+
         if "tool" not in variables:
             from evals.base import ToolSpec
 
@@ -79,3 +114,14 @@ class PromptTemplate:
         except jinja2.UndefinedError as e:
             raise TemplateError(f"template {self.path} uses an undefined variable ({e.message}); the task "
                                 f"provides: {', '.join(sorted(variables))}") from e
+        except SecurityError as e:
+            raise TemplateError(f"template {self.path} tried something templates may not do ({e}); templates "
+                                "run sandboxed and hold text, not code") from None
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"template {self.path} failed to render: {e}") from None
+
+
+def _read(path: Path) -> str:
+    from evals.base import read_utf8
+
+    return read_utf8(path, "template", TemplateError)

@@ -22,7 +22,7 @@ import pandas as pd
 
 from harness.results import format_markdown
 from harness.stats import condition_of, summarize
-from harness.runlog import write_atomic
+from harness.runlog import savefig_atomic, write_atomic
 
 # Settings that name a run in a legend when they differ between the runs of one report, in this order.
 LABEL_FIELDS = ("model", "distractors", "retrieval", "template", "shots", "max_new_tokens", "task_args", "data",
@@ -46,11 +46,17 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
         results = json.loads(res_file.read_text())
     except ValueError as e:
         raise ReportError(f"{res_file} is not valid JSON ({e}); rerun the evaluation to rewrite it") from e
-    records = list(SampleLog(run_dir, read_only=True).records.values())
+    run_hash = results.get("config_hash")
+    every = list(SampleLog(run_dir, read_only=True).records.values())
+    records = [r for r in every if r.get("config_hash") == run_hash]  # only rows made with the run's settings
     sel = results.get("selection")
     if sel:
         keys = {f"{i}@{p}" for i in sel["ids"] for p in _conditions(results)}
         records = [r for r in records if r["key"] in keys]
+        if len(records) < len(keys):
+            raise ReportError(f"{run_dir}: results.json counted {len(keys)} rows, but samples.jsonl holds only "
+                              f"{len(records)} of them made with its settings (hash {run_hash}); the directory was "
+                              "changed after the run finished. Rerun the evaluation into it to make them again.")
     return results, records
 
 
@@ -160,7 +166,7 @@ def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -
     ax.set_title(title + (f" ({subset} questions every oracle run answers)" if subset is not None else ""),
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    savefig_atomic(fig, path, dpi=150)
     plt.close(fig)
     return path
 

@@ -43,12 +43,24 @@ def write_atomic(path: str | Path, text: str) -> Path:
     return path
 
 
+def savefig_atomic(fig, path: str | Path, dpi: int) -> Path:
+    """A matplotlib figure written as ``write_atomic`` writes text: a kill leaves the old PNG or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=dpi)
+    os.replace(tmp, path)
+    return path
+
+
 class RunLock:
     """An exclusive lock on a run directory for as long as a run writes to it.
 
     ``filelock`` takes an OS lock (flock), which the kernel drops when its holder dies however it dies, so a
     lock left by a killed run is simply taken over. Who holds it lives in a side file, because filelock
-    truncates the lock file itself when it opens it."""
+    truncates the lock file itself when it opens it. A lock on a directory that another process deleted or
+    replaced guards nothing, so the directory's identity (device, inode) is taken with the lock and
+    ``verify`` proves it unchanged before anything is counted. A directory the lock created is removed again
+    when the run leaves nothing in it (a start that failed leaves no trace)."""
 
     def __init__(self, run_dir: str | Path):
         from filelock import FileLock
@@ -56,10 +68,13 @@ class RunLock:
         self.dir = Path(run_dir)
         self.info = self.dir / ".lock.json"
         self._lock = FileLock(str(self.dir / ".lock"))
+        self._identity: tuple[int, int] | None = None
+        self._created: list[Path] = []
 
     def acquire(self) -> "RunLock":
         from filelock import Timeout
 
+        self._created = [p for p in [self.dir, *self.dir.parents] if not p.exists()][::-1]
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
             self._lock.acquire(timeout=0)
@@ -72,7 +87,21 @@ class RunLock:
         write_atomic(self.info, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                             "argv": sys.argv}))
+        self._identity = dir_identity(self.dir)
         return self
+
+    def verify(self) -> None:
+        """Raise RunDirError unless the directory is still the one this lock was taken on, and the lock file in
+        it still ours: a directory deleted, moved or replaced mid-run holds someone else's rows, or none."""
+        now = dir_identity(self.dir)
+        lock_file = self.dir / ".lock"
+        ours = self._lock.is_locked and lock_file.exists()
+        if now != self._identity or not ours:
+            raise RunDirError(
+                f"{self.dir} was deleted, moved or replaced while this run was writing it (directory "
+                f"{_fmt_identity(self._identity)} at the start, {_fmt_identity(now)} now): the rows there are not "
+                "all this run's. Nothing was counted and no results were written; rerun into a directory no other "
+                "process touches.")
 
     def _holder(self) -> str:
         try:
@@ -82,9 +111,20 @@ class RunLock:
             return "holder unknown"
 
     def release(self) -> None:
-        if self._lock.is_locked:
+        if not self._lock.is_locked:
+            return
+        same = dir_identity(self.dir) == self._identity
+        if same:
             self.info.unlink(missing_ok=True)
-            self._lock.release()
+        self._lock.release()
+        if same and self._created and set(os.listdir(self.dir)) <= {".lock"}:
+            # a start that wrote nothing leaves no directory behind
+            (self.dir / ".lock").unlink(missing_ok=True)
+            for d in reversed(self._created):
+                try:
+                    d.rmdir()  # only while empty: anything written stays
+                except OSError:
+                    break
 
     def __enter__(self):
         return self.acquire()
@@ -93,10 +133,39 @@ class RunLock:
         self.release()
 
 
+def dir_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _fmt_identity(ident: tuple[int, int] | None) -> str:
+    return "gone" if ident is None else f"device {ident[0]}, inode {ident[1]}"
+
+
+def move_aside(run_dir: Path, names: Iterable[str]) -> Path | None:
+    """``--overwrite``: the previous run's files go to ``RUN/replaced-TIMESTAMP/`` (nothing finished is ever
+    deleted; delete that folder yourself once you are sure)."""
+    present = [run_dir / n for n in names if (run_dir / n).exists()]
+    if not present:
+        return None
+    dest = run_dir / f"replaced-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S.%f')}"
+    dest.mkdir()
+    for p in present:
+        os.replace(p, dest / p.name)
+    log.warning("--overwrite: the previous run's files (%s) were moved to %s", ", ".join(p.name for p in present),
+                dest)
+    return dest
+
+
 # ----------------------------------------------------------------------------------------------- run.json
 def check_run_meta(run_dir: Path, config_hash: str, hashed: dict) -> bool:
     """Raise ResumeMismatchError naming every changed setting if ``run_dir`` holds another run; True if it
     holds this one, False if it holds none yet."""
+    from harness.identity import describe_changes
+
     meta = run_dir / "run.json"
     if not meta.exists():
         return False
@@ -107,20 +176,15 @@ def check_run_meta(run_dir: Path, config_hash: str, hashed: dict) -> bool:
                           "made with other settings are still refused, by their own hash)") from e
     if prev.get("config_hash") != config_hash:
         raise ResumeMismatchError(
-            f"{run_dir} holds a run with different settings (config hash {prev.get('config_hash')} vs {config_hash};"
-            f" changed: {diff_settings(prev.get('hashed', {}), hashed)}). Use a new --output, or delete the "
-            "directory to start over.")
+            f"{run_dir} holds a run made with other settings: {describe_changes(prev.get('hashed', {}), hashed)} "
+            f"(settings hash {prev.get('config_hash')} there, {config_hash} now). Use a new --output, or "
+            "--overwrite to start over (the old run's files are moved aside, not deleted).")
     return True
 
 
 def write_run_meta(run_dir: Path, config_hash: str, hashed: dict, config: dict) -> None:
     write_atomic(run_dir / "run.json", json.dumps({"config_hash": config_hash, "hashed": hashed, "config": config},
                                                   indent=2, default=str))
-
-
-def diff_settings(a: dict, b: dict) -> str:
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys) or "unknown (run.json predates hashing)"
 
 
 # ------------------------------------------------------------------------------------------- samples.jsonl
@@ -143,6 +207,7 @@ class SampleLog:
         for f in self._files():
             self._load(f, own=(f == self.path and not read_only))
         self._fh = None
+        self._dir_id = dir_identity(self.dir)
 
     def _files(self) -> list[Path]:
         return [f for f in [self.dir / "samples.jsonl", *sorted(self.dir.glob("samples.rank*.jsonl"))] if f.exists()]
@@ -180,33 +245,54 @@ class SampleLog:
         return key in self.records
 
     def write(self, records: Iterable[dict]) -> None:
+        """Append and fsync; refuse (RunDirError) once the directory or the file is not the one this log opened:
+        rows written after another process replaced it would land where nobody counts them, or in its run."""
         if self._fh is None:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._dir_id = self._dir_id or dir_identity(self.dir)
             self._fh = open(self.path, "a", encoding="utf-8")
+        self._check_still_ours()
         for rec in records:
             self.records[rec["key"]] = rec
             self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
+    def _check_still_ours(self) -> None:
+        try:
+            same_file = os.stat(self.path).st_ino == os.fstat(self._fh.fileno()).st_ino
+        except OSError:
+            same_file = False
+        if dir_identity(self.dir) != self._dir_id or not same_file:
+            raise RunDirError(f"{self.path} is no longer the file this run opened: its directory or the file was "
+                              "deleted, moved or replaced by another process mid-run. Nothing more is written; "
+                              "rerun into a directory no other process touches.")
+
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
 
-    def merge(self, order: list[str]) -> None:
-        """Re-read every shard, write one samples.jsonl (``order`` first, then any other keys), drop shards.
-        Unreadable lines are moved to ``samples.rejected.txt`` with their file and line number, never dropped."""
+    def merge(self, order: list[str], config_hash: str) -> None:
+        """Re-read every shard, write one samples.jsonl of this run's rows (``order`` first, then any other keys),
+        drop the shards. Unreadable lines and rows of other settings (another hash, or none) are moved to
+        ``samples.rejected.txt`` with their file and line number, never dropped, and never counted."""
         self.records, self.bad_lines, self.duplicates = {}, {}, 0
         files = self._files()
         for f in files:
             self._load(f, own=False)
-        if self.bad_lines:
+        foreign = {k: r for k, r in self.records.items() if r.get("config_hash") != config_hash}
+        if self.bad_lines or foreign:
             with open(self.dir / "samples.rejected.txt", "ab") as fh:
                 for f, bad in self.bad_lines.items():
                     for n, raw in bad:
                         fh.write(f"{f.name}:{n}: ".encode() + raw + b"\n")
-            log.warning("%s: unreadable lines moved to samples.rejected.txt", self.dir)
+                for k, r in foreign.items():
+                    fh.write(f"settings hash {r.get('config_hash')}, not this run's {config_hash}: ".encode()
+                             + json.dumps(r, ensure_ascii=False).encode() + b"\n")
+                    del self.records[k]
+            log.warning("%s: %d unreadable line(s) and %d row(s) of other settings moved to samples.rejected.txt",
+                        self.dir, sum(map(len, self.bad_lines.values())), len(foreign))
         ordered = set(order)
         keys = [k for k in order if k in self.records] + [k for k in self.records if k not in ordered]
         write_atomic(self.dir / "samples.jsonl",

@@ -16,6 +16,7 @@ evaluated once more by live greedy generation through the eval engine (the retri
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,10 @@ from tqdm.auto import tqdm
 
 from evals import istree
 from harness.config import ConfigError, _f
+from harness.procs import stop_on_sigterm
+from harness.runlog import RunDirError, RunLock, savefig_atomic, write_atomic
+from harness.train_state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
+                                 rewrite_log, save_checkpoint, save_state)
 
 log = logging.getLogger("harness")
 
@@ -97,28 +102,38 @@ class TrainConfig:
         fill = {**PAPER_DEFAULTS, **(defaults or {})}
         values = {k: (fill[k] if getattr(self, k) is None and k in fill else getattr(self, k))
                   for k in (f.name for f in dataclasses.fields(self))}
-        values["lr"] = values["lr"] or fill.get("lr") or DEFAULT_LR[self.arch]
+        if values["lr"] is None:
+            values["lr"] = fill.get("lr") or DEFAULT_LR[self.arch]
         cfg = TrainConfig(**values)
         cfg = dataclasses.replace(cfg, output=cfg.output or f"runs/{cfg.name}")
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
+        """Every flag checked before anything is written; the first bad one is a ConfigError naming it."""
         def bad(flag, value, need):
             raise ConfigError(f"{flag} {value!r}: {need}")
 
-        for flag in ("samples", "batch_size", "eval_every", "eval_samples", "eval_batch_size", "bucket"):
-            value = getattr(self, flag)
-            if value is not None and value < 1:
-                bad(f"--{flag.replace('_', '-')}", value, "use a positive number")
-        if self.samples < self.batch_size:
+        def flag(name):
+            return f"--{name.replace('_', '-')}"
+
+        for name in ("samples", "batch_size", "eval_every", "eval_samples", "eval_batch_size", "bucket", "length",
+                     "d_model", "layers", "threads", "eval_max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                bad(flag(name), value, "use a positive whole number")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            bad("--warmup", self.warmup, "use 0 or more samples")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            bad("--lr", self.lr, "use a positive, finite learning rate, e.g. 3e-4")
+        if self.samples is not None and self.batch_size is not None and self.samples < self.batch_size:
             bad("--samples", self.samples, f"train on at least one batch ({self.batch_size} samples)")
         if self.task == "istree" and self.nodes < 4:
             bad("--nodes", self.nodes, "IsTree graphs need at least 4 nodes")
         if self.workers is not None and self.workers < 0:
             bad("--workers", self.workers, "use 0 (generate in the training process) or more")
-        if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
-            bad("--eval-max-new-tokens", self.eval_max_new_tokens, "use a positive number of tokens")
+        if self.seed < 0:
+            bad("--seed", self.seed, "use 0 or more")
 
 
 class TrainTask:
@@ -173,26 +188,41 @@ def batch_from_tokens(samples: list[list[str]], vocab: dict[str, int], device) -
 
 
 class TrainingBatches(torch.utils.data.IterableDataset):
-    """Endless batches of fresh samples. Each DataLoader worker draws from a stream seeded by (seed, process,
-    worker), so generation runs off the training loop's critical path and no two workers repeat a sample."""
+    """Endless pools of fresh batches (``bucket`` batches a pool). Pool ``k`` is drawn from a stream seeded by
+    (seed, process, k) alone, so the data depend on neither the number of DataLoader workers nor where a run was
+    resumed: ``start_pool`` skips to any position at no cost. Worker ``w`` of ``W`` draws pools start+w,
+    start+w+W, ...; the DataLoader takes its workers' items in turn, so pools arrive in order, generated off the
+    training loop's critical path."""
 
-    def __init__(self, task: TrainTask, batch: int, seed: int, process: int, bucket: int = 1):
+    def __init__(self, task: TrainTask, batch: int, seed: int, process: int, bucket: int = 1, start_pool: int = 0):
         self.task, self.batch, self.seed, self.process, self.bucket = task, batch, seed, process, bucket
+        self.start_pool = start_pool
         self.vocab = {t: i for i, t in enumerate(task.vocab)}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        worker = info.id if info is not None else 0
-        stream = self.task.stream(seed=self.seed * 1000 + self.process * 64 + worker)
-        order = random.Random(f"bucket:{self.seed}:{self.process}:{worker}")
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        pool = self.start_pool + worker
         while True:
-            pool = [next(stream) for _ in range(self.batch * self.bucket)]
-            if self.bucket > 1:
-                pool.sort(key=len)
-            groups = [pool[i:i + self.batch] for i in range(0, len(pool), self.batch)]
-            order.shuffle(groups)
-            for g in groups:
-                yield batch_from_tokens(g, self.vocab, "cpu")
+            yield self.pool(pool)
+            pool += workers
+
+    def pool(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches ``index * bucket`` ... of fresh samples, each batch from its own seeded stream (bucketing
+        regroups the same samples; it never changes them)."""
+        samples = []
+        for b in range(index * self.bucket, (index + 1) * self.bucket):
+            stream = self.task.stream(seed=_batch_seed(self.seed, self.process, b))
+            samples += [next(stream) for _ in range(self.batch)]
+        if self.bucket > 1:  # sorted by length, then the batches in a seeded random order
+            samples.sort(key=len)
+        groups = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
+        random.Random(f"bucket:{self.seed}:{self.process}:{index}").shuffle(groups)
+        return [batch_from_tokens(g, self.vocab, "cpu") for g in groups]
+
+
+def _batch_seed(seed: int, process: int, batch: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"train:{seed}:{process}:{batch}".encode()).digest()[:8], "little")
 
 
 def lr_at(step: int, total: int, warmup: int) -> float:
@@ -256,158 +286,260 @@ def _tracker(cfg: TrainConfig) -> str | None:
     return None if cfg.report_to == "none" else cfg.report_to
 
 
-def train_one(cfg: TrainConfig, progress: bool = True) -> dict:
-    """Train one model (or return the finished result: runs are resumable), keep the best checkpoint by
-    teacher-forced exact match, evaluate it live, save it."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
-    from harness.models.istree import build_model, trainable_parameters
-
+def train_one(cfg: TrainConfig, progress: bool = True, overwrite: bool = False) -> dict:
+    """Train one model (or return the finished result; a killed run continues from its last evaluation), keep
+    the best checkpoint by teacher-forced exact match, evaluate it live, save it."""
     if cfg.output is None or any(getattr(cfg, k) is None for k in PAPER_DEFAULTS):
         cfg = cfg.resolved()
-    out = Path(cfg.output)
-    done = out / "result.json"
-    if done.exists():
+    if not overwrite:
+        finished = finished_result(cfg)
+        if finished is not None:
+            log.info("%s: finished earlier, skipped", cfg.output)
+            return finished
+    trainer = Trainer(cfg, progress)
+    lock = RunLock(cfg.output).acquire() if trainer.acc.is_main_process else None
+    try:
+        return trainer.run(overwrite)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def finished_result(cfg: TrainConfig) -> dict | None:
+    """result.json of a finished run with these settings; None if unfinished; refused if of other settings."""
+    done = Path(cfg.output) / "result.json"
+    if not done.exists():
+        return None
+    try:
         earlier = json.loads(done.read_text())
-        changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)]
-        if changed:
-            raise ConfigError(f"{out} holds a finished run with other settings ("
-                              + ", ".join(f"{k}: {earlier[k]!r} there, {getattr(cfg, k)!r} now" for k in changed)
-                              + "); use another --output or the same settings")
-        log.info("%s: finished earlier, skipped", out)
-        return earlier
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    tracker = _tracker(cfg)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=tracker,
-                      project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tracker")))
-    check_kernels(cfg, acc.device)
-    if cfg.batch_size % acc.num_processes:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
-                          f"{acc.num_processes} processes")
-    per_process = cfg.batch_size // acc.num_processes
-    cuda = acc.device.type == "cuda"
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    except ValueError as e:
+        raise RunDirError(f"{done} is not valid JSON ({e}); move it away and rerun to finish the run") from None
+    changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)]
+    if changed:
+        raise ConfigError(f"{cfg.output} holds a finished run with other settings ("
+                          + ", ".join(f"{k}: {earlier[k]!r} there, {getattr(cfg, k)!r} now" for k in changed)
+                          + "); use another --output, the same settings, or --overwrite to start over")
+    return earlier
 
-    def autocast():
-        return torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    torch.manual_seed(cfg.seed)
-    task = TrainTask(cfg)
-    vocab = {t: i for i, t in enumerate(task.vocab)}
-    model = build_model(cfg.arch, cfg.size, len(task.vocab), max_positions=max(4096, 2 * task.max_len),
-                        d_model=cfg.d_model, layers=cfg.layers)
-    n_params = trainable_parameters(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    model, opt = acc.prepare(model, opt)
-    steps = max(1, cfg.samples // cfg.batch_size)
-    warm = max(1, cfg.warmup // cfg.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps, warm))
-    workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
-    loader = torch.utils.data.DataLoader(
-        TrainingBatches(task, per_process, cfg.seed, acc.process_index, cfg.bucket), batch_size=None,
-        num_workers=workers, pin_memory=cuda, prefetch_factor=4 if workers else None, persistent_workers=False)
-    # held-out set: this process's share, batched once
-    heldout = task.heldout()[acc.process_index::acc.num_processes]
-    eval_batches = [batch_from_tokens(heldout[i:i + cfg.eval_batch_size], vocab, "cpu")
-                    for i in range(0, len(heldout), cfg.eval_batch_size)]
-    every = max(1, cfg.eval_every // cfg.batch_size)
-    log_every = max(1, min(every, steps // 100))
-    log.info("%s: %s trainable parameters, %d steps of %d (%d per process x %d), lr %g, %s, %s, %d data workers, "
-             "teacher-forced eval every %d steps on %d samples", cfg.name, f"{n_params:,}", steps, cfg.batch_size,
-             per_process, acc.num_processes, cfg.lr, acc.device, "bf16 autocast" if bf16 else "float32", workers,
-             every, len(heldout) * acc.num_processes)
-    out.mkdir(parents=True, exist_ok=True)
-    if tracker:
-        acc.init_trackers(cfg.name, config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None})
-    curve: list[dict] = []
-    best = {"em": -1.0, "samples": 0, "state": None}
-    first_loss = None
-    loss_sum = torch.zeros((), device=acc.device)  # summed on the device: one host sync per log line
-    loss_n = 0
-    data_s = 0.0
-    t0 = time.perf_counter()
-    model.train()
-    bar = tqdm(total=steps, desc=cfg.name, disable=not (progress and acc.is_main_process))
-    batches = iter(loader)
-    with open(out / "train_log.jsonl", "w") as logf:
-        for step in range(steps):
-            t_data = time.perf_counter()
-            ids, mask = next(batches)
-            ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
-            data_s += time.perf_counter() - t_data
-            with autocast():
-                logits = model(input_ids=ids).logits
-            loss = masked_loss(logits, ids, mask)
-            acc.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            loss_sum += loss.detach()
-            loss_n += 1
-            bar.update(1)
-            evaluate_now = (step + 1) % every == 0 or step == steps - 1
-            if step % log_every and not evaluate_now:
-                continue
-            seen = (step + 1) * cfg.batch_size
-            row = {"step": step, "samples": seen, "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6),
-                   "lr": sched.get_last_lr()[0]}
-            first_loss = row["loss"] if first_loss is None else first_loss
-            loss_sum.zero_()
-            loss_n = 0
-            if evaluate_now:
-                tf_loss, right, count = (acc.reduce(t, "sum") for t in teacher_forced(model, eval_batches, autocast))
-                row["eval_loss"] = round(float(tf_loss / count), 6)
-                row["eval_em"] = int(right) / max(1, int(count))
-                if row["eval_em"] >= best["em"]:  # ties go to the later, longer-trained checkpoint
-                    best = {"em": row["eval_em"], "samples": seen, "state": {
-                        k: v.detach().to("cpu", copy=True) for k, v in acc.unwrap_model(model).state_dict().items()}}
-                bar.set_postfix(loss=f"{row['loss']:.4f}", em=f"{100 * row['eval_em']:.1f}%")
-            else:
-                bar.set_postfix(loss=f"{row['loss']:.4f}")
-            curve.append(row)
-            if tracker:
-                acc.log({f"train/{k}" if k in ("loss", "lr") else k.replace("eval_", "eval/"): v
-                         for k, v in row.items() if k not in ("step", "samples")}, step=seen)
+class Trainer:
+    """One training run, in the order it happens: build (``__init__``), start or resume, the loop, finish."""
+
+    def __init__(self, cfg: TrainConfig, progress: bool):
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        from harness.models.istree import build_model, trainable_parameters
+
+        self.cfg, self.out, self.show = cfg, Path(cfg.output), progress
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.tracker = _tracker(cfg)
+        self.acc = acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=self.tracker,
+                                     project_config=ProjectConfiguration(project_dir=str(self.out),
+                                                                         logging_dir=str(self.out / "tracker")))
+        check_kernels(cfg, acc.device)
+        if cfg.batch_size % acc.num_processes:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
+                              f"{acc.num_processes} processes")
+        self.per_process = cfg.batch_size // acc.num_processes
+        cuda = acc.device.type == "cuda"
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.seed)
+        self.task = TrainTask(cfg)
+        self.vocab = {t: i for i, t in enumerate(self.task.vocab)}
+        model = build_model(cfg.arch, cfg.size, len(self.task.vocab), max_positions=max(4096, 2 * self.task.max_len),
+                            d_model=cfg.d_model, layers=cfg.layers)
+        self.n_params = trainable_parameters(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+        self.model, self.opt = acc.prepare(model, opt)
+        self.steps = max(1, cfg.samples // cfg.batch_size)
+        warm = max(1, cfg.warmup // cfg.batch_size)
+        steps = self.steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, steps, warm))
+        self.workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
+        heldout = self.task.heldout()[acc.process_index::acc.num_processes]  # this process's share, batched once
+        self.eval_batches = [batch_from_tokens(heldout[i:i + cfg.eval_batch_size], self.vocab, "cpu")
+                             for i in range(0, len(heldout), cfg.eval_batch_size)]
+        self.n_heldout = len(heldout) * acc.num_processes
+        self.every = max(1, cfg.eval_every // cfg.batch_size)
+        self.log_every = max(1, min(self.every, self.steps // 100))
+        self.state = Progress()
+
+    def autocast(self):
+        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    # -- start or resume ----------------------------------------------------------------------------------
+    def run(self, overwrite: bool) -> dict:
+        cfg, acc = self.cfg, self.acc
+        if acc.is_main_process:
+            check_settings(self.out, {k: getattr(cfg, k) for k in RESULT_DECIDING}, overwrite)
+        acc.wait_for_everyone()
+        resumed = load_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, acc.num_processes)
+        if resumed is not None:
+            self.state = resumed
+            log.info("%s: resumed at step %d of %d (%s samples; attempt %d); the curve so far is kept", cfg.name,
+                     resumed.step, self.steps, f"{resumed.step * cfg.batch_size:,}", resumed.attempts)
+        log.info("%s: %s trainable parameters, %d steps of %d (%d per process x %d), lr %g, %s, %s, %d data workers, "
+                 "teacher-forced eval every %d steps on %d samples", cfg.name, f"{self.n_params:,}", self.steps,
+                 cfg.batch_size, self.per_process, acc.num_processes, cfg.lr, acc.device,
+                 "bf16 autocast" if self.bf16 else "float32", self.workers, self.every, self.n_heldout)
+        if acc.is_main_process:
+            rewrite_log(self.out, self.state.curve)
+            if resumed is not None:
+                retire_tracker(self.out)
+        if self.tracker:
+            acc.init_trackers(cfg.name, config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None})
+            for row in self.state.curve:  # a resumed run's tracker holds the whole curve, once
+                self._track(row)
+        try:
+            if self.state.step < self.steps:
+                self.train()
+            acc.wait_for_everyone()
+            result = self.finish() if acc.is_main_process else None
+        finally:
+            if self.tracker:
+                acc.end_training()
+        acc.wait_for_everyone()
+        return result or {}
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def batches(self):
+        """Batches from the state's step on: pools in order from the DataLoader, split into their batches."""
+        cfg, cuda = self.cfg, self.acc.device.type == "cuda"
+        start = self.state.step
+        loader = torch.utils.data.DataLoader(
+            TrainingBatches(self.task, self.per_process, cfg.seed, self.acc.process_index, cfg.bucket,
+                            start_pool=start // cfg.bucket),
+            batch_size=None, num_workers=self.workers, pin_memory=cuda,
+            prefetch_factor=4 if self.workers else None, persistent_workers=False)
+        skip = start % cfg.bucket
+        for pool in loader:
+            yield from pool[skip:]
+            skip = 0
+
+    def train(self) -> None:
+        cfg, acc, st = self.cfg, self.acc, self.state
+        loss_sum = torch.zeros((), device=acc.device)  # summed on the device: one host sync per log line
+        first_bad = torch.full((), -1, dtype=torch.long, device=acc.device)  # first non-finite loss, no sync
+        loss_n = 0
+        self.model.train()
+        bar = tqdm(total=self.steps, initial=st.step, desc=cfg.name, disable=not (self.show and acc.is_main_process))
+        batches = self.batches()
+        t0 = time.perf_counter()
+        with open(self.out / "train_log.jsonl", "a") as logf:
+            for step in range(st.step, self.steps):
+                t_data = time.perf_counter()
+                ids, mask = next(batches)
+                ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
+                st.data_s += time.perf_counter() - t_data
+                with self.autocast():
+                    logits = self.model(input_ids=ids).logits
+                loss = masked_loss(logits, ids, mask)
+                acc.backward(loss)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                loss_sum += loss.detach()
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()), step, first_bad)
+                loss_n += 1
+                bar.update(1)
+                evaluate_now = (step + 1) % self.every == 0 or step == self.steps - 1
+                if step % self.log_every and not evaluate_now:
+                    continue
+                bad = int(acc.reduce(first_bad.float(), "max"))
+                if bad >= 0:
+                    self._diverged(f"the training loss became {float(loss_sum)} at step {bad} (sample "
+                                   f"{(bad + 1) * cfg.batch_size:,})")
+                row = {"step": step, "samples": (step + 1) * cfg.batch_size,
+                       "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6), "lr": self.sched.get_last_lr()[0]}
+                st.first_loss = row["loss"] if st.first_loss is None else st.first_loss
+                loss_sum.zero_()
+                loss_n = 0
+                if evaluate_now:
+                    self.evaluate(row)
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", em=f"{100 * row['eval_em']:.1f}%")
+                else:
+                    bar.set_postfix(loss=f"{row['loss']:.4f}")
+                st.curve.append(row)
+                self._track(row)
+                if acc.is_main_process:
+                    logf.write(json.dumps(row) + "\n")
+                    logf.flush()
+                if evaluate_now:  # the state a killed run resumes from: everything up to this step
+                    st.step = step + 1
+                    st.train_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    if acc.is_main_process:
+                        save_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, st,
+                                   acc.num_processes)
+        bar.close()
+
+    def evaluate(self, row: dict) -> None:
+        """The paper's metric on the held-out set; a better (or equal, later) checkpoint is kept on disk."""
+        acc, st = self.acc, self.state
+        tf_loss, right, count = (acc.reduce(t, "sum") for t in teacher_forced(self.model, self.eval_batches,
+                                                                              self.autocast))
+        row["eval_loss"] = round(float(tf_loss / count), 6)
+        row["eval_em"] = int(right) / max(1, int(count))
+        if not math.isfinite(row["eval_loss"]):  # the update of this step broke the weights: never keep them
+            self._diverged(f"the held-out loss became {row['eval_loss']} at step {row['step']} (evaluated after "
+                           f"its update; sample {row['samples']:,})")
+        if row["eval_em"] >= st.best_em:  # ties go to the later, longer-trained checkpoint
+            model = acc.unwrap_model(self.model)
+            st.best_em, st.best_samples = row["eval_em"], row["samples"]
+            st.best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             if acc.is_main_process:
-                logf.write(json.dumps(row) + "\n")
-                logf.flush()
-    bar.close()
-    train_s = time.perf_counter() - t0
-    acc.wait_for_everyone()
-    result = None
-    if acc.is_main_process:
-        model = acc.unwrap_model(model).eval()
-        final = {"em": curve[-1]["eval_em"], "loss": curve[-1]["loss"]}
-        model.load_state_dict(best["state"])  # the kept checkpoint is the best one
-        tok = task.tokenizer()
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        (out / "icr_task.json").write_text(json.dumps({"task": cfg.task, "args": task.eval_args}, indent=2))
-        plot_curves(curve, out / "curves.png", cfg.name)
-        result = {**dataclasses.asdict(cfg), "trainable_parameters": n_params, "steps": steps,
-                  "processes": acc.num_processes, "device": str(acc.device),
-                  "compute_dtype": "bfloat16" if bf16 else "float32", "data_workers": workers,
-                  "first_loss": first_loss, "final_loss": final["loss"],
-                  "teacher_forced_em": best["em"], "best_samples": best["samples"],
-                  "teacher_forced_em_final": final["em"],
-                  "train_seconds": round(train_s, 2), "data_seconds": round(data_s, 2),
-                  "samples_per_second": round(steps * cfg.batch_size / train_s, 1), "curve": curve}
+                save_checkpoint(self.out, model, self.task.tokenizer(), self.task_meta())
+        acc.wait_for_everyone()
+
+    def _diverged(self, what: str) -> None:
+        st = self.state
+        kept = (f"the best checkpoint (teacher-forced EM {100 * st.best_em:.1f}% at {st.best_samples:,} samples) "
+                f"and the training state of step {st.step} are kept in {self.out}" if st.best_state is not None
+                else f"no checkpoint was kept (the first evaluation is at step {self.every})")
+        raise TrainingError(f"{what}: non-finite, so training stopped; {kept}. Lower --lr (now {self.cfg.lr:g})"
+                            f"{' or use --precision fp32' if self.bf16 else ''}, and rerun with --overwrite or "
+                            "another --output.")
+
+    def _track(self, row: dict) -> None:
+        if self.tracker:
+            self.acc.log({f"train/{k}" if k in ("loss", "lr") else k.replace("eval_", "eval/"): v
+                          for k, v in row.items() if k not in ("step", "samples")}, step=row["samples"])
+
+    def task_meta(self) -> dict:
+        return {"task": self.cfg.task, "args": self.task.eval_args}
+
+    # -- finish -------------------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        """The best checkpoint (on disk since its evaluation) evaluated live; result.json written last."""
+        cfg, st, out = self.cfg, self.state, self.out
+        model = self.acc.unwrap_model(self.model).eval()
+        final = {"em": st.curve[-1]["eval_em"], "loss": st.curve[-1]["loss"]}
+        model.load_state_dict(st.best_state)  # the kept checkpoint is the best one
+        tok = self.task.tokenizer()
+        plot_curves(st.curve, out / "curves.png", cfg.name)
+        result = {**dataclasses.asdict(cfg), "trainable_parameters": self.n_params, "steps": self.steps,
+                  "processes": self.acc.num_processes, "device": str(self.acc.device),
+                  "compute_dtype": "bfloat16" if self.bf16 else "float32", "data_workers": self.workers,
+                  "first_loss": st.first_loss, "final_loss": final["loss"],
+                  "teacher_forced_em": st.best_em, "best_samples": st.best_samples,
+                  "teacher_forced_em_final": final["em"], "attempts": st.attempts,
+                  "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
+                  "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
+                  "curve": st.curve}
         if cfg.live_eval:
             t1 = time.perf_counter()
-            live = _only(evaluate(model, tok, out, cfg.task, task.eval_args, cfg.eval_batch_size,
-                                  cfg.eval_max_new_tokens, progress)["metrics"])
+            live = _only(evaluate(model, tok, out, cfg.task, self.task.eval_args, cfg.eval_batch_size,
+                                  cfg.eval_max_new_tokens, self.show)["metrics"])
             result.update(accuracy=live["accuracy"], accuracy_se=live["accuracy_se"],
                           eval_seconds=round(time.perf_counter() - t1, 2))
-        done.write_text(json.dumps(result, indent=2))
-    if tracker:
-        acc.end_training()
-    acc.wait_for_everyone()
-    return result or {}
+        write_atomic(out / "result.json", json.dumps(result, indent=2))
+        drop_state(out)
+        return result
 
 
 def _only(by_condition: dict) -> dict:
@@ -418,16 +550,24 @@ def _only(by_condition: dict) -> dict:
 
 def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int,
              max_new_tokens: int | None = None, progress: bool = False) -> dict:
-    """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval)."""
+    """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval). The
+    evaluation's rows are keyed by the checkpoint's content (the files in ``run_dir``); rows of another
+    checkpoint (a killed attempt's, a retrained model's) are moved aside, never counted."""
     from harness.backends.hf import TransformersBackend
     from harness.config import RunConfig
     from harness.engine import run_eval
+    from harness.runlog import ResumeMismatchError
 
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
     cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
                     max_new_tokens=max_new_tokens, output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
-    return run_eval(cfg, backend=backend, progress=progress)
+    try:
+        return run_eval(cfg, backend=backend, progress=progress)
+    except ResumeMismatchError as e:
+        log.warning("%s: the live evaluation's earlier rows are of another checkpoint or settings (%s); they are "
+                    "moved aside and the evaluation starts over", run_dir / "eval", e)
+        return run_eval(dataclasses.replace(cfg, overwrite=True), backend=backend, progress=progress)
 
 
 def plot_curves(curve: list[dict], path: Path, title: str) -> None:
@@ -450,7 +590,7 @@ def plot_curves(curve: list[dict], path: Path, title: str) -> None:
     ax2.set_ylabel("teacher-forced EM (%)", color="tab:red")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    savefig_atomic(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -472,6 +612,8 @@ class TrainCliFlags:
                                 "threads (default: one per CPU core without a GPU, 1 with one)")
     plan: bool = _f(False, "measure a few steps of every grid cell and print the grid's estimated hours; train "
                            "nothing")
+    overwrite: bool = _f(False, "start over in --output even if it holds a run (finished, killed, or of other "
+                                "settings): its files are moved to OUTPUT/replaced-TIMESTAMP/, never deleted")
     progress: bool = _f(True, "show progress bars")
 
 
@@ -492,25 +634,32 @@ def main(argv=None) -> int:
     cfg, flags = build_parser().parse_args_into_dataclasses(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    root = Path(cfg.output or f"runs/grid-{flags.grid}") if flags.grid else None
     try:
-        if flags.grid:
-            root = Path(cfg.output or f"runs/grid-{flags.grid}")
-            if flags.plan:
-                print(grids.plan_grid(flags.grid, cfg, root))
+        with stop_on_sigterm():
+            if flags.grid:
+                if flags.plan:
+                    print(grids.plan_grid(flags.grid, cfg, root))
+                    return 0
+                t0 = time.perf_counter()
+                grids.run_grid(flags.grid, cfg, root, jobs=flags.jobs, progress=flags.progress,
+                               overwrite=flags.overwrite)
+                table = grids.write_grid_report(root)
+                print(f"\nIsTree grid '{flags.grid}' ({time.perf_counter() - t0:.0f} s)\n\n{table}\n\nwrote "
+                      f"{root}/results.md, results.csv, istree_grid.png")
                 return 0
-            t0 = time.perf_counter()
-            grids.run_grid(flags.grid, cfg, root, jobs=flags.jobs, progress=flags.progress)
-            table = grids.write_grid_report(root)
-            print(f"\nIsTree grid '{flags.grid}' ({time.perf_counter() - t0:.0f} s)\n\n{table}\n\nwrote "
-                  f"{root}/results.md, results.csv, istree_grid.png")
-            return 0
-        if flags.plan:
-            raise ConfigError("--plan estimates a grid: give --grid paper or --grid smoke")
-        cfg = cfg.resolved()
-        res = train_one(cfg, flags.progress)
-    except (ConfigError, ValueError) as e:
+            if flags.plan:
+                raise ConfigError("--plan estimates a grid: give --grid paper or --grid smoke")
+            cfg = cfg.resolved()
+            res = train_one(cfg, flags.progress, overwrite=flags.overwrite)
+    except (ConfigError, ValueError, RunDirError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = root or cfg.output
+        print(f"\ninterrupted: what finished is kept in {where} (finished runs whole, a run in progress up to its "
+              "last evaluation); rerun the same command to continue from there", file=sys.stderr)
+        return 130
     if res:
         live = (f"live greedy accuracy {100 * res['accuracy']:.1f}% ± {100 * res['accuracy_se']:.1f}; "
                 if "accuracy" in res else "")

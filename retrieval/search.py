@@ -10,20 +10,18 @@ A worker never outlives the evaluation: it asks the kernel for SIGKILL when its 
 follows the *thread* that forked the worker, so every worker is forked by one long-lived thread."""
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import re
-import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from harness.procs import die_with_parent
+
 MAX_PATTERN_CHARS = 512
 CAPTURE = -1  # ``max_matches`` value asking for the first match's captured group instead of whole units
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -34,25 +32,8 @@ class SearchOutcome:
     seconds: float = 0.0
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    else:  # best effort where the kernel offers no parent-death signal
-        def watch():
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            os._exit(0)
-
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(0)
-
-
 def _worker(conn, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     units: list[str] = []
     while True:
         try:

@@ -18,6 +18,7 @@ CASES = {
                              "2", "--samples", "2"], "identical tokens: True"),
     "throughput.py": (["--questions", "2", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
                        "--hidden", "32", "--layers", "1"], "True"),
+    "tool_timeouts.py": (["--rows", "3", "--timeout", "0.2"], "every row got [timeout]: True"),
     "train_throughput.py": (["--nodes", "4", "--setups", "direct,retrieval", "--measure-batch", "2", "--steps", "1"],
                             "paper grid"),
 }

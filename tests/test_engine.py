@@ -85,7 +85,7 @@ def test_resume_after_interruption_regenerates_nothing_done(tiny_phi_dir, phi_ba
 
 def test_resume_refuses_a_different_config(tiny_phi_dir, phi_backend, tmp_path):
     run_eval(_cfg(tiny_phi_dir, tmp_path, limit=2), backend=phi_backend, progress=False)
-    with pytest.raises(ResumeMismatchError, match="max_new_tokens: 12 -> 20"):
+    with pytest.raises(ResumeMismatchError, match="max_new_tokens changed since this run started: 12 → 20"):
         run_eval(_cfg(tiny_phi_dir, tmp_path, limit=2, max_new_tokens=20), backend=phi_backend, progress=False)
     # more positions or questions with the same settings extend the run instead
     res = run_eval(_cfg(tiny_phi_dir, tmp_path, limit=3, positions=["first", "last", "middle"]),

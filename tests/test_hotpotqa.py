@@ -128,3 +128,22 @@ def test_retrieval_units_are_the_test_context_only(rows):
     assert len(units) == sum(len(p["sentences"]) for p in ins.paragraphs)
     assert all(":" in u for u in units)
     assert not any("Ida Korsgaard" in u for u in units)  # an exemplar's paragraph
+
+
+def test_prediction_files_score_a_missing_answer_as_the_harness_does(tmp_path):
+    """A generation without an answer scores 0; written as "" it would be EM 1 in the official script against a
+    gold that normalises to "" ("A", "the"). The prediction files make the official script agree on every row."""
+    from evals.hotpotqa import write_predictions
+    from evals.metrics import exact_match, f1_score
+
+    golds = ["A", "the", "no answer", "none", "unanswered no", "yes", "Ostland"]
+    assert exact_match("", "A") == 1.0  # the trap
+    recs = [{"id": f"q{i}", "condition": "first", "skipped": None, "prediction": "", "answer_found": False,
+             "gold": g} for i, g in enumerate(golds)]
+    recs.append({"id": "found", "condition": "first", "skipped": None, "prediction": "", "answer_found": True,
+                 "gold": "A"})  # an answer phrase followed by nothing: "" is the harness's answer, EM 1 both ways
+    write_predictions(recs, tmp_path, ["first"])
+    pred = json.loads((tmp_path / "predictions" / "first.json").read_text())["answer"]
+    for r in recs[:-1]:
+        assert exact_match(pred[r["id"]], r["gold"]) == 0.0 and f1_score(pred[r["id"]], r["gold"]) == 0.0, r["gold"]
+    assert pred["found"] == ""

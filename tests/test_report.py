@@ -102,7 +102,8 @@ def test_official_gold_reproduces_the_harness_numbers_with_the_official_division
     res = _run(tiny_phi_dir, phi_backend, run, distractors=3, positions=["first", "last"])
     recs = [json.loads(l) for l in open(run / "samples.jsonl")]
     for r in recs[:4]:  # give some rows right answers so the numbers are not all zero
-        r["prediction"], r["scores"] = r["gold"], {"em": 1.0, "f1": 1.0, "contains": 1.0}
+        r["prediction"], r["answer_found"] = r["gold"], True
+        r["scores"] = {"em": 1.0, "f1": 1.0, "contains": 1.0}
     recs[5]["skipped"] = "prompt_too_long"  # and one skipped prompt
     (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (run / "results.json").unlink()

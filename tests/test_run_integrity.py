@@ -121,7 +121,7 @@ def test_an_edited_data_file_is_refused_by_name(tiny_phi_dir, phi_backend, tmp_p
     run_eval(_cfg(tiny_phi_dir, out, data=str(data)), backend=phi_backend, progress=False)
     rows[1]["question"] = rows[1]["question"].replace("?", " exactly?")
     data.write_text(json.dumps(rows))
-    with pytest.raises(ResumeMismatchError, match="data_sha256"):
+    with pytest.raises(ResumeMismatchError, match="data file changed since this run started"):
         run_eval(_cfg(tiny_phi_dir, out, data=str(data)), backend=phi_backend, progress=False)
 
 
@@ -155,7 +155,7 @@ def test_two_spellings_of_one_run_are_one_run(tiny_phi_dir, tmp_path, monkeypatc
     res = json.loads((out / "results.json").read_text())
     assert res["counts"]["resumed"] == 6 and res["counts"]["generated"] == 0
     assert res["resolved"]["dtype"] == "float32" and res["resolved"]["device_type"] == "cpu"
-    assert res["resolved"]["model"] == str(Path(tiny_phi_dir).resolve())
+    assert res["resolved"]["model"] == "local folder" and len(res["resolved"]["model_weights"]) == 16
 
 
 def test_a_failed_first_attempt_does_not_lock_the_directory(tiny_phi_dir, tmp_path, capsys):
@@ -297,18 +297,20 @@ def test_the_regex_worker_dies_with_the_eval(sig, state):
 
 
 def test_a_worker_killed_mid_search_gives_an_error_result_and_a_fresh_worker():
-    searcher = RegexSearcher(timeout=20)
+    searcher = RegexSearcher(timeout=600)  # a result other than "timeout" proves the death was seen, not waited out
     assert searcher.search("a", ["a"]).status == "ok"
     pid = searcher.worker_pids()[0]
     threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
-    t0 = time.perf_counter()
     out = searcher.search("(a+)+$", ["a" * 64 + "!"])
-    assert out.status == "error" and "died mid-search" in out.error and time.perf_counter() - t0 < 5
+    assert out.status == "error" and "died mid-search" in out.error
     assert searcher.search("a+!", ["aa!"]).status == "ok" and searcher.worker_pids()[0] != pid
     searcher.close()
 
 
-def test_eight_rows_timing_out_in_one_step_cost_about_one_timeout(phi_backend):
+def test_eight_rows_timing_out_in_one_step_search_side_by_side(phi_backend):
+    """The eight searches of one decoding step run in eight workers at once (what makes eight timeouts cost one
+    timeout of wall time; benchmarks/retrieval_resume.py times it): each is cut by the timeout, each in a worker
+    of its own, and every row reads the timeout and goes on."""
     from harness.generation import GenRequest
     from retrieval import RetrievalTool
     from tests.helpers import ScriptedBackend
@@ -316,14 +318,22 @@ def test_eight_rows_timing_out_in_one_step_cost_about_one_timeout(phi_backend):
     prompts = [f"Question {i}: where is it?" for i in range(8)]
     script = {p: ["<search>(a+)+$</search>", " done"] for p in prompts}
     backend = ScriptedBackend(phi_backend, lambda prompt: script.get(prompt))
-    searcher = RegexSearcher(timeout=1.0)
+    searcher = RegexSearcher(timeout=2.0)
+    busy, seen = set(), []
+    real_search = searcher.search
+
+    def watched(pattern, units, *args, **kw):  # the workers busy while this search starts
+        busy.add(threading.get_ident())
+        seen.append(len(busy))
+        try:
+            return real_search(pattern, units, *args, **kw)
+        finally:
+            busy.discard(threading.get_ident())
+
+    searcher.search = watched
     tools = [RetrievalTool(["a" * 64 + "!"], searcher=searcher) for _ in prompts]
-    backend.generate([GenRequest(p, 40, tool=t) for p, t in zip(prompts, tools)])  # warm: workers forked
-    tools = [RetrievalTool(["a" * 64 + "!"], searcher=searcher) for _ in prompts]
-    t0 = time.perf_counter()
     results = backend.generate([GenRequest(p, 40, tool=t) for p, t in zip(prompts, tools)])
-    wall = time.perf_counter() - t0
     assert [t.log[0]["status"] for t in tools] == ["timeout"] * 8
     assert all(r.text.endswith("<result>[timeout]</result> done") for r in results)
-    assert wall < 3.0, f"8 timeouts of 1 s took {wall:.1f} s: searches ran one after another"
+    assert max(seen) == 8, f"at most {max(seen)} searches ran at once: they ran one after another"
     searcher.close()

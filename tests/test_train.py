@@ -222,15 +222,19 @@ def test_worker_processes_draw_distinct_reproducible_batches():
     cfg = TrainConfig(nodes=6, setup="cot", report_to="none").resolved()
     ds = TrainingBatches(TrainTask(cfg), batch=8, seed=1, process=0)
 
-    def first(n, workers):
+    def first(n, workers, start=0):
+        ds.start_pool = start
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
         it = iter(loader)
-        return [next(it)[0] for _ in range(n)]
+        return [next(it)[0][0] for _ in range(n)]
 
     a, b = first(4, 2), first(4, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))  # reproducible
     rows = {tuple(r.tolist()) for batch in a for r in batch}
     assert len(rows) == 32  # the two workers never repeat each other's samples
+    # the stream depends on neither the number of workers nor where it starts: a resumed run sees batch k
+    assert all(torch.equal(x, y) for x, y in zip(a, first(4, 0)))
+    assert all(torch.equal(x, y) for x, y in zip(a[2:], first(2, 3, start=2)))
 
 
 def test_length_bucketing_cuts_padding_without_changing_samples():
@@ -238,8 +242,9 @@ def test_length_bucketing_cuts_padding_without_changing_samples():
     plain = TrainingBatches(TrainTask(cfg), batch=8, seed=3, process=0, bucket=1)
     sorted_ = TrainingBatches(TrainTask(cfg), batch=8, seed=3, process=0, bucket=8)
     pa, pb = iter(plain), iter(sorted_)
-    a = [next(pa) for _ in range(8)]
-    b = [next(pb) for _ in range(8)]
+    a = [batch for _ in range(8) for batch in next(pa)]
+    b = next(pb)
+    assert len(a) == len(b) == 8
     pad = TrainTask(cfg).vocab.index(istree.PAD)
 
     def multiset(batches):

@@ -1,0 +1,50 @@
+"""Process lifetimes: a child process never outlives the process that started it, and a scheduler's SIGTERM
+ends a run as Ctrl-C does (``finally`` blocks run: children are stopped, locks released, what finished kept)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Called first thing in a child: the kernel sends it SIGKILL when its parent dies, however the parent dies
+    (Linux ``PR_SET_PDEATHSIG``; a thread watching the parent's pid elsewhere). The signal follows the *thread*
+    that started the child, so start children from one long-lived thread."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    else:  # best effort where the kernel offers no parent-death signal
+        def watch():
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Inside: SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
