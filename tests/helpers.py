@@ -29,6 +29,15 @@ def run_config(model_dir, out, **overrides):
     return RunConfig(**base)
 
 
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, dead but not yet reaped, does not count). Linux: reads /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def assert_varied(values: Sequence, what: str = "generations") -> None:
     """Equality across batch sizes, caches or ranks proves little if every prompt gives the same output."""
     values = list(values)

@@ -17,7 +17,7 @@ from harness.engine import run_eval
 from harness.eval import main as eval_main
 from harness.runlog import ResumeMismatchError, RunLock, RunLockedError
 from retrieval.search import RegexSearcher
-from tests.helpers import run_config
+from tests.helpers import alive as _alive, run_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -271,14 +271,6 @@ _WORKER_SCRIPT = textwrap.dedent("""
         s.search("(a+)+$", ["a" * 64 + "!"])  # stuck in a catastrophic backtrack in the worker
     time.sleep(60)
 """)
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -15,6 +15,7 @@ import torch
 
 from harness.runlog import RunLock, RunLockedError
 from harness.train import TrainConfig, main, train_one
+from tests.helpers import alive as _alive
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -112,14 +113,6 @@ def test_a_cell_is_never_trained_by_two_processes_at_once(tmp_path):
         with pytest.raises(RunLockedError, match="in use by another run"):
             train_one(cfg, progress=False)
     assert not (tmp_path / "cell" / "train_run.json").exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
