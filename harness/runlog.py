@@ -68,7 +68,7 @@ class RunLock:
         self.dir = Path(run_dir)
         self.info = self.dir / ".lock.json"
         self._lock = FileLock(str(self.dir / ".lock"))
-        self._identity: tuple[int, int] | None = None
+        self._identity: tuple = (None, None)  # (directory, lock file) as (device, inode)
         self._created: list[Path] = []
 
     def acquire(self) -> "RunLock":
@@ -87,21 +87,21 @@ class RunLock:
         write_atomic(self.info, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                             "argv": sys.argv}))
-        self._identity = dir_identity(self.dir)
+        self._identity = (path_identity(self.dir), path_identity(self.dir / ".lock"))
         return self
 
     def verify(self) -> None:
         """Raise RunDirError unless the directory is still the one this lock was taken on, and the lock file in
         it still ours: a directory deleted, moved or replaced mid-run holds someone else's rows, or none."""
-        now = dir_identity(self.dir)
-        lock_file = self.dir / ".lock"
-        ours = self._lock.is_locked and lock_file.exists()
-        if now != self._identity or not ours:
+        now = (path_identity(self.dir), path_identity(self.dir / ".lock"))
+        if now != self._identity or not self._lock.is_locked:
+            i = 0 if now[0] != self._identity[0] else 1  # the directory, else the lock file in it
+            what = ("directory", "lock file")[i]
             raise RunDirError(
-                f"{self.dir} was deleted, moved or replaced while this run was writing it (directory "
-                f"{_fmt_identity(self._identity)} at the start, {_fmt_identity(now)} now): the rows there are not "
-                "all this run's. Nothing was counted and no results were written; rerun into a directory no other "
-                "process touches.")
+                f"{self.dir} was deleted, moved or replaced while this run was writing it ({what} "
+                f"{_fmt_identity(self._identity[i])} at the start, {_fmt_identity(now[i])} now): the rows there are "
+                "not all this run's. Nothing was counted and no results were written; rerun into a directory no "
+                "other process touches.")
 
     def _holder(self) -> str:
         try:
@@ -113,7 +113,7 @@ class RunLock:
     def release(self) -> None:
         if not self._lock.is_locked:
             return
-        same = dir_identity(self.dir) == self._identity
+        same = path_identity(self.dir) == self._identity[0]
         if same:
             self.info.unlink(missing_ok=True)
         self._lock.release()
@@ -133,7 +133,7 @@ class RunLock:
         self.release()
 
 
-def dir_identity(path: Path) -> tuple[int, int] | None:
+def path_identity(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
     except OSError:
@@ -207,7 +207,7 @@ class SampleLog:
         for f in self._files():
             self._load(f, own=(f == self.path and not read_only))
         self._fh = None
-        self._dir_id = dir_identity(self.dir)
+        self._dir_id = path_identity(self.dir)
 
     def _files(self) -> list[Path]:
         return [f for f in [self.dir / "samples.jsonl", *sorted(self.dir.glob("samples.rank*.jsonl"))] if f.exists()]
@@ -249,7 +249,7 @@ class SampleLog:
         rows written after another process replaced it would land where nobody counts them, or in its run."""
         if self._fh is None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._dir_id = self._dir_id or dir_identity(self.dir)
+            self._dir_id = self._dir_id or path_identity(self.dir)
             self._fh = open(self.path, "a", encoding="utf-8")
         self._check_still_ours()
         for rec in records:
@@ -263,7 +263,7 @@ class SampleLog:
             same_file = os.stat(self.path).st_ino == os.fstat(self._fh.fileno()).st_ino
         except OSError:
             same_file = False
-        if dir_identity(self.dir) != self._dir_id or not same_file:
+        if path_identity(self.dir) != self._dir_id or not same_file:
             raise RunDirError(f"{self.path} is no longer the file this run opened: its directory or the file was "
                               "deleted, moved or replaced by another process mid-run. Nothing more is written; "
                               "rerun into a directory no other process touches.")

@@ -652,7 +652,7 @@ def main(argv=None) -> int:
                 raise ConfigError("--plan estimates a grid: give --grid paper or --grid smoke")
             cfg = cfg.resolved()
             res = train_one(cfg, flags.progress, overwrite=flags.overwrite)
-    except (ConfigError, ValueError, RunDirError, TrainingError) as e:
+    except (ConfigError, ValueError, OSError, RunDirError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -293,3 +293,17 @@ def test_an_interrupted_eval_says_what_it_kept_and_resumes(tiny_phi_dir, tmp_pat
     assert eval_main(cmd[3:]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["counts"]["resumed"] == kept and res["counts"]["generated"] == 36 - kept
+
+
+def test_a_lock_file_replaced_under_a_run_is_seen(tmp_path):
+    """Another process that deleted the lock file and took a new one holds the directory now: the first run's
+    check fails, naming the lock file."""
+    from harness.runlog import RunLock
+
+    lock = RunLock(tmp_path / "run").acquire()
+    lock.verify()
+    (tmp_path / "run" / ".lock").unlink()
+    (tmp_path / "run" / ".lock").touch()
+    with pytest.raises(RunDirError, match="lock file"):
+        lock.verify()
+    lock.release()
