@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,12 +53,16 @@ def load_rows(data: str | None, split: str = "validation") -> list[dict]:
 _HOW_TO_GET = (
     "Get the official file (e.g. hotpot_dev_distractor_v1.json from the HotpotQA site, "
     f"{OFFICIAL_DEV_URL}) and pass --data PATH, use --data hub with a reachable Hugging Face hub or a filled "
-    "HF cache (dataset 'hotpot_qa', config 'distractor'), or try the pipeline on the bundled invented data "
-    "with --data fixture."
+    "HF cache (dataset 'hotpot_qa', config 'distractor'; `hf download hotpot_qa --repo-type dataset` where the hub "
+    "is reachable), or try the pipeline on the bundled invented data with --data fixture."
 )
 
 
 def _load_from_hub(split: str) -> list[dict]:
+    from harness import hub
+
+    if hub.offline():  # the cache only: no minute of retries
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import datasets
 

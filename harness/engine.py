@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from evals import get_task
 from evals.base import DataError, Instance, ToolSpec, read_utf8
+from harness import hub
 from harness.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
@@ -62,6 +63,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     if cuda_graphs and name != "phi-mamba":
         raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
     extra = {"cuda_graphs": True} if cuda_graphs else {}
+    hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))
     try:
         return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
     except OSError as e:
@@ -71,8 +73,8 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
                 "HF cache with it.") if Path(spec.path).is_dir() and spec.tokenizer else ""
         raise ModelLoadError(f"could not load model {model!r} (weights {spec.path}, tokenizer {tok}) through the "
                              f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
-                             f"`huggingface-cli download {spec.path}` elsewhere and copy the HF cache, or pass a "
-                             "local checkpoint directory to --model.") from e
+                             f"`hf download {spec.path}` elsewhere and copy the HF cache (then HF_HUB_OFFLINE=1 "
+                             "skips the network), or pass a local checkpoint directory to --model.") from e
     except (ImportError, TokenizerError):
         raise
     except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
@@ -89,6 +91,7 @@ def _load_tokenizer(cfg: RunConfig):
 
     spec = model_spec(cfg.model, cfg.tokenizer)
     name = spec.tokenizer or spec.path
+    hub.require((name, "tokenizer"))
     try:
         return load_tokenizer(name)
     except OSError as e:
@@ -171,6 +174,9 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     prompt, the run directory's settings, and (for a new run) the model."""
     t0 = time.perf_counter()
     cfg.validate()
+    spec_m = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
+    if backend is None:
+        hub.require((spec_m.path, "model"), (spec_m.tokenizer, "tokenizer"))
     task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
     if cfg.retrieval and task.retrieval_template is None and not cfg.template:
         raise ConfigError(f"--retrieval: task {cfg.task!r} has no retrieval prompt; pass --template with one")
@@ -202,7 +208,6 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
         raise ConfigError(f"template {template.path} renders an empty prompt for {len(empty)} instance(s) (e.g. "
                           f"{empty[0]}); check that it writes the task's variables ({names})")
     selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
-    spec_m = model_spec(cfg.model, cfg.tokenizer)
     identity = model_identity(spec_m.path, spec_m.tokenizer)
     dist = distributed_state()
     rank, world = (dist.process_index, dist.num_processes) if dist else (0, 1)

@@ -82,8 +82,10 @@ def oracle_subset(oracle_dirs: list[str], metric: str = "em") -> set[str]:
     return keep or set()
 
 
-def run_labels(configs: list[dict]) -> list[str]:
-    """Short legend names from what differs between the runs (just the model when nothing else does)."""
+def run_labels(configs: list[dict], conditions: list[set] | None = None) -> list[str]:
+    """Short legend names from what differs between the runs (just the model when nothing else does). Runs of
+    the same settings share a name (one line over the condition axis) where their ``conditions`` do not
+    overlap; otherwise their directories tell them apart."""
     def value(cfg, k):
         v = cfg.get(k)
         if k == "model":
@@ -104,8 +106,11 @@ def run_labels(configs: list[dict]) -> list[str]:
     differ = [k for k in fields if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
     shown = ["model", *[k for k in differ if k != "model"]]
     labels = [" ".join(value(c, k) for k in shown) for c in configs]
-    if len(set(labels)) < len(labels):  # same settings: tell the runs apart by their directories
-        labels = [f"{lab} [{Path(c['output']).name}]" for lab, c in zip(labels, configs)]
+    conditions = conditions or [{"all"} for _ in configs]  # unknown: runs of the same settings overlap
+    for lab in set(labels):
+        same = [i for i, x in enumerate(labels) if x == lab]
+        if sum(len(conditions[i]) for i in same) > len(set().union(*(conditions[i] for i in same))):
+            labels = [f"{lab} [{Path(configs[i]['output']).name}]" if i in same else x for i, x in enumerate(labels)]
     return labels
 
 
@@ -120,52 +125,130 @@ def _short_model(model: str, all_models: list[str]) -> str:
 
 
 def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame:
+    """One row per run and condition: the run's label, task, condition (in the ``position`` column for every
+    task, under its own name in ``condition_name``), the condition's place on a plot axis, and the metrics."""
     loaded = [load_run(d) for d in run_dirs]
-    labels = run_labels([_settings(res["config"]) for res, _ in loaded])
+    tasks = [res.get("task", "hotpotqa") for res, _ in loaded]
+    labels = [""] * len(loaded)
+    for task in dict.fromkeys(tasks):  # a run is named by what differs from the other runs of its task
+        idx = [i for i, t in enumerate(tasks) if t == task]
+        axis = loaded[idx[0]][0].get("condition", "position")  # the plot's x: never what tells runs apart
+        swept = {p for name in axis.split("@") for p in (name, f"{name}s")}
+        configs = [{k: v for k, v in _settings(loaded[i][0]["config"]).items() if k not in swept} for i in idx]
+        conds = [set(_conditions(loaded[i][0])) for i in idx]
+        for i, label in zip(idx, run_labels(configs, conds)):
+            labels[i] = label
     rows = []
     for d, label, (results, samples) in zip(run_dirs, labels, loaded):
         cfg = _settings(results["config"])
         first = next(iter(results["metrics"].values()), {})
         metrics = tuple(k for k in first if f"{k}_se" in first)
         by_pos = summarize(samples, metrics, _conditions(results), keep_ids=keep_ids, seed=cfg.get("seed", 0))
+        task = results.get("task", "hotpotqa")
         for pos, m in by_pos.items():
-            rows.append({"run": label, "dir": str(d), "distractors": cfg.get("distractors"), "position": pos,
-                         "gold_start": m.get("gold_start"), **{k: v for k, v in m.items() if k != "gold_start"}})
+            x, series = condition_axis(pos, m.get("gold_start") if task == "hotpotqa" else None)
+            rows.append({"run": label, "dir": str(d), "task": task,
+                         "condition_name": results.get("condition", "position"), "distractors": cfg.get("distractors"),
+                         "position": pos, "x": x, "series": series, "gold_start": m.get("gold_start"),
+                         **{k: v for k, v in m.items() if k != "gold_start"}})
     return pd.DataFrame(rows)
 
 
+def condition_axis(condition: str, gold_start=None) -> tuple[float | None, str | None]:
+    """Where a condition sits on a plot: HotpotQA's slot of the first gold paragraph; ``NAME=VALUE`` (pairs,
+    nodes, length) its value; the needle's ``LENGTH@DEPTH`` its length, one series per depth."""
+    if gold_start is not None and gold_start == gold_start:
+        return float(gold_start), None
+    if "@" in condition:
+        length, depth = condition.split("@", 1)
+        return _number(length), f"depth {depth}"
+    return _number(condition.split("=", 1)[-1]), None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
-    """One line per run over the gold paragraph's slot; one tick per slot, named positions under their slot."""
+    """One task's runs on the task's own axis: HotpotQA by gold-paragraph slot; the needle as a length x depth
+    heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     df = df[df["n"] > 0]
+    task = df["task"].iloc[0]
+    name = df["condition_name"].iloc[0]
+    if df["series"].notna().any():
+        return _heatmaps(df, metric, path, plt)
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     for run, g in df.groupby("run", sort=False):
-        g = g.sort_values("gold_start")
-        ax.errorbar(g["gold_start"], 100 * g[metric], yerr=100 * g[f"{metric}_se"].fillna(0), marker="o",
+        g = g.sort_values("x")
+        ax.errorbar(g["x"], 100 * g[metric], yerr=100 * g[f"{metric}_se"].fillna(0), marker="o",
                     capsize=3, label=run)
-    slots = sorted({int(round(s)) for s in df["gold_start"].dropna()})
-    if slots:
-        ticks = list(range(0, max(slots) + 1))
-        names: dict[int, list[str]] = {t: [] for t in ticks}
-        for pos, s in zip(df["position"], df["gold_start"]):
-            if not pos.isdigit() and s == s and pos not in names[int(round(s))]:
-                names[int(round(s))].append(pos)
-        step = 1 if len(ticks) <= 26 else 2
-        ax.set_xticks(ticks, ["\n".join([str(t), *names[t]]) if names[t] or t % step == 0 else "" for t in ticks],
-                      fontsize=8)
-    ax.set_xlabel("slot of the first gold paragraph (0 = first in the context)")
-    ax.set_ylabel(f"{metric.upper()} (%)")
+    if task == "hotpotqa":
+        _slot_ticks(ax, df)
+        ax.set_xlabel("slot of the first gold paragraph (0 = first in the context)")
+        title = f"{metric.upper()} by gold-paragraph position"
+    else:
+        values = sorted({v for v in df["x"].dropna()})
+        if values and values[0] > 0 and values[-1] / values[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [f"{v:g}" for v in values])
+        ax.set_xlabel(name)
+        title = f"{task}: {metric} by {name}"
+    ax.set_ylabel(f"{metric.upper() if task == 'hotpotqa' else metric} (%)")
     ax.set_ylim(-3, 103)  # a line at 0 or 100 stays visible
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    title = f"{metric.upper()} by gold-paragraph position"
     ax.set_title(title + (f" ({subset} questions every oracle run answers)" if subset is not None else ""),
                  fontsize=10)
     fig.tight_layout()
+    savefig_atomic(fig, path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def _slot_ticks(ax, df: pd.DataFrame) -> None:
+    """One tick per slot, the named positions (first, middle, last) under their slot."""
+    slots = sorted({int(round(s)) for s in df["x"].dropna()})
+    if not slots:
+        return
+    ticks = list(range(0, max(slots) + 1))
+    names: dict[int, list[str]] = {t: [] for t in ticks}
+    for pos, s in zip(df["position"], df["x"]):
+        if not pos.isdigit() and s == s and pos not in names[int(round(s))]:
+            names[int(round(s))].append(pos)
+    step = 1 if len(ticks) <= 26 else 2
+    ax.set_xticks(ticks, ["\n".join([str(t), *names[t]]) if names[t] or t % step == 0 else "" for t in ticks],
+                  fontsize=8)
+
+
+def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
+    """A length x depth grid per run (the needle task), each cell the metric in percent."""
+    runs = list(dict.fromkeys(df["run"]))
+    fig, axes = plt.subplots(1, len(runs), figsize=(1.6 + 3.6 * len(runs), 3.8), squeeze=False,
+                             constrained_layout=True)
+    for ax, run in zip(axes[0], runs):
+        g = df[df["run"] == run]
+        grid = g.pivot_table(index="series", columns="x", values=metric, aggfunc="mean")
+        grid = grid.reindex(sorted(grid.index, key=lambda s: float(s.split()[-1])))
+        im = ax.imshow(100 * grid.values, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(grid.columns)), [f"{c:g}" for c in grid.columns])
+        ax.set_yticks(range(len(grid.index)), [s.split()[-1] for s in grid.index])
+        for (i, j), v in __import__("numpy").ndenumerate(grid.values):
+            ax.text(j, i, "" if v != v else f"{100 * v:.0f}", ha="center", va="center", fontsize=8,
+                    color="white" if v == v and v < 0.6 else "black")
+        ax.set_xlabel("context length (model tokens)")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth (0 = start)")
+        ax.set_title(run, fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), label=f"{metric} (%)")
+    fig.suptitle(f"{df['task'].iloc[0]}: {metric} by context length and needle depth", fontsize=10)
     savefig_atomic(fig, path, dpi=150)
     plt.close(fig)
     return path
@@ -207,7 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--metric", default=None, help="metric to plot (default: em, or the task's first metric)")
     ap.add_argument("--official-gold", default=None, metavar="DIR",
                     help="also write gold files cut to the scored questions, for the official evaluation script")
-    ap.add_argument("--out", default="reports/latest", help="directory for report.md, report.csv and the plot")
+    ap.add_argument("--out", default="reports/latest", help="directory for report.md, report.csv and the plots "
+                    "(default: reports/latest, replaced by each report)")
     a = ap.parse_args(argv)
     try:
         keep = oracle_subset(a.subset, a.subset_metric) if a.subset else None
@@ -218,26 +302,47 @@ def main(argv=None) -> int:
         df = merge(a.runs, keep)
         if df.empty or not (df["n"] > 0).any():
             raise ReportError("no scored samples in the runs given" + (" after --subset" if keep else ""))
-        metric = a.metric or ("em" if "em" in df.columns else next(c[:-3] for c in df.columns if c.endswith("_se")))
-        if f"{metric}_se" not in df.columns:
-            raise ReportError(f"--metric {metric!r}: the runs have {', '.join(c[:-3] for c in df.columns if c.endswith('_se'))}")
+        plotted = {task: _metric_of(g, a.metric) for task, g in df.groupby("task", sort=False)}
         gold_files = write_official_gold(a.runs, Path(a.official_gold)) if a.official_gold else []
     except (ReportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    metrics = tuple(c[:-3] for c in df.columns if c.endswith("_se") and c[:-3] in df.columns)
-    write_atomic(out / "report.csv", df.to_csv(index=False))
-    table = format_markdown(df, metrics, id_cols=("run", "position"))
+    write_atomic(out / "report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))
+    tables, pngs = [], []
+    for task, g in df.groupby("task", sort=False):  # runs of different tasks never share a table or a figure
+        present = g.dropna(axis=1, how="all")  # another task's metric columns
+        metrics = tuple(c[:-3] for c in present.columns if c.endswith("_se") and c[:-3] in present.columns)
+        name = g["condition_name"].iloc[0]
+        shown = present.rename(columns={"position": name})
+        tables.append((f"## {task}\n\n" if len(plotted) > 1 else "")
+                      + format_markdown(shown, metrics, id_cols=("run", name)))
+        metric = plotted[task]
+        stem = f"{metric}_by_{'position' if task == 'hotpotqa' else _slug(name)}"
+        pngs.append(plot(g, metric, out / (f"{stem}.png" if len(plotted) == 1 else f"{task}_{stem}.png"),
+                         subset=len(keep) if keep is not None else None))
     header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
-    write_atomic(out / "report.md", header + table + "\n")
-    png = plot(df, metric, out / f"{metric}_by_position.png", subset=len(keep) if keep is not None else None)
-    print(header + table)
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {png}")
+    table = header + "\n\n".join(tables)
+    write_atomic(out / "report.md", table + "\n")
+    print(table)
+    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {', '.join(map(str, pngs))}")
     for f in gold_files:
         print(f"official gold: {f}")
     return 0
+
+
+def _metric_of(df: pd.DataFrame, asked: str | None) -> str:
+    """The metric drawn for one task's runs: ``--metric``, else em (HotpotQA) or the task's first metric."""
+    have = [c[:-3] for c in df.dropna(axis=1, how="all").columns if c.endswith("_se")]
+    metric = asked or ("em" if "em" in have else have[0])
+    if metric not in have:
+        raise ReportError(f"--metric {metric!r}: the {df['task'].iloc[0]} runs have {', '.join(have)}")
+    return metric
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text).strip("_")
 
 
 if __name__ == "__main__":

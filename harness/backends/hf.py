@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from harness import hub
 import harness.models  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.families import family_of, map_rows, recurrent_state, restore_rows
@@ -21,7 +22,7 @@ class TokenizerError(ValueError):
 
 
 def load_tokenizer(path: str):
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, **hub.load_kwargs(path))
     return prepare_tokenizer(tok, path)
 
 
@@ -51,7 +52,7 @@ class TransformersBackend(Backend):
         self.path = path
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, **hub.load_kwargs(path))
         self.model = model.to(self.device).eval()
         self.family = family_of(self.model)
         self.max_context = getattr(self.model.config, "max_position_embeddings", None) \

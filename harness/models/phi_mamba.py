@@ -475,11 +475,14 @@ def _resolve_folder(name_or_path: str) -> Path:
         return p
     from huggingface_hub import snapshot_download
 
+    from harness import hub
+
     try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"],
+                                      **hub.load_kwargs(name_or_path)))
     except Exception as e:
         raise OSError(f"could not find {name_or_path!r} locally, in the HF cache or on the hub ({type(e).__name__}: "
-                      f"{e}). Download it where the hub is reachable (huggingface-cli download {name_or_path}) "
+                      f"{e}). Download it where the hub is reachable (hf download {name_or_path}) "
                       "or pass a local directory.") from e
 
 

@@ -5,6 +5,7 @@ holding a ``config.json``, loads through transformers (or through the Phi-Mamba 
 says so)."""
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -62,11 +63,26 @@ def resolve_model(name: str) -> ModelSpec:
         # goombalab's checkpoint folders carry no tokenizer: theirs is Phi-1.5's
         tokenizer = None if has_tokenizer or backend != "phi-mamba" else PHI_TOKENIZER
         return ModelSpec(name, str(path), backend, tokenizer=tokenizer)
-    if _HUB_ID.match(name) and not name.startswith((".", "/")):
+    if _looks_like_a_path(name):
+        parent = path.parent
+        near = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir() if p.is_dir()], n=3) \
+            if parent.is_dir() else []
+        hint = f"; close names in {parent}/: {', '.join(near)}" if near else \
+            (f" ({parent}/ exists)" if parent.is_dir() else f" (neither does {parent}/)")
+        raise UnknownModelError(f"model directory {name!r} does not exist{hint}. A hub model is named org/name "
+                                "with no folder of that name here.")
+    if _HUB_ID.match(name):
         return ModelSpec(name, name, "transformers")
     known = "\n".join(f"  {s.name:18s} {s.path:28s} {s.description}" for s in REGISTRY.values())
     raise UnknownModelError(f"unknown model {name!r}: not a registered name, an existing directory, or a hub id "
                             f"of the form org/name. Registered models:\n{known}")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """``./x``, ``/x``, ``~/x``, ``a/b/c``, or ``runs/x`` where ``runs/`` is a folder here: never a hub id."""
+    path = Path(name).expanduser()
+    return (name.startswith((".", "/", "~")) or len(path.parts) > 2
+            or (len(path.parts) == 2 and path.parent.is_dir()))
 
 
 def _backend_for_config(cfg: dict) -> str:

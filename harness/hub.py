@@ -1,0 +1,72 @@
+"""The Hugging Face hub when it may be out of reach: one quick probe decides, and what is not on this machine
+fails in seconds with the commands that get it, instead of a minute of retries.
+
+``HF_HUB_OFFLINE=1`` skips the probe. Loads pass ``local_files_only`` (transformers' and huggingface_hub's public
+switch) when the hub is unreachable, so a model already in the HF cache loads without a network round trip."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+log = logging.getLogger("harness")
+
+PROBE_SECONDS = 3.0
+
+
+class HubUnreachableError(OSError):
+    """Something must come from the hub, the hub cannot be reached, and it is not in the HF cache."""
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=1)
+def offline() -> bool:
+    """True under ``HF_HUB_OFFLINE`` or when the hub's host does not answer within a few seconds (asked once)."""
+    if _truthy("HF_HUB_OFFLINE"):
+        return True
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (443 if endpoint.scheme != "http" else 80)
+    try:
+        socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+        return False
+    except OSError as e:
+        log.warning("the Hugging Face hub (%s) is unreachable (%s): using the local HF cache only (set "
+                    "HF_HUB_OFFLINE=1 to skip this check)", host, e)
+        return True
+
+
+def is_local(name: str) -> bool:
+    return Path(name).expanduser().is_dir()
+
+
+def load_kwargs(name: str) -> dict:
+    """Extra ``from_pretrained`` arguments for ``name``: cache only when the hub is out of reach."""
+    return {"local_files_only": True} if not is_local(name) and offline() else {}
+
+
+def in_cache(repo_id: str) -> bool:
+    from harness.identity import hub_snapshot
+
+    return hub_snapshot(repo_id) is not None
+
+
+def require(*needed: tuple[str | None, str]) -> None:
+    """Raise HubUnreachableError, with the commands that fix it, when any ``(repo_id, role)`` must come from an
+    unreachable hub (local folders and cached ids pass); every missing one is named at once."""
+    missing = [(r, role) for r, role in needed if r is not None and not is_local(r) and offline() and not in_cache(r)]
+    if not missing:
+        return
+    names = " and ".join(f"{role} {r!r}" for r, role in missing)
+    commands = "\n".join(f"    hf download {r}" for r, _ in missing)
+    flags = " / ".join(f"--{role} DIR" for _, role in missing)
+    raise HubUnreachableError(
+        f"{names} {'is' if len(missing) == 1 else 'are'} not on this machine and the Hugging Face hub is "
+        f"unreachable{' (HF_HUB_OFFLINE is set)' if _truthy('HF_HUB_OFFLINE') else ''}. Download where the hub is "
+        f"reachable and copy the HF cache (~/.cache/huggingface/hub) here:\n{commands}\nor download into a folder "
+        f"(hf download NAME --local-dir DIR) and pass {flags}.")
