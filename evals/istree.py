@@ -308,7 +308,8 @@ def _trace_text(generated: str) -> str:
 # --------------------------------------------------------------------------------------------- task
 @dataclass
 class IsTreeOptions:
-    nodes: int = field(default=16, metadata={"help": "graph size n (paper: 16, 32, 64)"})
+    nodes: int = field(default=16, metadata={"help": "graph size n (paper: 16, 32, 64; a comma list sweeps it)",
+                                             "sweep": True})
     setup: str = field(default="cot", metadata={"help": "direct, cot or retrieval (the tool is live)"})
     graph: str = field(default="binary", metadata={"help": "binary (the paper's) or recursive"})
     samples: int = field(default=5000, metadata={"help": "held-out graphs"})

@@ -22,7 +22,8 @@ SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
 
 @dataclass
 class MQAROptions(SyntheticOptions):
-    pairs: int = field(default=16, metadata={"help": "key-value pairs per sample"})
+    pairs: int = field(default=16, metadata={"help": "key-value pairs per sample (a comma list sweeps it)",
+                                             "sweep": True})
     queries: int = field(default=4, metadata={"help": "keys asked per sample"})
     keys: int = field(default=64, metadata={"help": "key vocabulary size"})
     values: int = field(default=64, metadata={"help": "value vocabulary size"})

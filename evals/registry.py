@@ -44,5 +44,13 @@ def task_names() -> list[str]:
 
 
 def get_task(name: str, **kwargs):
-    """``kwargs``: ``data``, ``split`` and the task's own options (fields of its ``Options``)."""
-    return task_class(name)(**kwargs)
+    """``kwargs``: ``data``, ``split`` and the task's own options (fields of its ``Options``). Several values of
+    a sweepable option (``pairs="16,32"`` or ``[16, 32]``) give one task over all of them (evals.sweep)."""
+    from evals.sweep import TaskSweep, sweep_field
+
+    cls = task_class(name)
+    options = {k: v for k, v in kwargs.items() if k not in ("data", "split")}
+    key = sweep_field(cls.Options, options)
+    if key is not None:
+        return TaskSweep(cls, key, **kwargs)
+    return cls(**kwargs)

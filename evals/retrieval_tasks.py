@@ -34,7 +34,8 @@ class Draw:
 
 @dataclass
 class RetrievalOptions(SyntheticOptions):
-    length: int = field(default=32, metadata={"help": "symbols per sequence"})
+    length: int = field(default=32, metadata={"help": "symbols per sequence (a comma list sweeps it)",
+                                              "sweep": True})
     symbols: int = field(default=16, metadata={"help": "alphabet size"})
     c: int = field(default=3, metadata={"help": "c-gram length (cgram)"})
     shots: int = field(default=2, metadata={"help": "exemplars (text format)"})

@@ -175,8 +175,7 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     t0 = time.perf_counter()
     cfg.validate()
     spec_m = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
-    if backend is None:
-        hub.require((spec_m.path, "model"), (spec_m.tokenizer, "tokenizer"))
+    absent = hub.missing((spec_m.path, "model"), (spec_m.tokenizer, "tokenizer")) if backend is None else []
     task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
     if cfg.retrieval and task.retrieval_template is None and not cfg.template:
         raise ConfigError(f"--retrieval: task {cfg.task!r} has no retrieval prompt; pass --template with one")
@@ -191,7 +190,12 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
                     max_chars=cfg.tool_max_chars)
 
-    all_rows = task.load()
+    try:
+        all_rows = task.load()
+    except DataError as e:  # offline, everything missing is named in one error
+        raise (hub.unreachable_error(absent, also=str(e)) if absent else e) from None
+    if absent:
+        raise hub.unreachable_error(absent)
     rows = select_rows(all_rows, cfg.ids, cfg.limit)
     if not rows:
         raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "

@@ -70,7 +70,7 @@ def _refuse(dest: str):
 def config_from_args(a: argparse.Namespace) -> RunConfig:
     """The RunConfig of a parsed command line: task options checked against the task's Options."""
     from evals import task_class
-    from evals.base import make_options
+    from evals.sweep import checked_options
 
     cls = task_class(a.task)
     pairs = _task_args(a.task_arg, a.model, a.task)
@@ -88,7 +88,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--positions {pairs['positions']} has no effect with --distractors 0 (oracle mode: the "
                           "gold paragraphs alone, position 'oracle'); drop --positions or use --distractors 1 or more")
     try:
-        options = dataclasses.asdict(make_options(cls.Options, pairs, a.task))
+        options = checked_options(cls.Options, pairs, a.task)  # a swept option stays a list of checked values
     except ValueError as e:
         raise ConfigError(str(e)) from None
     fields = {f.name for f in dataclasses.fields(RunConfig)}

@@ -56,17 +56,28 @@ def in_cache(repo_id: str) -> bool:
     return hub_snapshot(repo_id) is not None
 
 
+def missing(*needed: tuple[str | None, str]) -> list[tuple[str, str]]:
+    """The ``(repo_id, role)`` pairs that would have to come from an unreachable hub (local folders and cached ids
+    are there)."""
+    return [(r, role) for r, role in needed if r is not None and not is_local(r) and offline() and not in_cache(r)]
+
+
+def unreachable_error(absent: list[tuple[str, str]], also: str = "") -> HubUnreachableError:
+    """One error naming everything absent, with the commands that get it; ``also``: another thing missing
+    (e.g. the data), already phrased with its own fix."""
+    names = " and ".join(f"{role} {r!r}" for r, role in absent)
+    commands = "\n".join(f"    hf download {r}" for r, _ in absent)
+    flags = " / ".join(f"--{role} DIR" for _, role in absent)
+    offline_note = " (HF_HUB_OFFLINE is set)" if _truthy("HF_HUB_OFFLINE") else " (HF_HUB_OFFLINE=1 skips the probe)"
+    text = (f"{names} {'is' if len(absent) == 1 else 'are'} not on this machine and the Hugging Face hub is "
+            f"unreachable{offline_note}. Download where the hub is reachable and copy the HF cache "
+            f"(~/.cache/huggingface/hub) here:\n{commands}\nor download into a folder (hf download NAME --local-dir "
+            f"DIR) and pass {flags}.")
+    return HubUnreachableError(text + (f"\nAlso missing: {also}" if also else ""))
+
+
 def require(*needed: tuple[str | None, str]) -> None:
-    """Raise HubUnreachableError, with the commands that fix it, when any ``(repo_id, role)`` must come from an
-    unreachable hub (local folders and cached ids pass); every missing one is named at once."""
-    missing = [(r, role) for r, role in needed if r is not None and not is_local(r) and offline() and not in_cache(r)]
-    if not missing:
-        return
-    names = " and ".join(f"{role} {r!r}" for r, role in missing)
-    commands = "\n".join(f"    hf download {r}" for r, _ in missing)
-    flags = " / ".join(f"--{role} DIR" for _, role in missing)
-    raise HubUnreachableError(
-        f"{names} {'is' if len(missing) == 1 else 'are'} not on this machine and the Hugging Face hub is "
-        f"unreachable{' (HF_HUB_OFFLINE is set)' if _truthy('HF_HUB_OFFLINE') else ''}. Download where the hub is "
-        f"reachable and copy the HF cache (~/.cache/huggingface/hub) here:\n{commands}\nor download into a folder "
-        f"(hf download NAME --local-dir DIR) and pass {flags}.")
+    """Raise the error of ``unreachable_error`` when any of ``needed`` must come from an unreachable hub."""
+    absent = missing(*needed)
+    if absent:
+        raise unreachable_error(absent)

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 from tests.helpers import run_config
 from harness.engine import run_eval
@@ -144,3 +145,75 @@ def test_the_report_never_modifies_a_run_it_reads(tiny_phi_dir, phi_backend, tmp
     before = samples.read_bytes()
     assert report_main([str(run), "--out", str(tmp_path / "rep")]) == 0
     assert samples.read_bytes() == before
+
+
+def _figure(monkeypatch):
+    """What the report draws: each figure's axes, captured as it is saved."""
+    import harness.report as report
+
+    figures = []
+    real = report.savefig_atomic
+
+    def grab(fig, path, dpi):
+        figures.append({"path": path, "axes": [{"xlabel": ax.get_xlabel(), "title": ax.get_title(),
+                                                "ticks": [t.get_text() for t in ax.get_xticklabels()],
+                                                "yticks": [t.get_text() for t in ax.get_yticklabels()],
+                                                "legend": [t.get_text() for t in ax.get_legend().get_texts()]
+                                                if ax.get_legend() else []}
+                                               for ax in fig.axes]})
+        return real(fig, path, dpi)
+
+    monkeypatch.setattr(report, "savefig_atomic", grab)
+    return figures
+
+
+def test_every_task_is_drawn_on_its_own_axis(tiny_phi_dir, tiny_llama_dir, phi_backend, llama_backend, tmp_path,
+                                             monkeypatch, capsys):
+    """A swept size (MQAR's pairs) is one line per model over its values; the needle is a length x depth heatmap
+    per model; runs of different tasks never share a figure or a table."""
+    runs = {}
+    for name, model, backend in (("phi", tiny_phi_dir, phi_backend), ("llama", tiny_llama_dir, llama_backend)):
+        runs[f"mqar-{name}"] = tmp_path / f"mqar-{name}"
+        run_eval(run_config(model, runs[f"mqar-{name}"], task="mqar", task_args={"pairs": [4, 8, 16], "samples": 3},
+                            limit=None, max_new_tokens=None), backend=backend, progress=False)
+        runs[f"needle-{name}"] = tmp_path / f"needle-{name}"
+        run_eval(run_config(model, runs[f"needle-{name}"], task="needle", limit=None, max_new_tokens=None,
+                            task_args={"lengths": [96, 192], "depths": [0.0, 0.5, 1.0], "samples": 2}),
+                 backend=backend, progress=False)
+    figures = _figure(monkeypatch)
+    out = tmp_path / "rep"
+    assert report_main([*map(str, runs.values()), "--out", str(out)]) == 0
+    by_name = {Path(f["path"]).name: f["axes"] for f in figures}
+    assert sorted(by_name) == ["mqar_accuracy_by_pairs.png", "needle_accuracy_by_length_depth.png"]
+    (mq,) = by_name["mqar_accuracy_by_pairs.png"]
+    assert mq["xlabel"] == "pairs" and mq["ticks"] == ["4", "8", "16"] and mq["legend"] == ["phi0/ckpt", "llama0/ckpt"]
+    heat = [a for a in by_name["needle_accuracy_by_length_depth.png"] if a["title"]]
+    assert [a["title"] for a in heat] == ["phi0/ckpt", "llama0/ckpt"]
+    assert heat[0]["ticks"] == ["96", "192"] and heat[0]["yticks"] == ["0", "0.5", "1"]
+    assert heat[0]["xlabel"] == "context length (model tokens)"
+    md = (out / "report.md").read_text()
+    assert "## mqar" in md and "## needle" in md and "pairs=16" in md and "192@0.5" in md
+    for png in out.glob("*.png"):
+        assert png.stat().st_size > 10_000
+
+
+def test_a_task_option_is_swept_in_one_run(tiny_phi_dir, tmp_path, capsys):
+    from harness.eval import main as eval_main
+
+    out = tmp_path / "run"
+    base = ["--model", tiny_phi_dir, "--task", "mqar", "--task-arg", "samples=4", "--output", str(out), "--no-progress",
+            "--device", "cpu"]
+    assert eval_main([*base, "--task-arg", "pairs=4,8"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["metrics"]) == ["pairs=4", "pairs=8"] and res["counts"]["instances"] == 8
+    assert res["config"]["task_args"]["pairs"] == [4, 8]
+    prompts = [json.loads(l)["prompt"] for l in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(set(prompts)) == 8  # every value its own samples
+    assert eval_main([*base, "--task-arg", "pairs=4,8", "--limit", "2"]) == 0  # --limit: per value, resumed
+    res = json.loads((out / "results.json").read_text())
+    assert res["counts"]["instances"] == 4 and res["counts"]["resumed"] == 4
+    capsys.readouterr()
+    assert eval_main([*base, "--task-arg", "queries=1,2"]) == 2
+    assert "'queries' takes one value; sweepable in one run: pairs" in capsys.readouterr().err
+    assert eval_main([*base, "--task-arg", "pairs=4,100"]) == 2  # each value checked: 100 pairs > 64 keys
+    assert "pairs (100)" in capsys.readouterr().err
