@@ -141,8 +141,8 @@ class Task(ABC):
         """Task-specific files in the run directory (HotpotQA: official prediction files); their names."""
         return []
 
-    def describe(self) -> str:
-        """A short line for the run summary."""
+    def describe(self, template_variables: set[str] | None = None) -> str:
+        """A short line for the run summary (``template_variables``: what the run's template reads)."""
         opts = dataclasses.asdict(self.options)
         return ", ".join(f"{k}={v}" for k, v in opts.items()) or "no options"
 

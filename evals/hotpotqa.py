@@ -257,9 +257,11 @@ class HotpotQA(Task):
         write_predictions(records, out_dir, conditions)
         return ["predictions/"]
 
-    def describe(self) -> str:
+    def describe(self, template_variables: set[str] | None = None) -> str:
+        """``template_variables``: what the template reads; one that never shows ``shots`` is zero-shot."""
         o = self.options
-        return f"{o.distractors} distractors, {o.shots}-shot"
+        shots = o.shots if template_variables is None or "shots" in template_variables else 0
+        return f"{o.distractors} distractors, {shots}-shot"
 
     # scoring -------------------------------------------------------------------------------------
     answer_phrase = ANSWER_PHRASE  # a template's ``{% set answer_phrase = ... %}`` overrides it

@@ -98,5 +98,5 @@ class TaskSweep(Task):
     def write_outputs(self, records, out_dir, conditions) -> list[str]:
         return self.parts[0].write_outputs(records, out_dir, conditions)
 
-    def describe(self) -> str:
-        return f"{super().describe()} (one condition per {self.key})"
+    def describe(self, template_variables: set[str] | None = None) -> str:
+        return f"{super().describe(template_variables)} (one condition per {self.key})"

@@ -154,6 +154,14 @@ class RunConfig:
                 "tool_max_chars": self.tool_max_chars}
 
 
+def word_negative_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """HfArgumentParser gives ``--no-X`` the help of ``--X``; say what the negative flag does instead."""
+    for action in parser._actions:  # noqa: SLF001  (argparse has no public way to edit an added flag)
+        if isinstance(action, argparse._StoreFalseAction) and action.help:  # noqa: SLF001
+            action.help = f"turn off --{action.dest.replace('_', '-')} ({action.help})"
+    return parser
+
+
 def settings_hash(resolved: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -190,12 +190,15 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
                     max_chars=cfg.tool_max_chars)
 
+    why = (f"{spec_m.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
+           f"{spec_m.tokenizer}'s (--tokenizer picks another)." if spec_m.tokenizer and Path(spec_m.path).is_dir()
+           else "")
     try:
         all_rows = task.load()
     except DataError as e:  # offline, everything missing is named in one error
-        raise (hub.unreachable_error(absent, also=str(e)) if absent else e) from None
+        raise (hub.unreachable_error(absent, also=str(e), why=why) if absent else e) from None
     if absent:
-        raise hub.unreachable_error(absent)
+        raise hub.unreachable_error(absent, why=why)
     rows = select_rows(all_rows, cfg.ids, cfg.limit)
     if not rows:
         raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
@@ -224,7 +227,7 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     config_hash = settings_hash(resolved)
     run = RunContext(cfg=cfg, task=task, rows=rows, instances=instances, prompts=prompts, stop=stop,
                      score_kw=score_kw, tool_spec=spec, resolved=resolved, config_hash=config_hash, dist=dist,
-                     rank=rank, world=world, progress=progress, t0=t0,
+                     rank=rank, world=world, progress=progress, t0=t0, template_variables=template.variables,
                      lock=RunLock(cfg.output) if rank == 0 else None)
     if run.lock is not None:
         run.lock.acquire()
@@ -273,6 +276,7 @@ class RunContext:
     world: int
     progress: bool
     t0: float
+    template_variables: set[str]
     lock: RunLock | None
 
 
@@ -298,9 +302,9 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
     if dist:
         dist.wait_for_everyone()  # every rank has read the same "done" set before anyone writes
     todo = [ins for ins in instances if ins.key not in samples or ins.key in stale_set]
-    log.info("task %s: %d questions x %d %s(s) = %d instances (%d already done in %s)", cfg.task, len(run.rows),
-             len({i.condition for i in instances}), task.condition, len(instances), len(instances) - len(todo),
-             cfg.output)
+    log.info("task %s: %d questions x %d conditions (%s) = %d instances (%d already done in %s)", cfg.task,
+             len(run.rows), len({i.condition for i in instances}), task.condition, len(instances),
+             len(instances) - len(todo), cfg.output)
     n_todo = len(todo)
     todo = todo[rank::world]  # a fixed split of what is left, so any number of ranks can resume any run
     if world > 1:
@@ -334,7 +338,8 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
     conditions = list(dict.fromkeys(i.condition for i in instances))
     by_pos = summarize(records, task.metrics, conditions, seed=cfg.seed)
     results = {
-        "task": cfg.task, "task_summary": task.describe(), "condition": task.condition, "model": cfg.model,
+        "task": cfg.task, "task_summary": task.describe(run.template_variables), "condition": task.condition,
+        "model": cfg.model,
         "config": cfg.to_dict(), "config_hash": config_hash,
         "resolved": run.resolved, "backend": backend.describe() if backend is not None else None,
         "metrics": by_pos,
@@ -412,7 +417,7 @@ def _generate_all(run: RunContext, backend, todo: list[Instance], samples: Sampl
         new_tokens += sum(o.new_tokens for o in outs)
         samples.write(_record(task, todo[i], prompts[i], o.prompt_tokens, o,
                               task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else ""), **score_kw),
-                              config_hash, tool=tool)
+                              config_hash, tool=tool, state_bytes=backend.state_bytes(o.prompt_tokens))
                       for i, o, tool in zip(idx, outs, tools))
         bar.update(len(idx))
     bar.close()
@@ -420,10 +425,11 @@ def _generate_all(run: RunContext, backend, todo: list[Instance], samples: Sampl
 
 
 def _record(task, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,
-            skipped: str | None = None, tool=None) -> dict:
+            skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
+    """One samples.jsonl line; ``state_bytes``: the model state the prompt left (the paper's memory axis)."""
     rec = {"key": ins.key, "id": ins.id, "condition": ins.condition, **task.record_fields(ins),
            "config_hash": config_hash, "prompt_sha256": _sha(prompt), "prompt_tokens": prompt_tokens,
-           "gold": ins.answer, "skipped": skipped, "prompt": prompt}
+           "state_bytes": state_bytes, "gold": ins.answer, "skipped": skipped, "prompt": prompt}
     if out is not None:
         rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,
                    prediction=scored["prediction"], answer_found=scored["answer_found"],

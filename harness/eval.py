@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from harness.config import ConfigError, RunConfig
+from harness.config import ConfigError, RunConfig, word_negative_flags
 
 
 @dataclasses.dataclass
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.choices = names
         elif action.dest in SET_BY_HARNESS:  # fields of the recorded config, never flags
             action.type = _refuse(action.dest)
+    word_negative_flags(ap)
     group = ap.add_argument_group("HotpotQA's options (also --task-arg KEY=VALUE)")
     for f in dataclasses.fields(task_class("hotpotqa").Options):
         if f.name in HOTPOTQA_FLAGS:

@@ -74,9 +74,7 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
     """Train every unfinished cell (``jobs`` at a time; default: one per core on a CPU, one on a GPU), then
     write the grid's report. A cell that fails is named at the end; the others still train."""
     cells = grid_cells(name, base, root)
-    if jobs is None:
-        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        jobs = 1 if torch.cuda.is_available() or distributed else min(len(cells), os.cpu_count() or 1)
+    jobs = default_jobs(len(cells)) if jobs is None else jobs
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: use 1 or more")
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -89,12 +87,23 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
             log.info("grid %s: cell %d/%d %s", name, i, len(cells), cell.name)
             results.append(train_one(cell, progress, overwrite=overwrite))
     else:
-        threads = base.threads or max(1, (os.cpu_count() or 1) // jobs)
+        threads = cell_threads(base, jobs)
         log.info("grid %s: %d cells, %d at a time, %d CPU thread(s) each", name, len(cells), jobs, threads)
         results = _train_in_processes(name, sorted(cells, key=_cost, reverse=True), jobs, threads, progress,
                                       overwrite)
     write_grid_report(root)
     return results
+
+
+def default_jobs(cells: int) -> int:
+    """Cells at once: one per core on a CPU (single-threaded processes beat one process on all cores), one on a
+    GPU or under data parallelism."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return 1 if torch.cuda.is_available() or distributed else min(cells, os.cpu_count() or 1)
+
+
+def cell_threads(base: TrainConfig, jobs: int) -> int:
+    return base.threads or max(1, (os.cpu_count() or 1) // jobs)
 
 
 def _train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: int, progress: bool,
@@ -209,36 +218,59 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
 
 
 def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | None = None, steps: int = 3,
-              progress: bool = True) -> str:
-    """A table of every cell's projected hours on this machine, from measured steps; nothing is trained.
+              progress: bool = True, jobs: int | None = None) -> str:
+    """A table of every cell's projected hours on this machine, from measured steps, and the grid's wall time
+    as ``run_grid`` would run it (``jobs`` cells at once, each with its share of the CPU threads, longest
+    first); nothing is trained.
 
     A step is measured at ``measure_batch`` samples (default: the cell's batch) and scaled linearly to the
-    cell's batch; evaluations are projected from one forward pass; the live greedy evaluation at the end is
-    not included."""
+    cell's batch; evaluations are projected from one forward pass; data generation counts where it runs inline
+    (no DataLoader workers: the CPU default); the live greedy evaluation at the end is not included."""
     import pandas as pd
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = []
     cells = grid_cells(name, base, root)
-    for cell in tqdm(cells, desc=f"plan {name}", disable=not progress):
-        batch = measure_batch or cell.batch_size
-        m = measure_cell(cell, device, batch, steps)
-        scale = cell.batch_size / batch
-        n_steps = cell.samples // cell.batch_size
-        n_evals = max(1, cell.samples // cell.eval_every)
-        train_h = n_steps * m["step_s"] * scale / 3600
-        eval_h = n_evals * cell.eval_samples / batch * m["forward_s"] / 3600
-        data_h = cell.samples * m["gen_s_per_sample"] / 3600
-        rows.append({"cell": cell.name, "tokens/sample": round(m["tokens"]), "step ms": 1000 * m["step_s"] * scale,
-                     "data share": data_h / (train_h + data_h), "train h": train_h, "eval h": eval_h,
-                     "data h (1 worker)": data_h})
+    jobs = default_jobs(len(cells)) if jobs is None else jobs
+    threads, before = cell_threads(base, jobs), torch.get_num_threads()
+    inline_data = (base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)) == 0
+    rows = []
+    torch.set_num_threads(threads)  # measured as each cell will run
+    try:
+        for cell in tqdm(cells, desc=f"plan {name}", disable=not progress):
+            batch = measure_batch or cell.batch_size
+            m = measure_cell(cell, device, batch, steps)
+            scale = cell.batch_size / batch
+            n_steps = cell.samples // cell.batch_size
+            n_evals = max(1, cell.samples // cell.eval_every)
+            train_h = n_steps * m["step_s"] * scale / 3600
+            eval_h = n_evals * cell.eval_samples / batch * m["forward_s"] / 3600
+            data_h = cell.samples * m["gen_s_per_sample"] / 3600
+            rows.append({"cell": cell.name, "tokens/sample": round(m["tokens"]),
+                         "step ms": 1000 * m["step_s"] * scale, "data share": data_h / (train_h + data_h),
+                         "train h": train_h, "eval h": eval_h, "data h (1 worker)": data_h,
+                         "cell h": train_h + eval_h + (data_h if inline_data else 0.0)})
+    finally:
+        torch.set_num_threads(before)
     df = pd.DataFrame(rows)
-    total = df["train h"].sum() + df["eval h"].sum()
+    wall = _makespan(list(df["cell h"]), jobs)
     table = df.to_markdown(index=False, floatfmt=".3g")
-    return (f"{table}\n\ngrid '{name}' on {device_name(device)}: {len(cells)} cells, about {total:.1f} hours of "
-            f"training and teacher-forced evaluation one cell at a time (data generated in worker processes "
-            f"alongside; 'data share' is the share of a step the generation would take inline; live greedy "
-            f"evaluation not included)")
+    where = "CPU" if device.type == "cpu" else device_name(device)
+    return (f"{table}\n\ngrid '{name}' on {where}: {len(cells)} cells, {jobs} at a time with {threads} thread(s) "
+            f"each: about {_duration(wall)} of wall time ({_duration(df['cell h'].sum())} of cell time: training, "
+            f"teacher-forced evaluation{', inline data generation' if inline_data else ''}; the live greedy "
+            "evaluation at the end of each cell is not included)")
+
+
+def _makespan(hours: list[float], jobs: int) -> float:
+    """Wall time of running cells ``jobs`` at a time, longest first, each on the first free slot."""
+    slots = [0.0] * max(1, jobs)
+    for h in sorted(hours, reverse=True):
+        slots[slots.index(min(slots))] += h
+    return max(slots)
+
+
+def _duration(hours: float) -> str:
+    return f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.1f} h"
 
 
 def device_name(device: torch.device) -> str:

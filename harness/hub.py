@@ -62,9 +62,9 @@ def missing(*needed: tuple[str | None, str]) -> list[tuple[str, str]]:
     return [(r, role) for r, role in needed if r is not None and not is_local(r) and offline() and not in_cache(r)]
 
 
-def unreachable_error(absent: list[tuple[str, str]], also: str = "") -> HubUnreachableError:
+def unreachable_error(absent: list[tuple[str, str]], also: str = "", why: str = "") -> HubUnreachableError:
     """One error naming everything absent, with the commands that get it; ``also``: another thing missing
-    (e.g. the data), already phrased with its own fix."""
+    (e.g. the data), already phrased with its own fix; ``why``: why something is needed at all."""
     names = " and ".join(f"{role} {r!r}" for r, role in absent)
     commands = "\n".join(f"    hf download {r}" for r, _ in absent)
     flags = " / ".join(f"--{role} DIR" for _, role in absent)
@@ -73,7 +73,7 @@ def unreachable_error(absent: list[tuple[str, str]], also: str = "") -> HubUnrea
             f"unreachable{offline_note}. Download where the hub is reachable and copy the HF cache "
             f"(~/.cache/huggingface/hub) here:\n{commands}\nor download into a folder (hf download NAME --local-dir "
             f"DIR) and pass {flags}.")
-    return HubUnreachableError(text + (f"\nAlso missing: {also}" if also else ""))
+    return HubUnreachableError((f"{why}\n" if why else "") + text + (f"\nAlso missing: {also}" if also else ""))
 
 
 def require(*needed: tuple[str | None, str]) -> None:

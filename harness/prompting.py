@@ -64,6 +64,7 @@ class PromptTemplate:
             parsed = env.parse(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"template {self.path} does not parse: line {e.lineno}: {e.message}") from e
+        self.variables: set[str] = set()  # what the template and its includes read (filled by _sources)
         self.sha256 = hashlib.sha256(self._sources(parsed).encode()).hexdigest()[:16]
         self._declared = {n.target.name: n.node.value for n in parsed.body
                           if isinstance(n, jinja2.nodes.Assign) and isinstance(n.target, jinja2.nodes.Name)
@@ -74,6 +75,7 @@ class PromptTemplate:
         from jinja2 import meta
 
         text = self.source if not seen else ""
+        self.variables |= meta.find_undeclared_variables(parsed)
         for name in meta.find_referenced_templates(parsed):
             if name is None:
                 raise TemplateError(f"template {self.path} includes a template by a computed name; name included "

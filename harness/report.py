@@ -213,6 +213,48 @@ def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -
     return path
 
 
+AGAINST = {"state_bytes": ("model state the prompt left (bytes)", "state_memory"),
+           "prompt_tokens": ("context length (prompt tokens)", "context_length")}
+
+
+def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path:
+    """The paper's axes: one line per run of the metric against the mean model-state bytes (or prompt length)
+    of each condition: a Transformer's KV cache grows with the context, a recurrent model's state does not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = df[(df["n"] > 0) & df[column].notna()]
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    for run, g in df.groupby("run", sort=False):
+        g = g.sort_values(column)
+        ax.errorbar(g[column], 100 * g[metric], yerr=100 * g[f"{metric}_se"].fillna(0), marker="o", capsize=3,
+                    label=run)
+    if len(df) and df[column].max() / max(df[column].min(), 1) >= 8:
+        ax.set_xscale("log", base=2)
+    if column == "state_bytes":
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _human_bytes(v)))
+    ax.set_xlabel(AGAINST[column][0])
+    ax.set_ylabel(f"{metric} (%)")
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{df['task'].iloc[0]}: {metric} against {AGAINST[column][0].split(' (')[0]}", fontsize=10)
+    fig.tight_layout()
+    savefig_atomic(fig, path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def _human_bytes(v: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024 or unit == "GiB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.3g} {unit}"
+        v /= 1024
+    return str(v)
+
+
 def _slot_ticks(ax, df: pd.DataFrame) -> None:
     """One tick per slot, the named positions (first, middle, last) under their slot."""
     slots = sorted({int(round(s)) for s in df["x"].dropna()})
@@ -320,8 +362,11 @@ def main(argv=None) -> int:
                       + format_markdown(shown, metrics, id_cols=("run", name)))
         metric = plotted[task]
         stem = f"{metric}_by_{'position' if task == 'hotpotqa' else _slug(name)}"
-        pngs.append(plot(g, metric, out / (f"{stem}.png" if len(plotted) == 1 else f"{task}_{stem}.png"),
-                         subset=len(keep) if keep is not None else None))
+        prefix = "" if len(plotted) == 1 else f"{task}_"
+        pngs.append(plot(g, metric, out / f"{prefix}{stem}.png", subset=len(keep) if keep is not None else None))
+        for column, (_, name) in AGAINST.items():
+            if column in g and g[column].notna().any():
+                pngs.append(plot_against(g, metric, column, out / f"{prefix}{metric}_vs_{name}.png"))
     header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
     table = header + "\n\n".join(tables)
     write_atomic(out / "report.md", table + "\n")

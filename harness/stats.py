@@ -38,6 +38,8 @@ def summarize(records: Iterable[dict], metrics: tuple[str, ...], conditions: lis
         row["answer_found"] = _mean([float(r.get("answer_found", False)) for r in scored])
         if scored:
             row["prompt_tokens"] = _mean([r["prompt_tokens"] for r in scored])
+            if all(r.get("state_bytes") is not None for r in scored):  # the model state the prompts left
+                row["state_bytes"] = _mean([r["state_bytes"] for r in scored])
             row["gold_start"] = _mean([r.get("gold_start", 0) for r in scored])
             calls = [c for r in scored for c in r.get("tool_calls", [])]
             if any("tool_calls" in r for r in scored):

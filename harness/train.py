@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from evals import istree
-from harness.config import ConfigError, _f
+from harness.config import ConfigError, _f, word_negative_flags
 from harness.procs import stop_on_sigterm
 from harness.runlog import RunDirError, RunLock, savefig_atomic, write_atomic
 from harness.train_state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
@@ -387,6 +387,9 @@ class Trainer:
                  "teacher-forced eval every %d steps on %d samples", cfg.name, f"{self.n_params:,}", self.steps,
                  cfg.batch_size, self.per_process, acc.num_processes, cfg.lr, acc.device,
                  "bf16 autocast" if self.bf16 else "float32", self.workers, self.every, self.n_heldout)
+        self.state_bytes = model_state_bytes(acc.unwrap_model(self.model), self.task, self.task.max_len)
+        log.info("%s: a sequence of %d tokens (the task's longest) leaves %s bytes of model state", cfg.name,
+                 self.task.max_len, f"{self.state_bytes:,}")
         if acc.is_main_process:
             rewrite_log(self.out, self.state.curve)
             if resumed is not None:
@@ -427,7 +430,8 @@ class Trainer:
         first_bad = torch.full((), -1, dtype=torch.long, device=acc.device)  # first non-finite loss, no sync
         loss_n = 0
         self.model.train()
-        bar = tqdm(total=self.steps, initial=st.step, desc=cfg.name, disable=not (self.show and acc.is_main_process))
+        bar = tqdm(total=self.steps, initial=st.step, desc=cfg.name, unit="step", dynamic_ncols=True,
+                   disable=not (self.show and acc.is_main_process))
         batches = self.batches()
         t0 = time.perf_counter()
         with open(self.out / "train_log.jsonl", "a") as logf:
@@ -528,6 +532,7 @@ class Trainer:
                   "first_loss": st.first_loss, "final_loss": final["loss"],
                   "teacher_forced_em": st.best_em, "best_samples": st.best_samples,
                   "teacher_forced_em_final": final["em"], "attempts": st.attempts,
+                  "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
                   "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
                   "curve": st.curve}
@@ -540,6 +545,21 @@ class Trainer:
         write_atomic(out / "result.json", json.dumps(result, indent=2))
         drop_state(out)
         return result
+
+
+def model_state_bytes(model, task: TrainTask, tokens: int) -> int:
+    """Bytes of decoding state (KV cache, conv and SSM state) the model holds after ``tokens`` tokens: the
+    quantity the paper's argument is about, measured as the eval engine measures it."""
+    from harness.backends.hf import TransformersBackend
+
+    was_training = model.training
+    dev = next(model.parameters()).device
+    backend = TransformersBackend("", model=model, tok=task.tokenizer(), device=str(dev),
+                                  dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
+    try:
+        return backend.state_bytes(tokens)
+    finally:
+        model.train(was_training)
 
 
 def _only(by_condition: dict) -> dict:
@@ -625,7 +645,7 @@ def build_parser():
     for action in ap._actions:  # the task choices come from the registry  # noqa: SLF001
         if action.dest == "task":
             action.choices = trainable_tasks()
-    return ap
+    return word_negative_flags(ap)
 
 
 def main(argv=None) -> int:
@@ -639,7 +659,7 @@ def main(argv=None) -> int:
         with stop_on_sigterm():
             if flags.grid:
                 if flags.plan:
-                    print(grids.plan_grid(flags.grid, cfg, root))
+                    print(grids.plan_grid(flags.grid, cfg, root, jobs=flags.jobs))
                     return 0
                 t0 = time.perf_counter()
                 grids.run_grid(flags.grid, cfg, root, jobs=flags.jobs, progress=flags.progress,

@@ -184,7 +184,11 @@ def test_every_task_is_drawn_on_its_own_axis(tiny_phi_dir, tiny_llama_dir, phi_b
     out = tmp_path / "rep"
     assert report_main([*map(str, runs.values()), "--out", str(out)]) == 0
     by_name = {Path(f["path"]).name: f["axes"] for f in figures}
-    assert sorted(by_name) == ["mqar_accuracy_by_pairs.png", "needle_accuracy_by_length_depth.png"]
+    assert sorted(by_name) == ["mqar_accuracy_by_pairs.png", "mqar_accuracy_vs_context_length.png",
+                               "mqar_accuracy_vs_state_memory.png", "needle_accuracy_by_length_depth.png",
+                               "needle_accuracy_vs_context_length.png", "needle_accuracy_vs_state_memory.png"]
+    (state,) = by_name["mqar_accuracy_vs_state_memory.png"]
+    assert state["xlabel"] == "model state the prompt left (bytes)" and state["legend"] == ["phi0/ckpt", "llama0/ckpt"]
     (mq,) = by_name["mqar_accuracy_by_pairs.png"]
     assert mq["xlabel"] == "pairs" and mq["ticks"] == ["4", "8", "16"] and mq["legend"] == ["phi0/ckpt", "llama0/ckpt"]
     heat = [a for a in by_name["needle_accuracy_by_length_depth.png"] if a["title"]]

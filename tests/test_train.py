@@ -298,6 +298,12 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_the_plan_packs_cells_as_the_grid_runs_them():
+    from harness.grid import _makespan
+
+    assert _makespan([3, 2, 2, 1], 2) == 4 and _makespan([3, 2, 2, 1], 1) == 8 and _makespan([5, 1, 1], 4) == 5
+
+
 def test_smoke_grid_cells_and_plan(tmp_path):
     from harness.grid import grid_cells, plan_grid
 
@@ -308,6 +314,6 @@ def test_smoke_grid_cells_and_plan(tmp_path):
     assert all(Path(c.output).parent == tmp_path for c in cells)
     # a flag given on the command line wins over the grid's default
     assert {c.lr for c in grid_cells("smoke", TrainConfig(lr=1e-3), tmp_path)} == {1e-3}
-    table = plan_grid("smoke", TrainConfig(), tmp_path, measure_batch=2, steps=1, progress=False)
-    assert table.count("smoke-n4") == 9 and "hours" in table
+    table = plan_grid("smoke", TrainConfig(), tmp_path, measure_batch=2, steps=1, progress=False, jobs=2)
+    assert table.count("smoke-n4") == 9 and "2 at a time" in table and "of wall time" in table
     assert not list(tmp_path.iterdir())  # planning trains and writes nothing

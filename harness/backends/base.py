@@ -41,6 +41,28 @@ def resolve_dtype(dtype: str, device: torch.device, family: str | None = None) -
     return DTYPES[dtype]
 
 
+def state_nbytes(state: Any) -> int:
+    """Bytes of a decoding state: what its ``nbytes()`` says (Phi-Mamba: the filled part of its KV buffers),
+    else every distinct tensor reachable from it (a transformers cache's keys, values, conv and SSM states)."""
+    if hasattr(state, "nbytes") and callable(state.nbytes):
+        return state.nbytes()
+    seen, total, todo = set(), 0, [state]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module)):
+            continue
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            todo.extend(vars(obj).values())
+    return total
+
+
 class Backend(ABC):
     """Greedy generation over batches of prompts. Subclasses provide the stepper methods."""
 
@@ -87,6 +109,25 @@ class Backend(ABC):
             self._prefix = cached = Prefix(ids, state, logits)
             self.stats["prefix_tokens"] = self.stats.get("prefix_tokens", 0) + len(ids)
         return cached
+
+    @torch.inference_mode()
+    def state_bytes(self, tokens: int) -> int | None:
+        """Bytes of decoding state one sequence of ``tokens`` tokens holds (KV cache at its length, conv and SSM
+        state, both for hybrids): fitted once from two real prefills as a constant plus a per-token part (exact
+        for both kinds of state). None where the backend keeps no state of its own (vLLM)."""
+        fit = getattr(self, "_state_fit", False)
+        if fit is False:
+            try:
+                sizes = []
+                for n in (8, 24):
+                    ids = (torch.arange(n, device=self.device) % max(2, len(self.tokenizer) - 1) + 1)[None]
+                    sizes.append(state_nbytes(self.prefill(ids, torch.ones_like(ids))[1]))
+                per_token = (sizes[1] - sizes[0]) / 16
+                fit = (sizes[0] - 8 * per_token, per_token)
+            except NotImplementedError:
+                fit = None
+            self._state_fit = fit
+        return None if fit is None else int(round(fit[0] + fit[1] * tokens))
 
     def token_budget(self) -> int:
         """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``."""
