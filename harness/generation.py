@@ -280,6 +280,8 @@ def chunked_generate(continue_rows: ContinueRows, tokenizer, requests: Sequence[
                     break
             else:  # the run ended on no token the state machine acts on: EOS left out of the ids, or the context
                 full = max_context is not None and row.prompt_len + len(row.ids) >= max_context
+                if not full:
+                    row.new_tokens += 1  # the EOS the engine chose and left out, counted as the stepped loop does
                 row.done = _finish(row, "context" if full else "eos")
         _run_tool_calls([rows[b] for b in active if rows[b].done is None and rows[b].call is not None], tokenizer)
         active = [b for b in active if rows[b].done is None]  # a row a tool result overfilled ends at the top

@@ -93,6 +93,9 @@ class FileHashCache:
                 self._entries = None  # merge with what other runs wrote meanwhile
                 entries = self._load()
                 entries[key] = value
+                if len(entries) > 5000:  # forget files that are gone
+                    for gone in [k for k in entries if not os.path.exists(k)]:
+                        del entries[gone]
                 write_atomic(self.path, json.dumps(entries))
         except Exception as e:  # noqa: BLE001  a cache that cannot be written only costs time
             log.debug("file-hash cache not written (%s)", e)

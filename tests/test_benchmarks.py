@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
+    "context_fit.py": (["--distractors", "0,10"], "| 10 |"),
     "decode_bound.py": (["--lengths", "32,64", "--steps", "2"], "of bound"),
     "decode_scaling.py": (["--lengths", "32,64", "--steps", "2", "--hidden", "32", "--layers", "2"],
                           "decode-state memory"),
