@@ -25,7 +25,7 @@ from harness.generation import GenRequest, common_prefix
 from harness.prompting import PromptTemplate
 from harness.results import format_markdown, git_hash, metrics_table, versions
 from harness.stats import summarize
-from harness.identity import awaits_download, model_identity
+from harness.identity import awaits_download, describe_changes, model_identity
 from harness.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, move_aside,
                             write_atomic, write_run_meta)
 
@@ -313,6 +313,7 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
     t_load = time.perf_counter()
     if backend is None and (todo or not has_meta):
         backend = _load_model(cfg, dist)
+        _check_loaded_identity(run)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()
@@ -362,6 +363,17 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
     run.lock.verify()
     write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))  # last: it marks the run finished
     return results
+
+
+def _check_loaded_identity(run: RunContext) -> None:
+    """The files hashed before loading are still the ones loaded: a checkpoint rewritten in between would
+    label this run's rows with the other weights' identity."""
+    spec = model_spec(run.cfg.model, run.cfg.tokenizer)
+    now = model_identity(spec.path, spec.tokenizer)
+    before = {k: run.resolved.get(k) for k in now}
+    if now != before:
+        raise ResumeMismatchError(f"{run.cfg.model} changed while it was being loaded: {describe_changes(before, now)}."
+                                  " Rerun once whatever writes the checkpoint has finished.")
 
 
 def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:
