@@ -454,8 +454,8 @@ class Trainer:
                 evaluate_now = (step + 1) % self.every == 0 or step == self.steps - 1
                 if step % self.log_every and not evaluate_now:
                     continue
-                bad = int(acc.reduce(first_bad.float(), "max"))
-                if bad >= 0:
+                if float(acc.reduce((first_bad >= 0).float(), "sum")) > 0:  # on any process
+                    bad = int(first_bad) if int(first_bad) >= 0 else step
                     self._diverged(f"the training loss became {float(loss_sum)} at step {bad} (sample "
                                    f"{(bad + 1) * cfg.batch_size:,})")
                 row = {"step": step, "samples": (step + 1) * cfg.batch_size,
