@@ -69,6 +69,8 @@ class RunConfig:
     cuda_graphs: bool = _f(False, "Phi-Mamba and the hybrid on CUDA: replay each decode step from a CUDA graph "
                                   "(one per batch and context bucket; checked against the eager step by "
                                   "harness.doctor)")
+    audit: int = _f(0, "after the run, generate N of its rows (drawn at random, seeded) again alone, unpadded, "
+                       "without prefix reuse or CUDA graphs, in float32, and record in results.json how many agree")
     overwrite: bool = _f(False, "start over in --output even if it holds a run (of other settings, or this one): "
                                 "its files are moved to OUTPUT/replaced-TIMESTAMP/, never deleted")
     template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
@@ -93,6 +95,8 @@ class RunConfig:
             bad("--tool-timeout", self.tool_timeout, "use a positive, finite number of seconds, e.g. 1.0")
         if self.max_tool_calls is not None and self.max_tool_calls < 1:
             bad("--max-tool-calls", self.max_tool_calls, "use 1 or more (leave out --retrieval for no tool)")
+        if self.audit < 0:
+            bad("--audit", self.audit, "use 0 (no audit) or a number of rows")
         if self.tool_max_chars < 4:
             bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):

@@ -336,6 +336,11 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
                           f"{', ...' if len(missing) > 5 else ''}); rerun the same command to generate them")
 
     records = [samples.records[i.key] for i in instances]
+    if cfg.audit:
+        from harness.audit import audit_rows
+
+        backend = backend if backend is not None else _load_model(cfg, dist)
+        audit = audit_rows(run, backend, records, cfg.audit)
     conditions = list(dict.fromkeys(i.condition for i in instances))
     by_pos = summarize(records, task.metrics, conditions, seed=cfg.seed)
     results = {
@@ -354,8 +359,10 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
         "seed": cfg.seed, "versions": versions(), "git": git_hash(),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if cfg.audit:
+        results["audit"] = audit
     df = metrics_table(by_pos, task.metrics, task.condition)
-    results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,))
+    results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
     results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions), "table.md",
                         "table.csv"]
     write_atomic(out / "table.csv", df.to_csv(index=False))
@@ -363,6 +370,17 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
     run.lock.verify()
     write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))  # last: it marks the run finished
     return results
+
+
+def audit_line(results: dict) -> str:
+    """The audit's verdict under a results table ("" without one)."""
+    a = results.get("audit")
+    if not a:
+        return ""
+    ref = a["reference"]
+    return (f"\n\naudit: {a['agree']} of {a['rows']} rows generated again alone (batch 1, no prefix reuse, no CUDA "
+            f"graphs, {ref['dtype']}) agree" + (f"; first difference: {a['differ'][0]['key']} at generated token "
+                                                f"{a['differ'][0]['token']}" if a["differ"] else ""))
 
 
 def _check_loaded_identity(run: RunContext) -> None:

@@ -147,7 +147,9 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
         task = results.get("task", "hotpotqa")
         for pos, m in by_pos.items():
             x, series = condition_axis(pos, m.get("gold_start") if task == "hotpotqa" else None)
+            audit = results.get("audit")
             rows.append({"run": label, "dir": str(d), "task": task,
+                         "audit": f"{audit['agree']}/{audit['rows']}" if audit else None,
                          "condition_name": results.get("condition", "position"), "distractors": cfg.get("distractors"),
                          "position": pos, "x": x, "series": series, "gold_start": m.get("gold_start"),
                          **{k: v for k, v in m.items() if k != "gold_start"}})
@@ -358,8 +360,11 @@ def main(argv=None) -> int:
         metrics = tuple(c[:-3] for c in present.columns if c.endswith("_se") and c[:-3] in present.columns)
         name = g["condition_name"].iloc[0]
         shown = present.rename(columns={"position": name})
+        audits = {run: a for run, a in zip(g["run"], g["audit"]) if a}
         tables.append((f"## {task}\n\n" if len(plotted) > 1 else "")
-                      + format_markdown(shown, metrics, id_cols=("run", name)))
+                      + format_markdown(shown, metrics, id_cols=("run", name))
+                      + ("\n\naudit (rows generated again alone, unpadded, float32; agree/drawn): "
+                         + ", ".join(f"{run} {a}" for run, a in audits.items()) if audits else ""))
         metric = plotted[task]
         stem = f"{metric}_by_{'position' if task == 'hotpotqa' else _slug(name)}"
         prefix = "" if len(plotted) == 1 else f"{task}_"
