@@ -313,7 +313,7 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
     t_load = time.perf_counter()
     if backend is None and (todo or not has_meta):
         backend = _load_model(cfg, dist)
-        _check_loaded_identity(run)
+        config_hash = _identity_after_loading(run, fresh=not has_meta and not samples.records)
     load_s = time.perf_counter() - t_load
     if backend is not None:
         d = backend.describe()
@@ -383,15 +383,21 @@ def audit_line(results: dict) -> str:
                                                 f"{a['differ'][0]['token']}" if a["differ"] else ""))
 
 
-def _check_loaded_identity(run: RunContext) -> None:
-    """The files hashed before loading are still the ones loaded: a checkpoint rewritten in between would
-    label this run's rows with the other weights' identity."""
+def _identity_after_loading(run: RunContext, fresh: bool) -> str:
+    """The loaded files hashed again: a hub model can resolve to a newer commit once it is fetched (a new run
+    takes the commit it loaded; a resumed one is refused), and a local checkpoint rewritten while it loaded may
+    have been read half old, half new (refused). Returns the run's settings hash."""
     spec = model_spec(run.cfg.model, run.cfg.tokenizer)
     now = model_identity(spec.path, spec.tokenizer)
     before = {k: run.resolved.get(k) for k in now}
     if now != before:
-        raise ResumeMismatchError(f"{run.cfg.model} changed while it was being loaded: {describe_changes(before, now)}."
-                                  " Rerun once whatever writes the checkpoint has finished.")
+        if not fresh or hub.is_local(spec.path) or (spec.tokenizer and hub.is_local(spec.tokenizer)):
+            raise ResumeMismatchError(f"{run.cfg.output} holds a run made with other settings: "
+                                      f"{describe_changes(before, now)} (the model was fetched or rewritten as it "
+                                      "loaded). Use a new --output, or --overwrite to start over.")
+        run.resolved.update(now)
+        run.config_hash = settings_hash(run.resolved)
+    return run.config_hash
 
 
 def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:
