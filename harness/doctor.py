@@ -285,7 +285,15 @@ def main(argv=None) -> int:
                     help="model size for the decode table (default: real on CUDA, tiny on CPU)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-speed table")
     ap.add_argument("--json", default=None, help="also write everything to this JSON file")
+    ap.add_argument("--suite", choices=["gpu"], default=None,
+                    help="gpu: every parity check, throughput, decode and trainer measurement in one run, written to "
+                         "--out as report.json and report.md (released shapes on CUDA, tiny sizes on CPU)")
+    ap.add_argument("--out", default="reports/gpu-suite", help="where --suite writes its report")
     a = ap.parse_args(argv)
+    if a.suite == "gpu":
+        from harness.gpu_suite import run_suite
+
+        return run_suite(Path(a.out))
 
     env = environment()
     print("== environment")

@@ -35,6 +35,7 @@ def mamba_ssm_ops() -> types.SimpleNamespace | None:
     """mamba-ssm's Triton ops if they import and can run here (a GPU or the interpreter); else None."""
     if not (torch.cuda.is_available() or interpreting()):
         return None
+    use_carried_sources()
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -67,6 +68,18 @@ def status() -> dict:
         out[pkg] = importlib.util.find_spec(pkg) is not None
     out["phi_mamba_scan"] = "mamba-ssm triton" if mamba_ssm_ops() is not None else "pytorch reference"
     return out
+
+
+def use_carried_sources() -> None:
+    """A mamba-ssm source tree carried to a machine where pip cannot build it (the GPU machines: no network, no
+    compiler for its CUDA extensions): ``ICR_MAMBA_SSM_SRC`` names it, and its Triton ops import with empty
+    stand-ins for the CUDA extension modules it imports at top level (the ops used here need none of them)."""
+    src = os.environ.get("ICR_MAMBA_SSM_SRC")
+    if not src or str(Path(src).resolve()) in sys.path:
+        return
+    sys.path.insert(0, str(Path(src).resolve()))
+    for name in ("selective_scan_cuda", "causal_conv1d_cuda", "causal_conv1d"):
+        sys.modules.setdefault(name, types.ModuleType(name))
 
 
 def enable_cpu_interpreter(mamba_ssm_src: str | Path) -> None:

@@ -1,0 +1,241 @@
+"""``python -m harness.doctor --suite gpu --out DIR``: what a GPU machine must prove, in one command, written to
+``DIR/report.json`` and ``DIR/report.md``; exit status 1 on any parity failure.
+
+GPU machines come rarely, briefly and without network, so the first command must prove everything at once. On
+CUDA the models have the released checkpoints' shapes (random weights, the tiny BPE tokenizer: no download); on
+a machine without CUDA the same checks run at tiny sizes on CPU and the report says so, and the test suite runs
+them, so the suite cannot rot between GPU runs. Checks that need a GPU (CUDA graphs, the trainer on CUDA against
+CPU, ``--batch-size auto``'s budget) are listed as skipped with the reason."""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {"real": {"hidden": 2048, "layers": 24}, "tiny": {"hidden": 64, "layers": 4}}
+PARITY_ARCHS = ("phi", "phi-mamba", "hybrid-phi-mamba")
+INIT_STD = {"real": 0.05, "tiny": 0.5}  # large enough that generations differ between prompts
+
+
+def _fixture_prompts(distractors: int, questions: int) -> list[str]:
+    """4-shot HotpotQA prompts from the bundled fixture, first/middle/last gold positions."""
+    from evals import get_task
+    from evals.base import ToolSpec
+    from harness.prompting import PromptTemplate
+
+    task = get_task("hotpotqa", data="fixture", distractors=distractors, positions="first,middle,last")
+    rows = task.load()
+    template, tool = PromptTemplate("hotpotqa_cot"), ToolSpec().template_vars()
+    return [template.render(**task.template_vars(i), tool=tool)
+            for i in task.instances(rows[:questions], seed=1234, pool_rows=rows)]
+
+
+def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
+    from harness.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp / f"{arch}-{size}", arch, tokenizer=tok, max_positions=4096,
+                               init_std=INIT_STD[size], real_heads=size == "real" and arch != "phi", **SIZES[size],
+                               **kw))
+
+
+def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
+    """Greedy generations: a batch with the shared prefix reused == the batch without it == each prompt alone."""
+    from harness.engine import load_backend
+    from harness.generation import GenRequest, common_prefix
+
+    backend = load_backend(path, device, dtype)
+    reqs = [GenRequest(p, new) for p in prompts]
+    shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
+    batched = [r.token_ids for r in backend.generate(reqs, shared_prefix=shared)]
+    no_prefix = [r.token_ids for r in backend.generate(reqs)]
+    alone = [backend.generate([r])[0].token_ids for r in reqs]
+    same = sum(a == b == c for a, b, c in zip(batched, no_prefix, alone))
+    distinct = len({tuple(t) for t in alone})
+    # an equality of identical outputs proves nothing: the generations must differ between prompts
+    return {"name": f"{arch} {dtype}: batched == no prefix reuse == alone", "same": f"{same}/{len(reqs)}",
+            "distinct_generations": distinct, "shared_prefix_tokens": len(shared),
+            "ok": same == len(reqs) and distinct >= 2}
+
+
+def family_parity(device: str, tmp: Path, tok) -> dict:
+    """Every transformers family of the capability table (tiny configs): a batch of 4 == each prompt alone."""
+    from harness.engine import load_backend
+    from harness.generation import GenRequest
+    from harness.tiny import FAMILY_ARCHS, make_tiny_model
+
+    prompts = [f"Question {i}: which river runs through the town of Karvell{'?' * i}" for i in range(4)]
+    failed, distinct = [], {}
+    for arch in FAMILY_ARCHS:
+        path = make_tiny_model(tmp / f"family-{arch}", arch, tokenizer=tok, init_std=0.1 if arch == "lfm2" else 0.5)
+        backend = load_backend(str(path), device, "float32")
+        reqs = [GenRequest(p, 12) for p in prompts]
+        batched = [r.token_ids for r in backend.generate(reqs)]
+        alone = [backend.generate([r])[0].token_ids for r in reqs]
+        distinct[arch] = len({tuple(t) for t in alone})
+        if batched != alone:
+            failed.append(arch)
+        del backend
+    return {"name": f"family matrix ({len(FAMILY_ARCHS)} families, float32): batch 4 == alone", "failed": failed,
+            "distinct_generations": distinct, "ok": not failed}
+
+
+def trainer_parity(device: str) -> dict:
+    """One training step of each architecture: the loss and every gradient on ``device`` against the CPU."""
+    from harness.models.istree import build_model
+    from harness.train import TrainConfig, TrainTask, batch_from_tokens, masked_loss
+
+    cfg = TrainConfig(size="smoke", nodes=8, setup="cot", report_to="none").resolved()
+    task = TrainTask(cfg)
+    vocab = {t: i for i, t in enumerate(task.vocab)}
+    stream = task.stream(seed=0)
+    ids, mask = batch_from_tokens([next(stream) for _ in range(8)], vocab, "cpu")
+    worst = {}
+    for arch in ("transformer", "mamba", "hybrid"):
+        torch.manual_seed(0)
+        model = build_model(arch, "smoke", len(task.vocab))
+        out = {}
+        for dev in ("cpu", device):
+            m = model.to(dev)
+            m.zero_grad()
+            loss = masked_loss(m(input_ids=ids.to(dev)).logits, ids.to(dev), mask.to(dev))
+            loss.backward()
+            out[dev] = (loss.item(), [p.grad.detach().cpu().clone() for p in m.parameters() if p.grad is not None])
+        (l0, g0), (l1, g1) = out["cpu"], out[device]
+        worst[arch] = max([abs(l0 - l1)] + [((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
+                                            for a, b in zip(g0, g1)])
+    return {"name": f"trainer: one step's loss and gradients on {device} == CPU (float32)",
+            "max_rel_diff": {k: f"{v:.2e}" for k, v in worst.items()}, "ok": all(v < 1e-3 for v in worst.values())}
+
+
+def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
+    """Samples/s and tokens/s of the harness on the fixture prompts; for a transformers model also per-sample
+    ``generate`` and ``generate`` on left-padded batches, with their texts checked against the harness's."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.engine import load_backend
+    from harness.generation import GenRequest, common_prefix
+
+    backend = load_backend(path, device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
+    shared = common_prefix(ids)
+    reqs = [GenRequest(p, new) for p in prompts]
+    sync()
+    t = time.perf_counter()
+    outs = backend.generate(reqs, shared_prefix=shared)
+    sync()
+    harness_s = time.perf_counter() - t
+    row = {"model": arch, "dtype": dtype, "samples": len(prompts), "prompt_tokens": sum(map(len, ids)),
+           "harness_samples_per_s": round(len(prompts) / harness_s, 2),
+           "harness_new_tokens_per_s": round(sum(o.new_tokens for o in outs) / harness_s, 1)}
+    if arch == "phi":  # transformers' own generate, the baseline a user would reach for
+        model = backend.model
+        tok = backend.tokenizer
+        eos = tok.eos_token_id
+        sync()
+        t = time.perf_counter()
+        alone = []
+        for i in ids:
+            x = torch.tensor([i], device=device)
+            alone.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                                        pad_token_id=eos)[0, len(i):].tolist())
+        sync()
+        row["generate_per_sample_samples_per_s"] = round(len(prompts) / (time.perf_counter() - t), 2)
+        enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+        sync()
+        t = time.perf_counter()
+        model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=eos)
+        sync()
+        row["generate_padded_batch_samples_per_s"] = round(len(prompts) / (time.perf_counter() - t), 2)
+        cut = [a[:a.index(eos)] if eos in a else a for a in alone]
+        row["same_tokens_as_generate"] = f"{sum(o.token_ids == c for o, c in zip(outs, cut))}/{len(outs)}"
+        row["speedup_vs_per_sample"] = round(row["harness_samples_per_s"] / row["generate_per_sample_samples_per_s"], 2)
+        del model
+    return row
+
+
+def trainer_throughput(device: torch.device, cells: list) -> list[dict]:
+    from harness.grid import measure_cell
+
+    rows = []
+    for cell in cells:
+        m = measure_cell(cell, device, cell.batch_size, steps=2)
+        rows.append({"cell": cell.name, "samples_per_s": round(cell.batch_size / m["step_s"], 1),
+                     "data_share": round(m["gen_s_per_sample"] * cell.batch_size
+                                         / (m["gen_s_per_sample"] * cell.batch_size + m["step_s"]), 3)})
+    return rows
+
+
+def run_suite(out: Path, size: str | None = None) -> int:
+    """Every check and measurement; returns the exit status (1 on any parity failure)."""
+    from harness import doctor
+    from harness.tiny import build_tokenizer
+    from harness.train import TrainConfig
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    size = size or ("real" if cuda else "tiny")
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"environment": doctor.environment(), "device": device, "size": size, "checks": [],
+                    "skipped": [], "throughput": [], "decode": [], "trainer": []}
+    if not cuda:
+        report["skipped"].append("no CUDA here: every check ran at tiny sizes on CPU; CUDA graphs, the trainer on "
+                                 "CUDA against CPU and --batch-size auto's memory budget need a GPU")
+    checks = report["checks"]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        tmp, tok = Path(d), build_tokenizer()
+        prompts = _fixture_prompts(10 if size == "real" else 2, 8 if size == "real" else 2)
+        new = 32 if size == "real" else 12
+        dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
+        for arch in PARITY_ARCHS:
+            path = _model(tmp, arch, size, tok)
+            for dtype in dtypes:
+                checks.append(generation_parity(path, arch, device, dtype, prompts[:8], new))
+            report["throughput"].append(throughput(path, arch, device, dtypes[-1], prompts, new))
+        checks.append(doctor.check_phi_mamba_reference(device))
+        if cuda and report["environment"].get("phi_mamba_scan") != "pytorch reference":
+            checks.append(doctor.check_phi_mamba_kernels("cuda"))
+        else:
+            report["skipped"].append("mamba-ssm kernels == reference: no mamba-ssm kernels here (on CPU: "
+                                     "python -m harness.doctor --interpret-kernels)")
+        if cuda:
+            checks.append(doctor.check_cuda_graphs("cuda"))
+            checks.append(trainer_parity("cuda"))
+        checks.append(family_parity(device, tmp, tok))
+    report["decode"] = doctor.decode_table(device, size, lengths=(512, 2048, 8192) if cuda else (64, 256), steps=8)
+    grid = "paper" if cuda else "smoke"
+    cells = [c for c in __import__("harness.grid", fromlist=["grid_cells"]).grid_cells(grid, TrainConfig(), out)
+             if c.size in ("0.5M", "smoke") and c.nodes in (16, 4)]
+    report["trainer"] = trainer_throughput(torch.device(device), cells)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text(render(report))
+    failed = [c["name"] for c in checks if not c["ok"]]
+    print(render(report))
+    print(f"\nwrote {out / 'report.json'}, {out / 'report.md'}")
+    return 1 if failed else 0
+
+
+def render(report: dict) -> str:
+    """report.md: environment, checks, skips, throughput, decode and trainer tables."""
+    import pandas as pd
+
+    env = report["environment"]
+    lines = [f"# GPU suite on {env.get('gpu', 'CPU')} ({report['size']} models, {report['seconds']} s)", "",
+             ", ".join(f"{k} {v}" for k, v in env.items()), "", "## Checks", ""]
+    for c in report["checks"]:
+        detail = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("name", "ok"))
+        lines.append(f"- **{'PASS' if c['ok'] else 'FAIL'}** {c['name']} ({detail})")
+    lines += [f"- SKIP {s}" for s in report["skipped"]]
+    for title, key in (("Throughput (fixture prompts, 4-shot)", "throughput"),
+                       ("Decode, batch 1, against the bandwidth bound", "decode"),
+                       ("Trainer samples/s", "trainer")):
+        if report[key]:
+            lines += ["", f"## {title}", "", pd.DataFrame(report[key]).fillna("n/a").to_markdown(index=False)]
+    failed = [c["name"] for c in report["checks"] if not c["ok"]]
+    lines += ["", f"**{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}**"]
+    return "\n".join(lines) + "\n"
