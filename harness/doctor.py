@@ -40,23 +40,24 @@ def _synchronizer(device):
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
-def decode_cost(backend, length: int, steps: int) -> tuple[float, int]:
-    """(seconds per decoded token, decoding-state bytes) after a ``length``-token prompt, batch 1."""
+def decode_cost(backend, length: int, steps: int, batch: int = 1) -> tuple[float, int]:
+    """(seconds per decoding step, decoding-state bytes of the batch) after ``batch`` prompts of ``length``
+    tokens."""
     vocab = backend.tokenizer.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (1, length), generator=g).to(backend.device)
+    ids = torch.randint(1, vocab, (batch, length), generator=g).to(backend.device)
     mask = torch.ones_like(ids)
     sync = _synchronizer(backend.device)
     with torch.inference_mode():
         logits, state = backend.prefill(ids, mask)
         tok = logits.argmax(-1, keepdim=True)
         for _ in range(3):  # warm-up
-            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
             tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
             tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
         sync()
         per_token = (time.perf_counter() - t0) / steps
@@ -191,7 +192,7 @@ def check_vllm(tmp: Path) -> dict:
             "ok": same == len(prompts)}
 
 
-def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16) -> list[dict]:
+def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,)) -> list[dict]:
     """Phi-Mamba and hybrid decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache
     (and both replayed from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth
     over the bytes a batch-1 step must read (every weight once, and the decoding state)."""
@@ -211,13 +212,15 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16) 
                                    max_positions=max(lengths) + 64, init_std=0.02, real_heads=size == "real")
             backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
-            for n in lengths:
-                sec, nbytes = decode_cost(backend, n, steps)
-                bound = bandwidth / (weights + nbytes)
-                rows.append({"model": arch + (" (graphs)" if graphs else ""), "context": n,
-                             "ms_per_token": round(1e3 * sec, 3), "tokens_per_s": round(1 / sec, 1),
-                             "bound_tokens_per_s": round(bound, 1), "of_bound": round(1 / sec / bound, 3),
-                             "state_mib": round(nbytes / 2**20, 3)})
+            for b in batches:
+                for n in lengths:
+                    sec, nbytes = decode_cost(backend, n, steps, batch=b)
+                    bound = b * bandwidth / (weights + nbytes)  # a step reads every weight once and every state
+                    rows.append({"model": arch + (" (graphs)" if graphs else ""), **({"batch": b} if len(batches) > 1
+                                                                                     else {}), "context": n,
+                                 "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
+                                 "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),
+                                 "state_mib": round(nbytes / 2**20, 3)})
             del backend
     return rows
 
@@ -335,10 +338,10 @@ def main(argv=None) -> int:
         size = a.decode_size or ("real" if device == "cuda" else "tiny")
         table = decode_table(device, size)
         print(f"== decode, batch 1, {size} random models on {device}")
-        print(f"  {'model':26s} {'context':>8s} {'ms/token':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
+        print(f"  {'model':26s} {'context':>8s} {'ms/step':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
               f"{'state MiB':>10s}")
         for r in table:
-            print(f"  {r['model']:26s} {r['context']:8d} {r['ms_per_token']:9.3f} {r['tokens_per_s']:9.1f} "
+            print(f"  {r['model']:26s} {r['context']:8d} {r['ms_per_step']:9.3f} {r['tokens_per_s']:9.1f} "
                   f"{r['bound_tokens_per_s']:9.1f} {100 * r['of_bound']:8.1f}% {r['state_mib']:10.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"environment": env, "paths": paths(env), "checks": checks,

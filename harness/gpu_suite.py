@@ -157,6 +157,45 @@ def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     return row
 
 
+def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
+    """The batch ``--batch-size auto`` packs from free GPU memory against the largest batch of the same prompts
+    that really fits (doubling from the auto batch until CUDA runs out of memory, at most 1,024)."""
+    from harness.engine import load_backend, plan_batches
+    from harness.generation import GenRequest
+
+    backend = load_backend(path, device, dtype)
+    many = (prompts * (1024 // len(prompts) + 1))[:1024]
+    lengths = [len(backend.tokenizer(p)["input_ids"]) for p in many]
+    picked = max(len(b) for b in plan_batches(lengths, "auto", backend.token_budget(), new))
+    largest, b = 0, max(1, picked)
+    while b <= len(many):
+        try:
+            backend.generate([GenRequest(p, new) for p in many[:b]])
+            largest, b = b, 2 * b
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            torch.cuda.empty_cache()
+    return {"model": arch, "dtype": dtype, "auto_batch": picked, "largest_that_fits": largest,
+            "note": "largest: doubling from the auto batch, at most 1,024" + (" (all fit)" if largest == len(many)
+                                                                              else "")}
+
+
+def trainer_projection(cuda: bool) -> str:
+    """benchmarks/train_throughput.py's table and the paper grid's projected hours on this device."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "train_throughput.py"
+    args = ["--measure-batch", "64", "--steps", "2"] if cuda else ["--nodes", "4", "--setups", "direct",
+                                                                   "--measure-batch", "2", "--steps", "1"]
+    try:
+        res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "timed out after 300 s"
+    return res.stdout.strip() if res.returncode == 0 else f"failed: {res.stderr.strip()[-1500:]}"
+
+
 def trainer_throughput(device: torch.device, cells: list) -> list[dict]:
     from harness.grid import measure_cell
 
@@ -180,7 +219,7 @@ def run_suite(out: Path, size: str | None = None) -> int:
     size = size or ("real" if cuda else "tiny")
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"environment": doctor.environment(), "device": device, "size": size, "checks": [],
-                    "skipped": [], "throughput": [], "decode": [], "trainer": []}
+                    "skipped": [], "throughput": [], "auto_batch": [], "decode": [], "trainer": []}
     if not cuda:
         report["skipped"].append("no CUDA here: every check ran at tiny sizes on CPU; CUDA graphs, the trainer on "
                                  "CUDA against CPU and --batch-size auto's memory budget need a GPU")
@@ -196,6 +235,8 @@ def run_suite(out: Path, size: str | None = None) -> int:
             for dtype in dtypes:
                 checks.append(generation_parity(path, arch, device, dtype, prompts[:8], new))
             report["throughput"].append(throughput(path, arch, device, dtypes[-1], prompts, new))
+            if cuda:
+                report["auto_batch"].append(auto_batch(path, arch, device, dtypes[-1], prompts, new))
         checks.append(doctor.check_phi_mamba_reference(device))
         if cuda and report["environment"].get("phi_mamba_scan") != "pytorch reference":
             checks.append(doctor.check_phi_mamba_kernels("cuda"))
@@ -206,11 +247,13 @@ def run_suite(out: Path, size: str | None = None) -> int:
             checks.append(doctor.check_cuda_graphs("cuda"))
             checks.append(trainer_parity("cuda"))
         checks.append(family_parity(device, tmp, tok))
-    report["decode"] = doctor.decode_table(device, size, lengths=(512, 2048, 8192) if cuda else (64, 256), steps=8)
+    report["decode"] = doctor.decode_table(device, size, lengths=(512, 2048, 8192) if cuda else (64, 256), steps=8,
+                                           batches=(1, 8, 64) if cuda else (1, 4))
     grid = "paper" if cuda else "smoke"
     cells = [c for c in __import__("harness.grid", fromlist=["grid_cells"]).grid_cells(grid, TrainConfig(), out)
              if c.size in ("0.5M", "smoke") and c.nodes in (16, 4)]
     report["trainer"] = trainer_throughput(torch.device(device), cells)
+    report["trainer_projection"] = trainer_projection(cuda)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "report.md").write_text(render(report))
@@ -232,10 +275,14 @@ def render(report: dict) -> str:
         lines.append(f"- **{'PASS' if c['ok'] else 'FAIL'}** {c['name']} ({detail})")
     lines += [f"- SKIP {s}" for s in report["skipped"]]
     for title, key in (("Throughput (fixture prompts, 4-shot)", "throughput"),
+                       ("--batch-size auto against the largest batch that fits", "auto_batch"),
                        ("Decode, batch 1, against the bandwidth bound", "decode"),
                        ("Trainer samples/s", "trainer")):
         if report[key]:
             lines += ["", f"## {title}", "", pd.DataFrame(report[key]).fillna("n/a").to_markdown(index=False)]
+    if report.get("trainer_projection"):
+        lines += ["", "## The paper grid on this device (benchmarks/train_throughput.py)", "", "```",
+                  report["trainer_projection"], "```"]
     failed = [c["name"] for c in report["checks"] if not c["ok"]]
     lines += ["", f"**{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}**"]
     return "\n".join(lines) + "\n"

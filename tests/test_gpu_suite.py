@@ -27,7 +27,8 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     assert any("no CUDA" in s for s in report["skipped"])
     phi = next(r for r in report["throughput"] if r["model"] == "phi")
     assert phi["same_tokens_as_generate"] == f"{phi['samples']}/{phi['samples']}"  # the harness = generate
-    assert report["decode"] and len(report["trainer"]) == 9
+    assert report["decode"] and {r["batch"] for r in report["decode"]} == {1, 4} and len(report["trainer"]) == 9
+    assert "paper grid" in report["trainer_projection"] and report["auto_batch"] == []  # needs CUDA memory
     md = (out / "report.md").read_text()
     assert "all checks passed" in md and "## Throughput" in md
 
