@@ -299,12 +299,46 @@ def run_suite(out: Path, size: str | None = None) -> int:
     report["trainer"] = trainer_throughput(torch.device(device), cells)
     report["trainer_projection"] = trainer_projection(cuda)
     report["seconds"] = round(time.perf_counter() - t0, 1)
+    if report["decode"]:
+        plot_decode(report["decode"], out / "decode.png", report["environment"].get("gpu", "CPU"))
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "report.md").write_text(render(report))
     failed = [c["name"] for c in checks if not c["ok"]]
     print(render(report))
     print(f"\nwrote {out / 'report.json'}, {out / 'report.md'}")
     return 1 if failed else 0
+
+
+def plot_decode(rows: list[dict], path: Path, where: str) -> Path:
+    """Decode tokens/s against context, one panel per batch size, each model's line beside its bandwidth bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from harness.runlog import savefig_atomic
+
+    batches = sorted({r.get("batch", 1) for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        mine = [r for r in rows if r.get("batch", 1) == b]
+        for i, model in enumerate(dict.fromkeys(r["model"] for r in mine)):
+            pts = sorted((r["context"], r["tokens_per_s"], r["bound_tokens_per_s"]) for r in mine if r["model"] == model)
+            color = f"C{i}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=model)
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"batch {b}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode tokens/s (dotted: bandwidth bound)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"decode on {where}", fontsize=10)
+    fig.tight_layout()
+    savefig_atomic(fig, path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 def render(report: dict) -> str:
@@ -324,6 +358,8 @@ def render(report: dict) -> str:
                        ("Trainer samples/s", "trainer")):
         if report[key]:
             lines += ["", f"## {title}", "", pd.DataFrame(report[key]).fillna("n/a").to_markdown(index=False)]
+            if key == "decode":
+                lines += ["", "![decode](decode.png)"]
     if report.get("trainer_projection"):
         lines += ["", "## The paper grid on this device (benchmarks/train_throughput.py)", "", "```",
                   report["trainer_projection"], "```"]

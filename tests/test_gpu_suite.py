@@ -31,6 +31,7 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     assert "paper grid" in report["trainer_projection"] and report["auto_batch"] == []  # needs CUDA memory
     md = (out / "report.md").read_text()
     assert "all checks passed" in md and "## Throughput" in md
+    assert (out / "decode.png").stat().st_size > 10_000
 
 
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops(tmp_path):
