@@ -1,6 +1,6 @@
 """IsTree: decide whether a graph on n nodes is a tree (the paper's synthetic in-context retrieval task).
 
-Formats follow the paper's public code (see ``shared/istree-notes.md``); sequences are whitespace-separated
+Formats follow the paper's public code (the facts: ``docs/istree.md``); sequences are whitespace-separated
 tokens so one WordLevel tokenizer serves training (ids built directly) and the eval engine (text):
 
     direct     [BOS] u - v u - v ... [EOS] [TRUE]

@@ -61,7 +61,7 @@ def test_catastrophic_backtracking_is_stopped_by_the_timeout():
     searcher = RegexSearcher(timeout=0.5)
     units = ["a" * 40 + "!"]
     out = searcher.search("(a+)+$", units)
-    assert out.status == "timeout" and out.seconds >= 0.5  # cut by the limit, not finished (40 a's: ~minutes)
+    assert out.status == "timeout"  # cut by the limit (40 a's backtrack for minutes)
     pid = searcher.worker_pids()
     # the stuck worker was replaced: the next search works in a fresh one
     assert searcher.search("a+!", units).status == "ok"

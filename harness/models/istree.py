@@ -2,7 +2,7 @@
 transformers' own classes, with the paper's frozen sinusoidal embedding tied to the output head so parameter
 counts do not grow with the vocabulary.
 
-Sizes (from the paper's code, see shared/istree-notes.md), trainable parameters in brackets:
+Sizes (from the paper's code; the facts: docs/istree.md), trainable parameters in brackets:
     size  Transformer d/FFN/layers/heads   Mamba d/layers        Hybrid d/Mamba layers (+1 Llama layer, 4 heads, FFN 256)
     0.5M  64/256/8/4   (525,376)           64/16  (523,328)      64/13  (490,880)
     1M    64/256/16/4  (1,050,688)         128/9  (1,049,600)    128/7  (980,480)
