@@ -311,12 +311,10 @@ def run_suite(out: Path, size: str | None = None) -> int:
 
 def plot_decode(rows: list[dict], path: Path, where: str) -> Path:
     """Decode tokens/s against context, one panel per batch size, each model's line beside its bandwidth bound."""
-    import matplotlib
+    from harness.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
-    from harness.runlog import savefig_atomic
 
     batches = sorted({r.get("batch", 1) for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
@@ -335,9 +333,7 @@ def plot_decode(rows: list[dict], path: Path, where: str) -> Path:
     axes[0][0].set_ylabel("decode tokens/s (dotted: bandwidth bound)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"decode on {where}", fontsize=10)
-    fig.tight_layout()
-    savefig_atomic(fig, path, dpi=130)
-    plt.close(fig)
+    save(fig, path, dpi=130)
     return path
 
 

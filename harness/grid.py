@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from evals import istree
 from harness.config import ConfigError
-from harness.runlog import savefig_atomic, write_atomic
+from harness.runlog import write_atomic
 from harness.train import TrainConfig, TrainTask, batch_from_tokens, masked_loss, train_one
 
 log = logging.getLogger("harness")
@@ -314,10 +314,9 @@ def _order(arch: str) -> int:
 def plot_grid(df, path: Path) -> None:
     """Teacher-forced EM per architecture, one panel per (setup, graph size), sizes side by side: the paper's
     layout (its metric); live greedy accuracy as a hollow marker on each bar."""
-    import matplotlib
+    from harness.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     setups = [s for s in istree.SETUPS if s in set(df.setup)]
     nodes = sorted(set(df.nodes))
@@ -348,6 +347,4 @@ def plot_grid(df, path: Path) -> None:
             if c == 0:
                 ax.set_ylabel("teacher-forced EM (%)")
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    savefig_atomic(fig, path, dpi=130)
-    plt.close(fig)
+    save(fig, path, dpi=130)

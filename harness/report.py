@@ -22,7 +22,7 @@ import pandas as pd
 
 from harness.results import format_markdown
 from harness.stats import condition_of, summarize
-from harness.runlog import savefig_atomic, write_atomic
+from harness.runlog import write_atomic
 
 # Settings that name a run in a legend when they differ between the runs of one report, in this order.
 LABEL_FIELDS = ("model", "distractors", "retrieval", "template", "shots", "max_new_tokens", "task_args", "data",
@@ -177,10 +177,9 @@ def _number(text: str) -> float | None:
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
     """One task's runs on the task's own axis: HotpotQA by gold-paragraph slot; the needle as a length x depth
     heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
-    import matplotlib
+    from harness.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     df = df[df["n"] > 0]
     task = df["task"].iloc[0]
@@ -209,9 +208,7 @@ def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -
     ax.legend(fontsize=8)
     ax.set_title(title + (f" ({subset} questions every oracle run answers)" if subset is not None else ""),
                  fontsize=10)
-    fig.tight_layout()
-    savefig_atomic(fig, path, dpi=150)
-    plt.close(fig)
+    save(fig, path, dpi=150)
     return path
 
 
@@ -222,10 +219,9 @@ AGAINST = {"state_bytes": ("model state the prompt left (bytes)", "state_memory"
 def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path:
     """The paper's axes: one line per run of the metric against the mean model-state bytes (or prompt length)
     of each condition: a Transformer's KV cache grows with the context, a recurrent model's state does not."""
-    import matplotlib
+    from harness.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     df = df[(df["n"] > 0) & df[column].notna()]
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
@@ -236,16 +232,16 @@ def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path
     if len(df) and df[column].max() / max(df[column].min(), 1) >= 8:
         ax.set_xscale("log", base=2)
     if column == "state_bytes":
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _human_bytes(v)))
+        from matplotlib.ticker import FuncFormatter
+
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human_bytes(v)))
     ax.set_xlabel(AGAINST[column][0])
     ax.set_ylabel(f"{metric} (%)")
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"{df['task'].iloc[0]}: {metric} against {AGAINST[column][0].split(' (')[0]}", fontsize=10)
-    fig.tight_layout()
-    savefig_atomic(fig, path, dpi=150)
-    plt.close(fig)
+    save(fig, path, dpi=150)
     return path
 
 
@@ -293,8 +289,9 @@ def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
         ax.set_title(run, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label=f"{metric} (%)")
     fig.suptitle(f"{df['task'].iloc[0]}: {metric} by context length and needle depth", fontsize=10)
-    savefig_atomic(fig, path, dpi=150)
-    plt.close(fig)
+    from harness.plotting import save
+
+    save(fig, path, dpi=150, tight=False)
     return path
 
 

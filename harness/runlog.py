@@ -43,15 +43,6 @@ def write_atomic(path: str | Path, text: str) -> Path:
     return path
 
 
-def savefig_atomic(fig, path: str | Path, dpi: int) -> Path:
-    """A matplotlib figure written as ``write_atomic`` writes text: a kill leaves the old PNG or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=dpi)
-    os.replace(tmp, path)
-    return path
-
-
 class RunLock:
     """An exclusive lock on a run directory for as long as a run writes to it.
 

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from evals import istree
 from harness.config import ConfigError, _f, word_negative_flags
 from harness.procs import stop_on_sigterm
-from harness.runlog import RunDirError, RunLock, savefig_atomic, write_atomic
+from harness.runlog import RunDirError, RunLock, write_atomic
 from harness.train_state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
                                  rewrite_log, save_checkpoint, save_state)
 
@@ -592,10 +592,9 @@ def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: 
 
 def plot_curves(curve: list[dict], path: Path, title: str) -> None:
     """Training loss and teacher-forced exact match against samples seen: one PNG per run."""
-    import matplotlib
+    from harness.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.plot([r["samples"] for r in curve], [r["loss"] for r in curve], color="tab:blue", label="train loss")
@@ -609,9 +608,7 @@ def plot_curves(curve: list[dict], path: Path, title: str) -> None:
     ax2.set_ylim(0, 100)
     ax2.set_ylabel("teacher-forced EM (%)", color="tab:red")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    savefig_atomic(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def trainable_tasks() -> list[str]:

@@ -149,21 +149,21 @@ def test_the_report_never_modifies_a_run_it_reads(tiny_phi_dir, phi_backend, tmp
 
 def _figure(monkeypatch):
     """What the report draws: each figure's axes, captured as it is saved."""
-    import harness.report as report
+    import harness.plotting as plotting
 
     figures = []
-    real = report.savefig_atomic
+    real = plotting.save
 
-    def grab(fig, path, dpi):
+    def grab(fig, path, dpi, tight=True):
         figures.append({"path": path, "axes": [{"xlabel": ax.get_xlabel(), "title": ax.get_title(),
                                                 "ticks": [t.get_text() for t in ax.get_xticklabels()],
                                                 "yticks": [t.get_text() for t in ax.get_yticklabels()],
                                                 "legend": [t.get_text() for t in ax.get_legend().get_texts()]
                                                 if ax.get_legend() else []}
                                                for ax in fig.axes]})
-        return real(fig, path, dpi)
+        return real(fig, path, dpi, tight)
 
-    monkeypatch.setattr(report, "savefig_atomic", grab)
+    monkeypatch.setattr(plotting, "save", grab)
     return figures
 
 
