@@ -233,20 +233,23 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
         run.lock.acquire()
     try:
         if cfg.overwrite and rank == 0:
-            move_aside(Path(cfg.output), RUN_FILES + tuple(_shards(Path(cfg.output))))
+            move_aside(Path(cfg.output), _run_files(Path(cfg.output)))
         return _run_locked(run, backend)
     finally:
         if run.lock is not None:
             run.lock.release()
 
 
-# A run directory's own files: what --overwrite moves aside (with the ranks' shards).
-RUN_FILES = ("run.json", "samples.jsonl", "samples.rejected.txt", "results.json", "table.md", "table.csv",
-             "predictions")
-
-
-def _shards(out: Path) -> list[str]:
-    return [p.name for p in out.glob("samples.rank*.jsonl")]
+def _run_files(out: Path) -> set[str]:
+    """What the evaluation in ``out`` wrote: the engine's own files and those its results.json lists (a task's
+    outputs, e.g. HotpotQA's predictions/), never anything else a user keeps there."""
+    names = {"run.json", "samples.jsonl", "samples.rejected.txt", "results.json", "table.md", "table.csv"}
+    names |= {p.name for p in out.glob("samples.rank*.jsonl")}
+    try:
+        names |= {f.rstrip("/") for f in json.loads((out / "results.json").read_text()).get("files", [])}
+    except (OSError, ValueError):
+        pass
+    return names
 
 
 def _load_model(cfg: RunConfig, dist):

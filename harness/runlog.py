@@ -136,10 +136,12 @@ def _fmt_identity(ident: tuple[int, int] | None) -> str:
     return "gone" if ident is None else f"device {ident[0]}, inode {ident[1]}"
 
 
-def move_aside(run_dir: Path, names: Iterable[str]) -> Path | None:
-    """``--overwrite``: the previous run's files go to ``RUN/replaced-TIMESTAMP/`` (nothing finished is ever
-    deleted; delete that folder yourself once you are sure)."""
-    present = [run_dir / n for n in names if (run_dir / n).exists()]
+def move_aside(run_dir: Path, names: Iterable[str] | None = None) -> Path | None:
+    """``--overwrite``: the previous run's files (``names``; default every file but the lock and earlier
+    ``replaced-*`` folders) go to ``RUN/replaced-TIMESTAMP/``; nothing finished is ever deleted (delete that
+    folder yourself once you are sure)."""
+    present = [p for p in run_dir.iterdir() if p.name not in (".lock", ".lock.json")
+               and not p.name.startswith("replaced-") and (names is None or p.name in set(names))]
     if not present:
         return None
     dest = run_dir / f"replaced-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S.%f')}"

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from harness.runlog import RunDirError, write_atomic
+from harness.runlog import RunDirError, move_aside, write_atomic
 
 log = logging.getLogger("harness")
 
@@ -70,16 +70,8 @@ def check_settings(out: Path, settings: dict, overwrite: bool) -> None:
                               "Use another --output, or --overwrite to start over (its files are moved aside, "
                               "not deleted).")
     if overwrite:
-        move_run_aside(out)
+        move_aside(out)
     write_atomic(path, json.dumps(settings, indent=2, default=str))
-
-
-def move_run_aside(out: Path) -> Path | None:
-    """``--overwrite``: every file of the directory (but the lock) goes to ``replaced-TIMESTAMP/``."""
-    from harness.runlog import move_aside
-
-    keep = {".lock", ".lock.json"}
-    return move_aside(out, [p.name for p in out.iterdir() if p.name not in keep and not p.name.startswith("replaced-")])
 
 
 def save_state(out: Path, model, opt, sched, progress: Progress, processes: int) -> None:
