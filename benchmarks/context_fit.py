@@ -15,8 +15,7 @@ import statistics
 from pathlib import Path
 
 from evals import get_task
-from evals.base import ToolSpec
-from harness.prompting import PromptTemplate
+from evals.hotpotqa import fixture_prompts
 
 GPT2 = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness")) / "gpt2-bpe"
 
@@ -36,7 +35,6 @@ def main():
         from harness.tiny import build_tokenizer
 
         tok, name = build_tokenizer(), "the tiny test tokenizer (GPT-2's BPE is not cached here)"
-    template, tool = PromptTemplate("hotpotqa_cot"), ToolSpec().template_vars()
     paragraphs = [len(tok("".join(s))["input_ids"]) for r in get_task("hotpotqa", data="fixture").load()
                   for _, s in r["context"]]
     print(f"tokenizer: {name}; fixture paragraphs: {statistics.mean(paragraphs):.0f} tokens on average "
@@ -44,10 +42,7 @@ def main():
     print(f"| distractors | prompt tokens (mean / max) | fit {a.context} with {a.max_new_tokens} new |")
     print("|---|---|---|")
     for k in map(int, a.distractors.split(",")):
-        task = get_task("hotpotqa", data="fixture", distractors=k, **({"positions": "first,middle,last"} if k else {}))
-        rows = task.load()
-        lengths = [len(tok(template.render(**task.template_vars(i), tool=tool))["input_ids"])
-                   for i in task.instances(rows, seed=1234, pool_rows=rows)]
+        lengths = [len(tok(p)["input_ids"]) for p in fixture_prompts(k)]
         fit = sum(n + a.max_new_tokens <= a.context for n in lengths)
         print(f"| {k} | {statistics.mean(lengths):.0f} / {max(lengths)} | {fit} of {len(lengths)} |")
 

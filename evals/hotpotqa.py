@@ -271,6 +271,21 @@ class HotpotQA(Task):
         return {"prediction": answer, "answer_found": found, **metrics.score(answer, instance.answer, found)}
 
 
+def fixture_prompts(distractors: int, questions: int | None = None, positions: str = "first,middle,last",
+                    template: str = "hotpotqa_cot") -> list[str]:
+    """The prompts a run on the bundled fixture renders (4-shot CoT, seed 1234), for measurements that need real
+    prompt lengths without a run: the GPU suite, benchmarks/context_fit.py."""
+    from evals import get_task
+    from harness.prompting import PromptTemplate
+
+    task = get_task("hotpotqa", data="fixture", distractors=distractors,
+                    **({"positions": positions} if distractors else {}))
+    rows = task.load()
+    tpl, tool = PromptTemplate(template), ToolSpec().template_vars()
+    return [tpl.render(**task.template_vars(i), tool=tool)
+            for i in task.instances(rows[:questions], seed=1234, pool_rows=rows)]
+
+
 def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[str]) -> list[Path]:
     """Official HotpotQA prediction files ({"answer": {id: text}, "sp": {id: []}}), one per position, written
     for every position (empty if nothing was scored); files of positions no longer in the run are removed.

@@ -15,22 +15,11 @@ from pathlib import Path
 
 import torch
 
+from evals.hotpotqa import fixture_prompts
+
 SIZES = {"real": {"hidden": 2048, "layers": 24}, "tiny": {"hidden": 64, "layers": 4}}
 PARITY_ARCHS = ("phi", "phi-mamba", "hybrid-phi-mamba")
 INIT_STD = {"real": 0.05, "tiny": 0.5}  # large enough that generations differ between prompts
-
-
-def _fixture_prompts(distractors: int, questions: int) -> list[str]:
-    """4-shot HotpotQA prompts from the bundled fixture, first/middle/last gold positions."""
-    from evals import get_task
-    from evals.base import ToolSpec
-    from harness.prompting import PromptTemplate
-
-    task = get_task("hotpotqa", data="fixture", distractors=distractors, positions="first,middle,last")
-    rows = task.load()
-    template, tool = PromptTemplate("hotpotqa_cot"), ToolSpec().template_vars()
-    return [template.render(**task.template_vars(i), tool=tool)
-            for i in task.instances(rows[:questions], seed=1234, pool_rows=rows)]
 
 
 def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
@@ -251,6 +240,7 @@ def _guarded(name: str, fn, *args) -> dict:
 def run_suite(out: Path, size: str | None = None) -> int:
     """Every check and measurement; returns the exit status (1 on any parity failure)."""
     from harness import doctor
+    from harness.grid import grid_cells
     from harness.tiny import build_tokenizer
     from harness.train import TrainConfig
 
@@ -267,7 +257,7 @@ def run_suite(out: Path, size: str | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         tmp, tok = Path(d), build_tokenizer()
-        prompts = _fixture_prompts(10 if size == "real" else 2, 8 if size == "real" else 2)
+        prompts = fixture_prompts(10 if size == "real" else 2, 8 if size == "real" else 2)
         new = 32 if size == "real" else 12
         dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
         for arch in PARITY_ARCHS:
@@ -294,8 +284,7 @@ def run_suite(out: Path, size: str | None = None) -> int:
     report["decode"] = doctor.decode_table(device, size, lengths=(512, 2048, 8192) if cuda else (64, 256), steps=8,
                                            batches=(1, 8, 64) if cuda else (1, 4))
     grid = "paper" if cuda else "smoke"
-    cells = [c for c in __import__("harness.grid", fromlist=["grid_cells"]).grid_cells(grid, TrainConfig(), out)
-             if c.size in ("0.5M", "smoke") and c.nodes in (16, 4)]
+    cells = [c for c in grid_cells(grid, TrainConfig(), out) if c.size in ("0.5M", "smoke") and c.nodes in (16, 4)]
     report["trainer"] = trainer_throughput(torch.device(device), cells)
     report["trainer_projection"] = trainer_projection(cuda)
     report["seconds"] = round(time.perf_counter() - t0, 1)
