@@ -7,6 +7,7 @@ bundled by sample id so ``--limit N`` keeps N samples of every value."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 from evals.base import Instance, OptionError, Task, ToolSpec, make_options
@@ -16,7 +17,9 @@ def sweep_field(options_cls: type, values: dict[str, Any]) -> str | None:
     """The option of ``values`` given several values (a comma list or a list); None when nothing is swept.
     More than one swept option, or one not declared sweepable, is an OptionError naming it."""
     swept = []
-    lists = {f.name for f in dataclasses.fields(options_cls) if "list" in str(f.type)}
+    hints = typing.get_type_hints(options_cls)
+    lists = {name for name, tp in hints.items()  # list options take comma lists themselves (needle's lengths)
+             if typing.get_origin(tp) is list or list in map(typing.get_origin, typing.get_args(tp))}
     for key, value in values.items():
         many = (isinstance(value, str) and "," in value) or isinstance(value, (list, tuple))
         if not many or key in lists:

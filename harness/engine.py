@@ -339,11 +339,6 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
                           f"{', ...' if len(missing) > 5 else ''}); rerun the same command to generate them")
 
     records = [samples.records[i.key] for i in instances]
-    if cfg.audit:
-        from harness.audit import audit_rows
-
-        backend = backend if backend is not None else _load_model(cfg, dist)
-        audit = audit_rows(run, backend, records, cfg.audit)
     conditions = list(dict.fromkeys(i.condition for i in instances))
     by_pos = summarize(records, task.metrics, conditions, seed=cfg.seed)
     results = {
@@ -363,7 +358,10 @@ def _run_locked(run: RunContext, backend) -> dict[str, Any]:
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if cfg.audit:
-        results["audit"] = audit
+        from harness.audit import audit_rows
+
+        results["audit"] = audit_rows(run, backend if backend is not None else _load_model(cfg, dist), records,
+                                      cfg.audit)
     df = metrics_table(by_pos, task.metrics, task.condition)
     results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
     results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions), "table.md",

@@ -163,8 +163,7 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
     import sys
 
     from harness.procs import die_with_parent
-    from harness.runlog import RunDirError
-    from harness.train_state import TrainingError
+    from harness.train import USER_ERRORS
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the cells
@@ -172,7 +171,7 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
     logging.basicConfig(level=logging.WARNING)
     try:
         train_one(cfg, progress=False, overwrite=overwrite)
-    except (ConfigError, ValueError, RunDirError, TrainingError) as e:
+    except USER_ERRORS as e:
         print(f"error: {cfg.name}: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -44,6 +44,8 @@ DEFAULT_LR = {"transformer": 1e-3, "mamba": 3e-4, "hybrid": 3e-4}
 PAPER_DEFAULTS = {"samples": 5_000_000, "batch_size": 64, "warmup": 10_000, "eval_every": 100_000,
                   "eval_samples": 5000, "eval_batch_size": 256}
 TRACKERS = ("auto", "tensorboard", "wandb", "none")
+# What a training run reports as one ``error:`` line (a bad flag, a directory in use, a diverged loss, a full disk).
+USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
 RESULT_DECIDING = ("task", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
@@ -669,7 +671,7 @@ def main(argv=None) -> int:
                 raise ConfigError("--plan estimates a grid: give --grid paper or --grid smoke")
             cfg = cfg.resolved()
             res = train_one(cfg, flags.progress, overwrite=flags.overwrite)
-    except (ConfigError, ValueError, OSError, RunDirError, TrainingError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
