@@ -10,14 +10,13 @@ the generation budget fit the context, as the engine decides before it skips a p
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-from pathlib import Path
 
 from evals import get_task
 from evals.hotpotqa import fixture_prompts
+from harness.identity import cache_dir
 
-GPT2 = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness")) / "gpt2-bpe"
+GPT2 = cache_dir() / "gpt2-bpe"
 
 
 def main():

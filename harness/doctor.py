@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from harness.identity import cache_dir
+
 TOL = 1e-3  # max |logit difference| on tiny random models (float32)
 
 
@@ -282,8 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interpret-kernels", action="store_true",
                     help="on a CPU machine, run mamba-ssm's Triton kernels in Triton's interpreter against the "
                          "reference path (needs triton; fetches the mamba-ssm sdist once)")
-    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "icr-harness"),
-                    help="where fetched sources are kept (default: ~/.cache/icr-harness)")
+    ap.add_argument("--cache", default=str(cache_dir()),
+                    help="where fetched sources are kept (default: ~/.cache/icr-harness, or $ICR_CACHE)")
     ap.add_argument("--decode-size", choices=["tiny", "real"], default=None,
                     help="model size for the decode table (default: real on CUDA, tiny on CPU)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-speed table")

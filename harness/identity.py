@@ -167,15 +167,10 @@ def awaits_download(model_path: str, tokenizer: str | None, identity: dict) -> b
 
 def software_versions() -> dict[str, str]:
     """The packages whose code decides a generation: another version may round, tokenize or decode differently."""
-    import importlib.metadata as md
+    from harness.results import versions
 
-    out = {}
-    for pkg in ("icr-harness", "torch", "transformers", "tokenizers"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "absent"
-    return out
+    found = versions()
+    return {pkg: found.get(pkg, "absent") for pkg in ("icr-harness", "torch", "transformers", "tokenizers")}
 
 
 # What a changed key of the resolved settings is called in an error line.

@@ -19,7 +19,8 @@ def versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("icr-harness", "torch", "transformers", "accelerate", "datasets", "jinja2", "mamba-ssm", "vllm"):
+    for pkg in ("icr-harness", "torch", "transformers", "tokenizers", "accelerate", "datasets", "jinja2", "mamba-ssm",
+                "vllm"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

@@ -35,10 +35,11 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
 
 
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops(tmp_path):
+    from harness.identity import cache_dir
     from harness.kernels import fetch_mamba_ssm_sources
 
     try:
-        src = fetch_mamba_ssm_sources(Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness")))
+        src = fetch_mamba_ssm_sources(cache_dir())
     except OSError as e:
         pytest.skip(f"mamba-ssm sources: {e}")
     code = ("from harness import kernels\nkernels.use_carried_sources()\n"
