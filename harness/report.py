@@ -187,10 +187,7 @@ def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -
     if df["series"].notna().any():
         return _heatmaps(df, metric, path, plt)
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    for run, g in df.groupby("run", sort=False):
-        g = g.sort_values("x")
-        ax.errorbar(g["x"], 100 * g[metric], yerr=100 * g[f"{metric}_se"].fillna(0), marker="o",
-                    capsize=3, label=run)
+    _run_lines(ax, df, "x", metric)
     if task == "hotpotqa":
         _slot_ticks(ax, df)
         ax.set_xlabel("slot of the first gold paragraph (0 = first in the context)")
@@ -225,10 +222,7 @@ def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path
 
     df = df[(df["n"] > 0) & df[column].notna()]
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    for run, g in df.groupby("run", sort=False):
-        g = g.sort_values(column)
-        ax.errorbar(g[column], 100 * g[metric], yerr=100 * g[f"{metric}_se"].fillna(0), marker="o", capsize=3,
-                    label=run)
+    _run_lines(ax, df, column, metric)
     if len(df) and df[column].max() / max(df[column].min(), 1) >= 8:
         ax.set_xscale("log", base=2)
     if column == "state_bytes":
@@ -243,6 +237,13 @@ def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path
     ax.set_title(f"{df['task'].iloc[0]}: {metric} against {AGAINST[column][0].split(' (')[0]}", fontsize=10)
     save(fig, path, dpi=150)
     return path
+
+
+def _run_lines(ax, df: pd.DataFrame, x: str, metric: str) -> None:
+    """One line per run of the metric (percent, with its standard error) over column ``x``."""
+    for run, g in df.groupby("run", sort=False):
+        g = g.sort_values(x)
+        ax.errorbar(g[x], 100 * g[metric], yerr=100 * g[f"{metric}_se"].fillna(0), marker="o", capsize=3, label=run)
 
 
 def _human_bytes(v: float) -> str:
