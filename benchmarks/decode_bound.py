@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from harness.doctor import decode_table, memory_bandwidth
-from harness.grid import device_name
+from harness.training.grid import device_name
 
 
 def main():

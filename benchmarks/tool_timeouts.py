@@ -3,7 +3,7 @@
     python benchmarks/tool_timeouts.py [--rows 8] [--timeout 1.0]
 
 Every row's pattern backtracks catastrophically, so each search is cut by ``--tool-timeout``. The generation
-loop issues a step's searches at once (``harness.generation``, checked by tests/test_run_integrity.py) and the
+loop issues a step's searches at once (``harness.backends.generation``, checked by tests/test_run_integrity.py) and the
 searcher runs concurrent searches in worker processes of their own, so the step costs about one timeout; run
 one after another it would cost ``rows`` of them. Both give every row a ``[timeout]``
 result (checked); the printed ratio is wall time sequential / side by side, measured in one run. Timing lives

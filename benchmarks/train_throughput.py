@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from harness.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measure_cell
+from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measure_cell
 from harness.models.istree import build_model, trainable_parameters
-from harness.train import TrainConfig
+from harness.training.config import TrainConfig
 
 
 def main():

@@ -31,6 +31,15 @@ class OptionError(ValueError):
     """A task option (``--task-arg KEY=VALUE`` or a task's own flag) cannot work; the message names it."""
 
 
+KEY_SEPARATOR = "@"  # never in an id (the engine refuses such data), so a key splits at its first one
+
+
+def instance_key(id: str, condition: str) -> str:
+    """A sample's key in samples.jsonl: its id and its condition (a condition may itself hold the separator,
+    as the needle's ``length@depth`` does; an id may not)."""
+    return f"{id}{KEY_SEPARATOR}{condition}"
+
+
 @dataclass
 class Instance:
     """One prompt to run: a question with its context in a fixed order, tagged with the condition the task
@@ -45,7 +54,7 @@ class Instance:
 
     @property
     def key(self) -> str:
-        return f"{self.id}@{self.condition}"
+        return instance_key(self.id, self.condition)
 
     def template_vars(self) -> dict[str, Any]:
         return {"question": self.question, "paragraphs": self.paragraphs, "meta": self.meta}
@@ -95,7 +104,8 @@ class NoOptions:
 
 class Task(ABC):
     """What the engine asks of a task. Subclass it, declare ``Options`` (a dataclass whose fields, with
-    ``metadata={"help": ...}``, are the task's ``--task-arg`` options) and decorate with ``@register_task``.
+    ``metadata={"help": ...}``, are the task's ``--task-arg`` options; ``"flag": True`` also gives one its own
+    ``--NAME`` flag, ``"sweep": True`` lets a comma list sweep it) and decorate with ``@register_task``.
 
     Everything else has a default: no tool, template variables from the instance, no extra output files."""
 
@@ -109,6 +119,10 @@ class Task(ABC):
     include_stop: ClassVar[bool] = False  # score the generation with the stop string that ended it
     needs_tokenizer: ClassVar[bool] = False  # the engine sets ``self.tokenizer`` (the model's) before instances()
     default_max_new_tokens: int = 32
+    # How harness.report places a condition on its x axis: a per-condition statistic of the rows (HotpotQA: the
+    # slot of the first gold paragraph, its named positions under their slot), or None: the condition's value.
+    axis_statistic: ClassVar[str | None] = None
+    axis_label: ClassVar[str | None] = None  # the x axis' title (default: the condition's name)
 
     def __init__(self, data: str | None = None, split: str | None = None, **options):
         self.data, self.split = data, split
@@ -140,6 +154,20 @@ class Task(ABC):
     def write_outputs(self, records: list[dict], out_dir: Path, conditions: list[str]) -> list[str]:
         """Task-specific files in the run directory (HotpotQA: official prediction files); their names."""
         return []
+
+    @classmethod
+    def check_given(cls, given: dict) -> None:
+        """Refuse options given together that cannot work together (``given``: what the user set)."""
+
+    @classmethod
+    def label(cls, option: str, value) -> str:
+        """How a report's legend names a run by one of this task's options where runs differ in it."""
+        return f"{option}={value}"
+
+    @classmethod
+    def output_tag(cls, options: dict) -> str:
+        """What the default run directory's name adds for these (checked) options, e.g. HotpotQA's ``-k10``."""
+        return ""
 
     def describe(self, template_variables: set[str] | None = None) -> str:
         """A short line for the run summary (``template_variables``: what the run's template reads)."""

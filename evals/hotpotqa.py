@@ -59,7 +59,7 @@ _HOW_TO_GET = (
 
 
 def _load_from_hub(split: str) -> list[dict]:
-    from harness import hub
+    from harness.engine import hub
 
     if hub.offline():  # the cache only: no minute of retries
         os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -154,15 +154,16 @@ def gold_start(position: str, n_distractors: int, rng: random.Random) -> int:
 # ------------------------------------------------------------------------------------------- task
 @dataclass
 class HotpotQAOptions:
-    """HotpotQA's own options; ``harness.eval`` also takes them as --distractors, --positions and --shots."""
+    """HotpotQA's own options; ``harness.eval`` also takes them as --distractors, --positions and --shots
+    (``"flag": True``)."""
 
     distractors: int = field(default=8, metadata={"help": "distractor paragraphs per test context; >8 draws extra "
                                                           "ones (seeded) from other questions; 0 = oracle mode, "
-                                                          "the gold paragraphs only"})
+                                                          "the gold paragraphs only", "flag": True})
     positions: list[str] = field(default_factory=lambda: ["first", "middle", "last"], metadata={
         "help": "where the two gold paragraphs go: first, middle, last, random, an index (0 = first), or a comma "
-                "list swept in one run (not with distractors 0)", "selects": True})
-    shots: int = field(default=4, metadata={"help": "few-shot exemplars shown"})
+                "list swept in one run (not with distractors 0)", "selects": True, "flag": True})
+    shots: int = field(default=4, metadata={"help": "few-shot exemplars shown", "flag": True})
 
     def check(self) -> None:
         if self.distractors < 0:
@@ -187,9 +188,28 @@ class HotpotQA(Task):
     default_max_new_tokens = 96
     metrics = ("em", "f1", "contains")
     condition = "position"
+    axis_statistic = "gold_start"
+    axis_label = "slot of the first gold paragraph (0 = first in the context)"
 
     def __init__(self, data: str | None = None, split: str | None = "validation", **options):
         super().__init__(data, split or "validation", **options)
+
+    @classmethod
+    def check_given(cls, given: dict) -> None:
+        if str(given.get("distractors")) == "0" and "positions" in given:
+            raise OptionError(f"--positions {given['positions']} has no effect with --distractors 0 (oracle mode: the "
+                              "gold paragraphs alone, position 'oracle'); drop --positions or use --distractors 1 or "
+                              "more")
+
+    @classmethod
+    def label(cls, option: str, value) -> str:
+        if option == "distractors":
+            return "oracle" if value == 0 else f"k={value}"
+        return super().label(option, value)
+
+    @classmethod
+    def output_tag(cls, options: dict) -> str:
+        return f"-k{options['distractors']}"
 
     def load(self) -> list[dict]:
         return load_rows(self.data, self.split)
@@ -276,7 +296,7 @@ def fixture_prompts(distractors: int, questions: int | None = None, positions: s
     """The prompts a run on the bundled fixture renders (4-shot CoT, seed 1234), for measurements that need real
     prompt lengths without a run: the GPU suite, benchmarks/context_fit.py."""
     from evals import get_task
-    from harness.prompting import PromptTemplate
+    from harness.engine.prompting import PromptTemplate
 
     task = get_task("hotpotqa", data="fixture", distractors=distractors,
                     **({"positions": positions} if distractors else {}))
@@ -291,7 +311,7 @@ def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[st
     for every position (empty if nothing was scored); files of positions no longer in the run are removed.
     A generation without an answer scores 0 here; written as "" it would score EM 1 in the official script
     against a gold that normalises to "" (e.g. "A"), so it is written as a text that matches no part of its gold."""
-    from harness.runlog import write_atomic
+    from harness.engine.runlog import write_atomic
 
     by_pos: dict[str, dict] = {p: {"answer": {}, "sp": {}} for p in positions}
     for r in records:

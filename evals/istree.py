@@ -18,10 +18,10 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
 
-from evals.base import Instance, OptionError, Task, ToolSpec, word_level_tokenizer
+from evals.base import Instance, OptionError, ToolSpec, word_level_tokenizer
 from evals.registry import register_task
+from evals.synthetic import SyntheticTask
 
 SPECIAL = ["[", "]", ",", "-", "[PAD]", "[EOS]", "[TRUE]", "[FALSE]", "[SPACE]", "[NEWLINE]", "[UNK]", "[BOS]",
            "[STARTSEARCH]", "[ENDSEARCH]", "[FAILED]", "~"]  # 16, then node names 0..n: n + 17 tokens
@@ -237,24 +237,6 @@ def sample_tokens(g: Graph, setup: str) -> list[str]:
     return head + trace + [EOS, label]
 
 
-def loss_mask(tokens: list[str]) -> list[int]:
-    """1 where a token is a training target: after the first [EOS], not a tool result, not padding."""
-    mask, seen_eos, after_end = [], False, False
-    for t in tokens:
-        mask.append(int(seen_eos and not after_end and t != PAD))
-        after_end = t == END
-        seen_eos = seen_eos or t == EOS
-    return mask
-
-
-def stream(n: int, setup: str, graph: str, seed: int) -> Iterator[list[str]]:
-    """Fresh samples forever (never a fixed small set), labels about half and half."""
-    rng = random.Random(seed)
-    gen = GENERATORS[graph]
-    while True:
-        yield sample_tokens(gen(n, rng), setup)
-
-
 # --------------------------------------------------------------------------------------------- tool
 class IsTreeTool:
     """The retrieval tool for IsTree: each query becomes one ``re`` search (edge list or trace so far)."""
@@ -329,7 +311,7 @@ class IsTreeOptions:
 
 
 @register_task("istree")
-class IsTree(Task):
+class IsTree(SyntheticTask):
     """Held-out IsTree samples as an engine task (generation is greedy; the verdict is the first label)."""
 
     Options = IsTreeOptions
@@ -345,15 +327,49 @@ class IsTree(Task):
         o = self.options
         self.nodes, self.setup, self.graph, self.samples, self.eval_seed = o.nodes, o.setup, o.graph, o.samples, \
             o.eval_seed
-        self.default_max_new_tokens = {"direct": 2, "cot": 4 * self.nodes + 4, "retrieval": 60 * self.nodes}[o.setup]
+        self.stop = [TRUE, FALSE]
+
+    def max_new_tokens(self, as_tokens: bool) -> int:
+        n = self.options.nodes
+        return {"direct": 2, "cot": 4 * n + 4, "retrieval": 60 * n}[self.options.setup]
+
+    # -- the trainer's protocol: a graph, written as the whole sample of its setup --------------------
+    @classmethod
+    def training_options(cls, cfg) -> dict:
+        return {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph}
+
+    @classmethod
+    def training_tag(cls, cfg) -> str:
+        graph = "" if cfg.graph == "binary" else f"-{cfg.graph}"
+        return f"n{cfg.nodes}{graph}-{cfg.setup}"
+
+    def draw(self, rng: random.Random) -> Graph:
+        return GENERATORS[self.graph](self.nodes, rng)
+
+    def tokens(self, g: Graph) -> tuple[list[str], list[str]]:
+        """The edge list, then what the model writes: its trace (none when direct) and the verdict."""
+        sample = sample_tokens(g, self.setup)
+        cut = sample.index(EOS) + 1
+        return sample[:cut], sample[cut:]
+
+    def vocabulary(self) -> list[str]:
+        return vocabulary(self.nodes)
+
+    def max_tokens(self) -> int:
+        return {"direct": 4, "cot": 8, "retrieval": 64}[self.setup] * self.nodes
+
+    def training_max_len(self) -> int:
+        return self.max_tokens()
+
+    def heldout_sequences(self, rows: list[dict]) -> list[list[str]]:
+        return [sample_tokens(Graph(self.nodes, [tuple(e) for e in r["edges"]]), self.setup) for r in rows]
 
     def load(self) -> list[dict]:
         # A seed namespace of its own, so held-out graphs never come from a training stream's sequence.
         rng = random.Random(f"istree-eval:{self.graph}:{self.nodes}:{self.eval_seed}")
-        gen = GENERATORS[self.graph]
         rows = []
         for i in range(self.samples):
-            g = gen(self.nodes, rng)
+            g = self.draw(rng)
             rows.append({"_id": f"g{i:05d}", "edges": g.edges, "is_tree": g.is_tree})
         return rows
 

@@ -1,12 +1,11 @@
 """HotpotQA answer scoring, normalised exactly as the official ``hotpot_evaluate_v1.py`` does,
-plus the answer extractor for the chain-of-thought answer phrase and a bootstrap standard error."""
+plus the answer extractor for the chain-of-thought answer phrase."""
 from __future__ import annotations
 
 import collections
 import re
 import string
 
-import numpy as np
 
 ANSWER_PHRASE = "So the answer is:"
 _SPECIAL = ("yes", "no", "noanswer")
@@ -109,13 +108,3 @@ def score(prediction: str, gold: str, found: bool = True) -> dict[str, float]:
     if not found:
         return {"em": 0.0, "f1": 0.0, "contains": 0.0}
     return {"em": exact_match(prediction, gold), "f1": f1_score(prediction, gold), "contains": contains(prediction, gold)}
-
-
-def bootstrap_se(values, n_boot: int = 1000, seed: int = 0) -> float:
-    """Standard error of the mean by the percentile-free bootstrap (std of resampled means)."""
-    x = np.asarray(list(values), dtype=float)
-    if len(x) < 2:
-        return float("nan")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-    return float(x[idx].mean(axis=1).std(ddof=1))

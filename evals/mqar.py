@@ -14,10 +14,9 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, SyntheticOptions, Task
+from evals.base import OptionError
 from evals.registry import register_task
-
-SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
+from evals.synthetic import SPECIAL, SyntheticOptions, SyntheticTask
 
 
 @dataclass
@@ -42,7 +41,7 @@ class MQAROptions(SyntheticOptions):
 
 
 @register_task("mqar")
-class MQAR(Task):
+class MQAR(SyntheticTask):
     Options = MQAROptions
     metrics = ("accuracy", "all_correct")
     condition = "pairs"
@@ -50,14 +49,19 @@ class MQAR(Task):
 
     def __init__(self, data=None, split=None, **options):
         super().__init__(data, split, **options)
+        names = random.Random(f"mqar-keys:{self.options.keys}")
+        self.key_names = sorted({"".join(names.choices(string.ascii_uppercase, k=4))
+                                 for _ in range(4 * self.options.keys)})[:self.options.keys]
+
+    def max_new_tokens(self, as_tokens: bool) -> int:
+        return self.options.queries + 1 if as_tokens else 4 * self.options.queries + 4
+
+    def eval_namespace(self) -> str:
         o = self.options
-        self.stop = ["\n"] if o.format == "text" else ["[PAD]"]
-        self.default_max_new_tokens = 4 * o.queries + 4 if o.format == "text" else o.queries + 1
-        names = random.Random(f"mqar-keys:{o.keys}")
-        self.key_names = sorted({"".join(names.choices(string.ascii_uppercase, k=4)) for _ in range(4 * o.keys)})[
-            :o.keys]
+        return f"mqar-eval:{o.pairs}:{o.queries}:{o.keys}:{o.values}:{o.eval_seed}"
 
     def draw(self, rng: random.Random) -> tuple[list[tuple[int, int]], list[int]]:
+        """(key, value) pairs and the indices of the pairs asked, in the order asked."""
         o = self.options
         keys = rng.sample(range(o.keys), o.pairs)
         pairs = [(k, rng.randrange(o.values)) for k in keys]
@@ -67,47 +71,23 @@ class MQAR(Task):
     def vocabulary(self) -> list[str]:
         return SPECIAL + [f"k{i}" for i in range(self.options.keys)] + [f"v{i}" for i in range(self.options.values)]
 
-    def tokens(self, pairs, asked) -> tuple[list[str], list[str]]:
+    def tokens(self, sample) -> tuple[list[str], list[str]]:
+        pairs, asked = sample
         body = [t for k, v in pairs for t in (f"k{k}", f"v{v}")]
         return ["[BOS]", *body, "[SEP]", *[f"k{pairs[i][0]}" for i in asked], "[EOS]"], \
             [f"v{pairs[i][1]}" for i in asked]
-
-    def stream(self, seed: int):
-        rng = random.Random(seed)
-        while True:
-            prompt, answer = self.tokens(*self.draw(rng))
-            yield prompt + answer
 
     def max_tokens(self) -> int:
         return 2 * self.options.pairs + 2 * self.options.queries + 4
 
     # text: pretrained models -------------------------------------------------------------------------
-    def text(self, pairs, asked) -> tuple[str, str]:
+    def text(self, sample) -> tuple[str, str]:
+        pairs, asked = sample
         codes = ", ".join(f"{self.key_names[k]} {v}" for k, v in pairs)
         return (f"Codes: {codes}\nRecall: {' '.join(self.key_names[pairs[i][0]] for i in asked)}\nAnswer:",
                 " ".join(str(pairs[i][1]) for i in asked))
 
-    def load(self) -> list[dict]:
-        o = self.options
-        rng = random.Random(f"mqar-eval:{o.pairs}:{o.queries}:{o.keys}:{o.values}:{o.eval_seed}")
-        rows = []
-        for i in range(o.samples):
-            sample = self.draw(rng)
-            shots = [self.text(*self.draw(rng)) for _ in range(o.shots)] if o.format == "text" else []
-            if o.format == "text":
-                prompt, answer = self.text(*sample)
-            else:
-                p, a = self.tokens(*sample)
-                prompt, answer = " ".join(p), " ".join(a)
-            rows.append({"_id": f"mqar{i:05d}", "prompt": prompt, "answer": answer,
-                         "shots": [{"prompt": p, "answer": a} for p, a in shots]})
-        return rows
-
-    def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
-        return [Instance(id=r["_id"], condition=f"pairs={self.options.pairs}", question=r["prompt"],
-                         answer=r["answer"], meta={"shots": r["shots"]}) for r in rows]
-
-    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
+    def score(self, instance, generation: str, answer_phrase: str | None = None) -> dict:
         gold = instance.answer.split()
         said = generation.replace(",", " ").split()[:len(gold)]
         hits = sum(a == b for a, b in zip(said, gold))

@@ -14,14 +14,14 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, SyntheticOptions, Task
+from evals.base import Instance, OptionError
 from evals.registry import register_task
+from evals.synthetic import SPECIAL, SyntheticOptions, SyntheticTask
 
 FIRST = ("Ada Bruno Clara Dmitri Elena Farid Greta Hugo Ines Jonas Kira Luca Mina Nils Olga Pavel Quinn Rosa Sami "
          "Tova").split()
 LAST = ("Abbott Berg Costa Dahl Eriksen Fischer Garcia Holm Ito Jensen Kowal Lund Moreau Novak Okafor Petrov Quist "
         "Rossi Sato Varga").split()
-SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
 NUMBER = re.compile(r"\d{3}-\d{4}")
 
 
@@ -47,7 +47,7 @@ class NeedleOptions(SyntheticOptions):
 
 
 @register_task("needle")
-class Needle(Task):
+class Needle(SyntheticTask):
     Options = NeedleOptions
     metrics = ("accuracy",)
     condition = "length@depth"
@@ -57,9 +57,9 @@ class Needle(Task):
     def __init__(self, data=None, split=None, **options):
         super().__init__(data, split, **options)
         self.tokenizer = None
-        tokens = self.options.format == "tokens"
-        self.stop = ["[PAD]"] if tokens else ["\n"]
-        self.default_max_new_tokens = 2 if tokens else 8
+
+    def max_new_tokens(self, as_tokens: bool) -> int:
+        return 2 if as_tokens else 8
 
     def load(self) -> list[dict]:
         o = self.options
@@ -114,30 +114,33 @@ class Needle(Task):
         o = self.options
         return SPECIAL + [f"n{i}" for i in range(o.names)] + [f"p{i}" for i in range(o.numbers)]
 
-    def _draw_tokens(self, rng: random.Random, depth: float | None = None) -> tuple[list[str], str]:
+    def draw(self, rng: random.Random, depth: float | None = None) -> tuple[list[int], list[int], int]:
+        """A token-format book: distinct names, their numbers, and the needle's index (at ``depth``, else
+        drawn)."""
         o = self.options
         names = rng.sample(range(o.names), o.length)
         numbers = [rng.randrange(o.numbers) for _ in names]
         at = rng.randrange(o.length) if depth is None else round(depth * (o.length - 1))
-        body = [t for n, p in zip(names, numbers) for t in (f"n{n}", f"p{p}")]
-        return ["[BOS]", *body, "[SEP]", f"n{names[at]}", "[EOS]"], f"p{numbers[at]}"
+        return names, numbers, at
 
-    def stream(self, seed: int):
-        rng = random.Random(seed)
-        while True:
-            prompt, answer = self._draw_tokens(rng)
-            yield prompt + [answer]
+    def tokens(self, sample) -> tuple[list[str], list[str]]:
+        names, numbers, at = sample
+        body = [t for n, p in zip(names, numbers) for t in (f"n{n}", f"p{p}")]
+        return ["[BOS]", *body, "[SEP]", f"n{names[at]}", "[EOS]"], [f"p{numbers[at]}"]
 
     def max_tokens(self) -> int:
         return 2 * self.options.length + 6
+
+    def heldout_sequences(self, rows: list[dict]) -> list[list[str]]:
+        return [ins.question.split() + [ins.answer] for ins in self._token_instances(rows)]
 
     def _token_instances(self, rows) -> list[Instance]:
         out = []
         for r in rows:
             for depth in self.options.depths:
-                prompt, answer = self._draw_tokens(random.Random(r["seed"]), depth)
+                prompt, answer = self.tokens(self.draw(random.Random(r["seed"]), depth))
                 out.append(Instance(id=r["_id"], condition=f"{self.options.length}@{depth:g}",
-                                    question=" ".join(prompt), answer=answer))
+                                    question=" ".join(prompt), answer=answer[0]))
         return out
 
     def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:

@@ -1,46 +1,24 @@
-"""Task registry: ``@register_task("name")`` on a Task subclass is all it takes to add a task.
+"""The task registry: ``@register_task("name")`` on a Task subclass is all it takes to add a task.
 
 Every module of the ``evals`` package is imported on first use, so a new task is one module (plus its template
 and tests): the CLI's ``--task`` choices, its help and ``--task-arg`` validation all derive from here."""
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from harness.registry import Registry
 
-TASKS: dict[str, type] = {}
-_LOADED = False
+TASKS = Registry("task", discover="evals")
 
 
 def register_task(name: str):
-    def add(cls):
-        if name in TASKS and TASKS[name] is not cls:
-            raise ValueError(f"task name {name!r} is registered twice ({TASKS[name].__module__}, {cls.__module__})")
-        cls.name = name
-        TASKS[name] = cls
-        return cls
-    return add
-
-
-def _load_all() -> None:
-    global _LOADED
-    if not _LOADED:
-        import evals
-
-        for mod in pkgutil.iter_modules(evals.__path__):
-            importlib.import_module(f"evals.{mod.name}")
-        _LOADED = True
+    return TASKS.register(name)
 
 
 def task_class(name: str) -> type:
-    _load_all()
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
+    return TASKS.get(name)
 
 
 def task_names() -> list[str]:
-    _load_all()
-    return sorted(TASKS)
+    return sorted(TASKS.names())
 
 
 def get_task(name: str, **kwargs):

@@ -16,11 +16,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, SyntheticOptions, Task
+from evals.base import OptionError
 from evals.registry import register_task
+from evals.synthetic import SPECIAL, SyntheticOptions, SyntheticTask
 
-TASK_NAMES = ("index", "ar", "cgram", "counting")
-SPECIAL = ["[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"]
 WORDS = ("apple river stone cloud tiger lamp paper honey violin garden rocket bridge candle mirror forest "
          "pencil window dragon silver meadow castle button orange planet ladder kettle harbor feather").split()
 
@@ -49,8 +48,9 @@ class RetrievalOptions(SyntheticOptions):
             raise OptionError("--task-arg length must be >= 2")
 
 
-class RetrievalTask(Task):
-    """One of TASK_NAMES (its registered ``name``); ``length`` symbols per sequence over an alphabet of ``symbols``."""
+class RetrievalTask(SyntheticTask):
+    """What the four tasks share: ``length`` symbols over an alphabet of ``symbols``, one query, one answer.
+    A subclass draws its sample and says its question."""
 
     Options = RetrievalOptions
     metrics = ("accuracy",)
@@ -61,94 +61,117 @@ class RetrievalTask(Task):
         super().__init__(data, split, **options)
         o = self.options
         self.length, self.symbols, self.c = o.length, o.symbols, o.c
-        self.format, self.shots, self.samples, self.eval_seed = o.format, o.shots, o.samples, o.eval_seed
-        self.stop = ["\n"] if o.format == "text" else ["[PAD]"]
-        self.default_max_new_tokens = 4 if o.format == "text" else 2
 
-    # ------------------------------------------------------------------------------------ drawing
-    def draw(self, rng: random.Random) -> Draw:
-        n, k = self.length, self.symbols
-        if self.name == "index":
-            seq = [rng.randrange(k) for _ in range(n)]
-            i = rng.randrange(n)
-            return Draw(seq, [i], seq[i])
-        if self.name == "ar":
-            keys = rng.sample(range(k), min(k, n // 2))
-            pairs = [(key, rng.randrange(k)) for key in keys]
-            j = rng.randrange(len(pairs))
-            return Draw([t for p in pairs for t in p], [pairs[j][0]], pairs[j][1])
-        if self.name == "cgram":
-            while True:
-                seq = [rng.randrange(k) for _ in range(n)]
-                starts = list(range(n - self.c + 1))
-                rng.shuffle(starts)
-                for s in starts:
-                    gram = seq[s:s + self.c - 1]
-                    hits = [t for t in range(n - self.c + 2) if seq[t:t + self.c - 1] == gram]
-                    if hits == [s]:  # the (c-1)-gram occurs once, so its next token is well defined
-                        return Draw(seq, gram, seq[s + self.c - 1])
-        seq = [rng.randrange(k) for _ in range(n)]
-        x = rng.choice(seq)
-        return Draw(seq, [x], seq.count(x))
+    def eval_namespace(self) -> str:
+        o = self.options
+        return f"retrieval-eval:{self.name}:{o.length}:{o.symbols}:{o.eval_seed}"
 
-    # ------------------------------------------------------------------------------------ tokens
+    def condition_value(self) -> str:
+        return f"L={self.length}"
+
+    def random_sequence(self, rng: random.Random) -> list[int]:
+        return [rng.randrange(self.symbols) for _ in range(self.length)]
+
+    # -- tokens -----------------------------------------------------------------------------------------
     def vocabulary(self) -> list[str]:
         return SPECIAL + [f"a{i}" for i in range(self.symbols)] + [str(i) for i in range(self.length + 1)]
 
-    def tokens(self, d: Draw) -> tuple[list[str], str]:
-        sym = lambda i: f"a{i}"  # noqa: E731
-        seq = [sym(i) for i in d.seq]
-        query = [str(d.query[0])] if self.name == "index" else [sym(i) for i in d.query]
-        answer = str(d.answer) if self.name == "counting" else sym(d.answer)
-        return ["[BOS]", *seq, "[SEP]", *query, "[EOS]"], answer
+    def query_tokens(self, d: Draw) -> list[str]:
+        return [f"a{i}" for i in d.query]
+
+    def answer_word(self, d: Draw, word) -> str:
+        """The answer, written with ``word`` (a symbol's token or English word)."""
+        return word(d.answer)
+
+    def tokens(self, d: Draw) -> tuple[list[str], list[str]]:
+        seq = [f"a{i}" for i in d.seq]
+        return ["[BOS]", *seq, "[SEP]", *self.query_tokens(d), "[EOS]"], [self.answer_word(d, lambda i: f"a{i}")]
 
     def max_tokens(self) -> int:
         return 2 * self.length + 6
 
-    def stream(self, seed: int):
-        rng = random.Random(seed)
-        while True:
-            prompt, answer = self.tokens(self.draw(rng))
-            yield prompt + [answer]
+    # -- text -------------------------------------------------------------------------------------------
+    def question(self, d: Draw) -> str:
+        """The question about the sequence, in English."""
+        raise NotImplementedError
 
-    # -------------------------------------------------------------------------------------- text
     def text(self, d: Draw) -> tuple[str, str]:
-        w = lambda i: WORDS[i]  # noqa: E731
-        if self.name == "ar":
-            pairs = ", ".join(f"{w(d.seq[i])}: {w(d.seq[i + 1])}" for i in range(0, len(d.seq), 2))
-            return f"Pairs: {pairs}\nQuestion: What goes with {w(d.query[0])}?\nAnswer:", w(d.answer)
-        words = " ".join(w(i) for i in d.seq)
-        if self.name == "index":
-            q = f"What is word number {d.query[0] + 1}?"
-        elif self.name == "cgram":
-            q = f"Which word comes right after \"{' '.join(w(i) for i in d.query)}\"?"
-        else:
-            q = f"How many times does \"{w(d.query[0])}\" occur?"
-        answer = str(d.answer) if self.name == "counting" else w(d.answer)
-        return f"Words: {words}\nQuestion: {q}\nAnswer:", answer
+        words = " ".join(WORDS[i] for i in d.seq)
+        return f"Words: {words}\nQuestion: {self.question(d)}\nAnswer:", self.answer_word(d, WORDS.__getitem__)
 
-    # ------------------------------------------------------------------------------- engine task
-    def load(self) -> list[dict]:
-        rng = random.Random(f"retrieval-eval:{self.name}:{self.length}:{self.symbols}:{self.eval_seed}")
-        rows = []
-        for i in range(self.samples):
-            d = self.draw(rng)
-            shots = [self.text(self.draw(rng)) for _ in range(self.shots)] if self.format == "text" else []
-            prompt, answer = self.text(d) if self.format == "text" else (" ".join(self.tokens(d)[0]), self.tokens(d)[1])
-            rows.append({"_id": f"{self.name}{i:05d}", "prompt": prompt, "answer": answer,
-                         "shots": [{"prompt": p, "answer": a} for p, a in shots]})
-        return rows
-
-    def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
-        return [Instance(id=r["_id"], condition=f"L={self.length}", question=r["prompt"], answer=r["answer"],
-                         meta={"shots": r["shots"]}) for r in rows]
-
-    def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
+    def score(self, instance, generation: str, answer_phrase: str | None = None) -> dict:
         words = generation.replace(".", " ").split()
         pred = words[0] if words else ""
         return {"prediction": pred, "answer_found": bool(words), "accuracy": float(pred == instance.answer)}
 
 
-# One registered task per kind: --task index, ar, cgram, counting.
-RETRIEVAL_TASKS = {name: register_task(name)(type(f"RetrievalTask[{name}]", (RetrievalTask,), {}))
-                   for name in TASK_NAMES}
+@register_task("index")
+class Index(RetrievalTask):
+    """The sequence, then a position i → the token at position i."""
+
+    def draw(self, rng: random.Random) -> Draw:
+        seq = self.random_sequence(rng)
+        i = rng.randrange(self.length)
+        return Draw(seq, [i], seq[i])
+
+    def query_tokens(self, d: Draw) -> list[str]:
+        return [str(d.query[0])]
+
+    def question(self, d: Draw) -> str:
+        return f"What is word number {d.query[0] + 1}?"
+
+
+@register_task("ar")
+class AssociativeRecall(RetrievalTask):
+    """Key-value pairs, then a key → its value."""
+
+    def draw(self, rng: random.Random) -> Draw:
+        keys = rng.sample(range(self.symbols), min(self.symbols, self.length // 2))
+        pairs = [(key, rng.randrange(self.symbols)) for key in keys]
+        j = rng.randrange(len(pairs))
+        return Draw([t for p in pairs for t in p], [pairs[j][0]], pairs[j][1])
+
+    def text(self, d: Draw) -> tuple[str, str]:
+        w = WORDS.__getitem__
+        pairs = ", ".join(f"{w(d.seq[i])}: {w(d.seq[i + 1])}" for i in range(0, len(d.seq), 2))
+        return f"Pairs: {pairs}\nQuestion: What goes with {w(d.query[0])}?\nAnswer:", w(d.answer)
+
+
+@register_task("cgram")
+class CGram(RetrievalTask):
+    """The sequence, then c-1 consecutive tokens → the token that followed them."""
+
+    def draw(self, rng: random.Random) -> Draw:
+        n, c = self.length, self.c
+        while True:
+            seq = self.random_sequence(rng)
+            starts = list(range(n - c + 1))
+            rng.shuffle(starts)
+            for s in starts:
+                gram = seq[s:s + c - 1]
+                hits = [t for t in range(n - c + 2) if seq[t:t + c - 1] == gram]
+                if hits == [s]:  # the (c-1)-gram occurs once, so its next token is well defined
+                    return Draw(seq, gram, seq[s + c - 1])
+
+    def question(self, d: Draw) -> str:
+        return f"Which word comes right after \"{' '.join(WORDS[i] for i in d.query)}\"?"
+
+
+@register_task("counting")
+class Counting(RetrievalTask):
+    """The sequence, then a token → how many times it occurs."""
+
+    def draw(self, rng: random.Random) -> Draw:
+        seq = self.random_sequence(rng)
+        x = rng.choice(seq)
+        return Draw(seq, [x], seq.count(x))
+
+    def answer_word(self, d: Draw, word) -> str:
+        return str(d.answer)
+
+    def question(self, d: Draw) -> str:
+        return f"How many times does \"{WORDS[d.query[0]]}\" occur?"
+
+
+RETRIEVAL_TASKS = {cls.name: cls for cls in (Index, AssociativeRecall, CGram, Counting)}
+TASK_NAMES = tuple(RETRIEVAL_TASKS)

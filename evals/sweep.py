@@ -61,7 +61,7 @@ class TaskSweep(Task):
         self.name, self.Options = cls.name, cls.Options
         self.options = dataclasses.replace(first.options, **{key: [getattr(p.options, key) for p in self.parts]})
         for attr in ("metrics", "condition", "default_template", "retrieval_template", "stop", "include_stop",
-                     "needs_tokenizer"):
+                     "needs_tokenizer", "axis_statistic", "axis_label"):
             setattr(self, attr, getattr(first, attr))
         self.default_max_new_tokens = max(p.default_max_new_tokens for p in self.parts)
         self._part_of: dict[str, Task] = {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from harness.identity import cache_dir
+from harness.engine.identity import cache_dir
 
 TOL = 1e-3  # max |logit difference| on tiny random models (float32)
 
@@ -89,7 +89,7 @@ def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple
                                                                              list[list[int]]]:
     """Prefill a left-padded batch, then greedy-decode ``steps`` tokens (through ``graphs``, a GraphedDecode,
     when given); logits at real positions, per-step logits and tokens."""
-    from harness.generation import left_pad
+    from harness.backends.generation import left_pad
 
     model.scan = scan
     ids, mask = left_pad(seqs, 0, device)
@@ -126,7 +126,7 @@ def check_phi_mamba_reference(device="cpu") -> dict:
 
 def check_phi_mamba_kernels(device) -> dict:
     """mamba-ssm's kernels (prompt scan and decode step) against the reference path."""
-    from harness import kernels
+    from harness.models import kernels
 
     before = dict(kernels.CALLS)
     worst, same_tokens = 0.0, True
@@ -181,7 +181,7 @@ def check_vllm(tmp: Path) -> dict:
     """vLLM against the transformers backend: greedy tokens of a tiny random Llama."""
     from harness.backends.hf import TransformersBackend
     from harness.backends.vllm_backend import VLLMBackend
-    from harness.generation import GenRequest
+    from harness.backends.generation import GenRequest
     from harness.tiny import build_tokenizer, make_tiny_model
 
     path = str(make_tiny_model(tmp / "llama", "llama", tokenizer=build_tokenizer(), hidden=128))
@@ -198,7 +198,7 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
     """Phi-Mamba and hybrid decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache
     (and both replayed from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth
     over the bytes a batch-1 step must read (every weight once, and the decoding state)."""
-    from harness.engine import load_backend
+    from harness.engine.run import load_backend
     from harness.tiny import build_tokenizer, make_tiny_model
 
     hidden, layers = (2048, 24) if size == "real" else (128, 4)
@@ -229,7 +229,7 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
 
 # --------------------------------------------------------------------------------------------------- cli
 def environment() -> dict:
-    from harness import kernels
+    from harness.models import kernels
 
     env = {"python": platform.python_version(), **kernels.status()}
     try:
@@ -263,7 +263,7 @@ def paths(env: dict) -> dict:
 def _interpreted_kernel_check(cache: Path) -> dict:
     """The kernel check under Triton's CPU interpreter, in a child process (the interpreter must be switched
     on before triton is imported)."""
-    code = ("import json, sys\nfrom harness import kernels\n"
+    code = ("import json, sys\nfrom harness.models import kernels\n"
             f"kernels.enable_cpu_interpreter(kernels.fetch_mamba_ssm_sources({str(cache)!r}))\n"
             "from harness.doctor import check_phi_mamba_kernels\n"
             "print('RESULT ' + json.dumps(check_phi_mamba_kernels('cpu')))\n")
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/gpu-suite", help="where --suite writes its report")
     a = ap.parse_args(argv)
     if a.suite == "gpu":
-        from harness.gpu_suite import run_suite
+        from harness.tools.gpu_suite import run_suite
 
         return run_suite(Path(a.out))
 

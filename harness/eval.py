@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from harness.config import ConfigError, RunConfig, word_negative_flags
+from harness.engine.config import ConfigError, RunConfig, word_negative_flags
 
 
 @dataclasses.dataclass
@@ -21,15 +21,24 @@ class CliFlags:
     """Flags of the command line only: they change what is printed, never a result."""
 
     task_arg: list[str] = dataclasses.field(default_factory=list, metadata={
-        "help": "the task's options as KEY=VALUE (repeatable); for a checkpoint trained by harness.train they "
+        "help": "the task's options as KEY=VALUE (repeatable); for a checkpoint trained by harness.training.trainer they "
                 "default to its training task's", "action": "extend", "metavar": "KEY=VALUE"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show a progress bar"})
     verbose: bool = dataclasses.field(default=False, metadata={"help": "debug logging, full tracebacks",
                                                                "aliases": ["-v"]})
 
 
-# HotpotQA's options also have flags of their own (the paper's experiment is run with them).
-HOTPOTQA_FLAGS = ("distractors", "positions", "shots")
+def task_flags() -> dict[str, list]:
+    """Task options with a flag of their own (``metadata={"flag": True}``): the option's name → its fields, one
+    per task that declares it."""
+    from evals import task_class, task_names
+
+    flags: dict[str, list] = {}
+    for name in task_names():
+        for f in dataclasses.fields(task_class(name).Options):
+            if f.metadata.get("flag"):
+                flags.setdefault(f.name, []).append((name, f))
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         elif action.dest in SET_BY_HARNESS:  # fields of the recorded config, never flags
             action.type = _refuse(action.dest)
     word_negative_flags(ap)
-    group = ap.add_argument_group("HotpotQA's options (also --task-arg KEY=VALUE)")
-    for f in dataclasses.fields(task_class("hotpotqa").Options):
-        if f.name in HOTPOTQA_FLAGS:
-            group.add_argument(f"--{f.name}", default=None, type=str if f.name == "positions" else int,
-                               help=f.metadata.get("help"))
+    group = ap.add_argument_group("task options with flags of their own (also --task-arg KEY=VALUE)")
+    for name, declared in task_flags().items():
+        tasks, f = [t for t, _ in declared], declared[0][1]
+        group.add_argument(f"--{name}", default=None, type=int if f.type in (int, "int") else str,
+                           help=f"{'/'.join(tasks)}: {f.metadata.get('help', '')}")
     return ap
 
 
@@ -75,20 +84,18 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
 
     cls = task_class(a.task)
     pairs = _task_args(a.task_arg, a.model, a.task)
-    for name in HOTPOTQA_FLAGS:
+    for name, declared in task_flags().items():
         value = getattr(a, name)
         if value is None:
             continue
-        if a.task != "hotpotqa":
-            raise ConfigError(f"--{name} is an option of HotpotQA, not of task {a.task!r}; its options go in "
-                              "--task-arg KEY=VALUE (see --help)")
+        if a.task not in [t for t, _ in declared]:
+            raise ConfigError(f"--{name} is an option of {', '.join(t for t, _ in declared)}, not of task {a.task!r}; "
+                              "its options go in --task-arg KEY=VALUE (see --help)")
         if name in pairs and str(pairs[name]) != str(value):
             raise ConfigError(f"--{name} {value} and --task-arg {name}={pairs[name]} disagree; give one")
         pairs[name] = value
-    if a.task == "hotpotqa" and str(pairs.get("distractors")) == "0" and "positions" in pairs:
-        raise ConfigError(f"--positions {pairs['positions']} has no effect with --distractors 0 (oracle mode: the "
-                          "gold paragraphs alone, position 'oracle'); drop --positions or use --distractors 1 or more")
     try:
+        cls.check_given(pairs)
         options = checked_options(cls.Options, pairs, a.task)  # a swept option stays a list of checked values
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -98,13 +105,12 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
     if not values.get("output"):
         local = Path(a.model).expanduser()
         safe = local.resolve().name if local.is_dir() else a.model.rstrip("/").replace("/", "_")
-        tag = f"-k{options['distractors']}" if a.task == "hotpotqa" else ""
-        values["output"] = f"runs/{safe}-{a.task}{tag}{'-retrieval' if a.retrieval else ''}"
+        values["output"] = f"runs/{safe}-{a.task}{cls.output_tag(options)}{'-retrieval' if a.retrieval else ''}"
     return RunConfig(**values)
 
 
 def _task_args(pairs: list[str], model: str, task: str) -> dict:
-    """KEY=VALUE pairs; a checkpoint written by harness.train supplies its own task's options as defaults."""
+    """KEY=VALUE pairs; a checkpoint written by harness.training.trainer supplies its own task's options as defaults."""
     out: dict = {}
     meta = Path(model) / "icr_task.json"
     if meta.is_file():
@@ -124,9 +130,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from harness.engine import run_eval
-    from harness.procs import stop_on_sigterm
-    from harness.runlog import RunDirError
+    from harness.engine.run import run_eval
+    from harness.tools.procs import stop_on_sigterm
+    from harness.engine.runlog import RunDirError
 
     cfg = None
     try:
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
 
 def _kept(cfg) -> str:
     """What an interrupted run leaves, in one line."""
-    from harness.runlog import SampleLog
+    from harness.engine.runlog import SampleLog
 
     if cfg is None or not Path(cfg.output).is_dir():
         return "nothing was written"

@@ -4,8 +4,8 @@
     python -m harness.report runs/phi-1.5 runs/phi-mamba --subset runs/phi-1.5-oracle runs/phi-mamba-oracle
     python -m harness.report runs/phi-1.5 --official-gold reports/gold
 
-Each run is labelled by the settings that differ between the runs given (model, distractors, template,
-retrieval, shots, ...), and counts exactly the rows its results.json selected (a narrower rerun into the same
+Each run is labelled by the settings that differ between the runs of its task (model, retrieval, template,
+the task's options: HotpotQA's distractors, MQAR's keys, ...), and counts exactly the rows its results.json selected (a narrower rerun into the same
 directory keeps older rows in samples.jsonl; they are not counted). ``--subset`` keeps only questions that
 every oracle run (``--distractors 0``) answered correctly by ``--subset-metric``, the paper's way of
 separating retrieval failures from questions a model cannot answer at all. ``--official-gold`` writes, per
@@ -20,13 +20,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.results import format_markdown
-from harness.stats import condition_of, summarize
-from harness.runlog import write_atomic
+from evals import task_class
+from evals.base import instance_key
+from harness.engine.results import format_markdown
+from harness.engine.runlog import write_atomic
+from harness.engine.stats import summarize
 
-# Settings that name a run in a legend when they differ between the runs of one report, in this order.
-LABEL_FIELDS = ("model", "distractors", "retrieval", "template", "shots", "max_new_tokens", "task_args", "data",
-                "dtype", "backend", "seed", "stop", "max_tool_calls", "tool_timeout")
+# Run settings that name a run in a legend when they differ between the runs of one report, in this order
+# (then the task's own options, each as the task labels it).
+LABEL_FIELDS = ("model", "retrieval", "template", "max_new_tokens", "data", "dtype", "backend", "seed", "stop",
+                "max_tool_calls", "tool_timeout")
 
 
 class ReportError(ValueError):
@@ -35,7 +38,7 @@ class ReportError(ValueError):
 
 def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     """results.json and the samples it counted (its selection of ids and positions)."""
-    from harness.runlog import SampleLog
+    from harness.engine.runlog import SampleLog
 
     run_dir = Path(run_dir)
     res_file = run_dir / "results.json"
@@ -51,7 +54,7 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     records = [r for r in every if r.get("config_hash") == run_hash]  # only rows made with the run's settings
     sel = results.get("selection")
     if sel:
-        keys = {f"{i}@{p}" for i in sel["ids"] for p in _conditions(results)}
+        keys = {instance_key(i, c) for i in sel["ids"] for c in _conditions(results)}
         records = [r for r in records if r["key"] in keys]
         if len(records) < len(keys):
             raise ReportError(f"{run_dir}: results.json counted {len(keys)} rows, but samples.jsonl holds only "
@@ -61,12 +64,11 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
 
 
 def _conditions(results: dict) -> list[str]:
-    sel = results.get("selection") or {}
-    return sel.get("conditions") or sel.get("positions") or list(results["metrics"])
+    return (results.get("selection") or {}).get("conditions") or list(results["metrics"])
 
 
 def _settings(cfg: dict) -> dict:
-    """A run's config with its task's options at the top level (HotpotQA's distractors, shots, ...)."""
+    """A run's config with its task's options at the top level (HotpotQA's distractors, MQAR's keys, ...)."""
     return {**{k: v for k, v in cfg.items() if k != "task_args"}, **(cfg.get("task_args") or {})}
 
 
@@ -82,27 +84,25 @@ def oracle_subset(oracle_dirs: list[str], metric: str = "em") -> set[str]:
     return keep or set()
 
 
-def run_labels(configs: list[dict], conditions: list[set] | None = None) -> list[str]:
-    """Short legend names from what differs between the runs (just the model when nothing else does). Runs of
-    the same settings share a name (one line over the condition axis) where their ``conditions`` do not
-    overlap; otherwise their directories tell them apart."""
+def run_labels(configs: list[dict], conditions: list[set] | None = None, task: type | None = None) -> list[str]:
+    """Short legend names from what differs between the runs of one task (just the model when nothing else
+    does). Runs of the same settings share a name (one line over the condition axis) where their ``conditions``
+    do not overlap; otherwise their directories tell them apart."""
     def value(cfg, k):
         v = cfg.get(k)
         if k == "model":
             return _short_model(str(v), [str(c.get("model")) for c in configs])
         if k == "retrieval":
             return "+retrieval" if v else "no retrieval"
-        if k == "distractors":
-            return "oracle" if v == 0 else f"k={v}"
-        return f"{k}={v}"
+        return task.label(k, v) if task is not None and k in options else f"{k}={v}"
 
     import dataclasses
 
-    from harness.config import RunConfig
+    from harness.engine.config import RunConfig
 
+    options = [f.name for f in dataclasses.fields(task.Options)] if task is not None else []
     run_flags = {f.name for f in dataclasses.fields(RunConfig)}
-    task_options = sorted({k for c in configs for k in c} - run_flags - set(LABEL_FIELDS) - {"positions"})
-    fields = list(LABEL_FIELDS) + task_options
+    fields = list(LABEL_FIELDS) + options + sorted({k for c in configs for k in c} - run_flags - set(options))
     differ = [k for k in fields if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
     shown = ["model", *[k for k in differ if k != "model"]]
     labels = [" ".join(value(c, k) for k in shown) for c in configs]
@@ -125,42 +125,44 @@ def _short_model(model: str, all_models: list[str]) -> str:
 
 
 def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame:
-    """One row per run and condition: the run's label, task, condition (in the ``position`` column for every
-    task, under its own name in ``condition_name``), the condition's place on a plot axis, and the metrics."""
+    """One row per run and condition: the run's label, task, condition (``condition``, named in
+    ``condition_name``), the condition's place on the task's plot axis (``x``, and ``series`` where a condition
+    has two parts), and the metrics."""
     loaded = [load_run(d) for d in run_dirs]
-    tasks = [res.get("task", "hotpotqa") for res, _ in loaded]
+    tasks = [res["task"] for res, _ in loaded]
     labels = [""] * len(loaded)
     for task in dict.fromkeys(tasks):  # a run is named by what differs from the other runs of its task
         idx = [i for i, t in enumerate(tasks) if t == task]
-        axis = loaded[idx[0]][0].get("condition", "position")  # the plot's x: never what tells runs apart
+        axis = loaded[idx[0]][0]["condition"]  # the plot's x: never what tells runs apart
         swept = {p for name in axis.split("@") for p in (name, f"{name}s")}
         configs = [{k: v for k, v in _settings(loaded[i][0]["config"]).items() if k not in swept} for i in idx]
         conds = [set(_conditions(loaded[i][0])) for i in idx]
-        for i, label in zip(idx, run_labels(configs, conds)):
+        for i, label in zip(idx, run_labels(configs, conds, task_class(task))):
             labels[i] = label
     rows = []
     for d, label, (results, samples) in zip(run_dirs, labels, loaded):
         cfg = _settings(results["config"])
         first = next(iter(results["metrics"].values()), {})
         metrics = tuple(k for k in first if f"{k}_se" in first)
-        by_pos = summarize(samples, metrics, _conditions(results), keep_ids=keep_ids, seed=cfg.get("seed", 0))
-        task = results.get("task", "hotpotqa")
-        for pos, m in by_pos.items():
-            x, series = condition_axis(pos, m.get("gold_start") if task == "hotpotqa" else None)
-            audit = results.get("audit")
-            rows.append({"run": label, "dir": str(d), "task": task,
+        statistic = task_class(results["task"]).axis_statistic
+        by_condition = summarize(samples, metrics, _conditions(results), keep_ids=keep_ids, seed=cfg.get("seed", 0),
+                                 axis_statistic=statistic)
+        audit = results.get("audit")
+        for condition, m in by_condition.items():
+            x, series = condition_axis(condition, m.get(statistic) if statistic else None)
+            rows.append({"run": label, "dir": str(d), "task": results["task"],
                          "audit": f"{audit['agree']}/{audit['rows']}" if audit else None,
-                         "condition_name": results.get("condition", "position"), "distractors": cfg.get("distractors"),
-                         "position": pos, "x": x, "series": series, "gold_start": m.get("gold_start"),
-                         **{k: v for k, v in m.items() if k != "gold_start"}})
+                         "condition_name": results["condition"], "condition": condition, "x": x, "series": series,
+                         **m})
     return pd.DataFrame(rows)
 
 
-def condition_axis(condition: str, gold_start=None) -> tuple[float | None, str | None]:
-    """Where a condition sits on a plot: HotpotQA's slot of the first gold paragraph; ``NAME=VALUE`` (pairs,
-    nodes, length) its value; the needle's ``LENGTH@DEPTH`` its length, one series per depth."""
-    if gold_start is not None and gold_start == gold_start:
-        return float(gold_start), None
+def condition_axis(condition: str, statistic=None) -> tuple[float | None, str | None]:
+    """Where a condition sits on a plot: the task's axis statistic where it has one (HotpotQA's slot of the
+    first gold paragraph); ``NAME=VALUE`` (pairs, nodes, length) its value; a two-part ``A@B`` condition (the
+    needle's length@depth) its first part, one series per second part."""
+    if statistic is not None and statistic == statistic:
+        return float(statistic), None
     if "@" in condition:
         length, depth = condition.split("@", 1)
         return _number(length), f"depth {depth}"
@@ -177,7 +179,7 @@ def _number(text: str) -> float | None:
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
     """One task's runs on the task's own axis: HotpotQA by gold-paragraph slot; the needle as a length x depth
     heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
-    from harness.plotting import pyplot, save
+    from harness.reports.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -188,18 +190,16 @@ def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -
         return _heatmaps(df, metric, path, plt)
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
     _run_lines(ax, df, "x", metric)
-    if task == "hotpotqa":
+    if task_class(task).axis_statistic:  # conditions placed by a statistic: integer slots, names under them
         _slot_ticks(ax, df)
-        ax.set_xlabel("slot of the first gold paragraph (0 = first in the context)")
-        title = f"{metric.upper()} by gold-paragraph position"
     else:
         values = sorted({v for v in df["x"].dropna()})
         if values and values[0] > 0 and values[-1] / values[0] >= 8:
             ax.set_xscale("log", base=2)
         ax.set_xticks(values, [f"{v:g}" for v in values])
-        ax.set_xlabel(name)
-        title = f"{task}: {metric} by {name}"
-    ax.set_ylabel(f"{metric.upper() if task == 'hotpotqa' else metric} (%)")
+    ax.set_xlabel(task_class(task).axis_label or name)
+    title = f"{task}: {metric} by {name}"
+    ax.set_ylabel(f"{metric} (%)")
     ax.set_ylim(-3, 103)  # a line at 0 or 100 stays visible
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -216,7 +216,7 @@ AGAINST = {"state_bytes": ("model state the prompt left (bytes)", "state_memory"
 def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path:
     """The paper's axes: one line per run of the metric against the mean model-state bytes (or prompt length)
     of each condition: a Transformer's KV cache grows with the context, a recurrent model's state does not."""
-    from harness.plotting import pyplot, save
+    from harness.reports.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -261,7 +261,7 @@ def _slot_ticks(ax, df: pd.DataFrame) -> None:
         return
     ticks = list(range(0, max(slots) + 1))
     names: dict[int, list[str]] = {t: [] for t in ticks}
-    for pos, s in zip(df["position"], df["x"]):
+    for pos, s in zip(df["condition"], df["x"]):
         if not pos.isdigit() and s == s and pos not in names[int(round(s))]:
             names[int(round(s))].append(pos)
     step = 1 if len(ticks) <= 26 else 2
@@ -290,7 +290,7 @@ def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
         ax.set_title(run, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label=f"{metric} (%)")
     fig.suptitle(f"{df['task'].iloc[0]}: {metric} by context length and needle depth", fontsize=10)
-    from harness.plotting import save
+    from harness.reports.plotting import save
 
     save(fig, path, dpi=150, tight=False)
     return path
@@ -301,7 +301,7 @@ def write_official_gold(run_dirs: list[str], out: Path) -> list[Path]:
     ``hotpot_evaluate_v1.py RUN/predictions/POS.json OUT/RUN/POS.json`` then prints the harness's EM and F1
     (the official script divides by every gold row, and counts a row without a prediction as 0)."""
     from evals.hotpotqa import HotpotQA
-    from harness.config import content_sha256
+    from harness.engine.config import content_sha256
 
     paths = []
     for d in run_dirs:
@@ -315,7 +315,7 @@ def write_official_gold(run_dirs: list[str], out: Path) -> list[Path]:
             raise ReportError(f"--official-gold: the data {cfg.get('data')!r} changed since {d} ran (content hash "
                               f"{content_sha256(rows)} vs {want}); point the run's --data at the file it used")
         for pos in _conditions(results):
-            scored = {r["id"] for r in samples if condition_of(r) == pos and not r.get("skipped")}
+            scored = {r["id"] for r in samples if r["condition"] == pos and not r.get("skipped")}
             path = out / Path(d).name / f"{pos}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             paths.append(write_atomic(path, json.dumps([r for r in rows if r["_id"] in scored], ensure_ascii=False)))
@@ -357,14 +357,14 @@ def main(argv=None) -> int:
         present = g.dropna(axis=1, how="all")  # another task's metric columns
         metrics = tuple(c[:-3] for c in present.columns if c.endswith("_se") and c[:-3] in present.columns)
         name = g["condition_name"].iloc[0]
-        shown = present.rename(columns={"position": name})
+        shown = present.rename(columns={"condition": name})
         audits = {run: a for run, a in zip(g["run"], g["audit"]) if a}
         tables.append((f"## {task}\n\n" if len(plotted) > 1 else "")
                       + format_markdown(shown, metrics, id_cols=("run", name))
                       + ("\n\naudit (rows generated again alone, unpadded, float32; agree/drawn): "
                          + ", ".join(f"{run} {a}" for run, a in audits.items()) if audits else ""))
         metric = plotted[task]
-        stem = f"{metric}_by_{'position' if task == 'hotpotqa' else _slug(name)}"
+        stem = f"{metric}_by_{_slug(name)}"
         prefix = "" if len(plotted) == 1 else f"{task}_"
         pngs.append(plot(g, metric, out / f"{prefix}{stem}.png", subset=len(keep) if keep is not None else None))
         for column, (_, name) in AGAINST.items():

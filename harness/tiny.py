@@ -18,7 +18,7 @@ CORPUS_TEMPLATES = ("hotpotqa_cot", "hotpotqa_cot_retrieval", "istree", "retriev
 
 def _corpus() -> list[str]:
     from evals.fixture import FIXTURE_PATH
-    from harness.prompting import PROMPTS_DIR
+    from harness.engine.prompting import PROMPTS_DIR
 
     # A fixed list, so adding a template does not retrain the tiny tokenizer (and change every tiny model's text)
     texts = [(PROMPTS_DIR / f"{n}.j2").read_text() for n in CORPUS_TEMPLATES]

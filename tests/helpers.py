@@ -15,7 +15,7 @@ from retrieval.tool import RESULT_CLOSE
 
 def run_config(model_dir, out, **overrides):
     """A small fixture-data RunConfig for a tiny model on CPU; tests override what they vary."""
-    from harness.config import RunConfig
+    from harness.engine.config import RunConfig
 
     task_args = {"distractors": 4, "positions": ["first", "last"]}
     for name in ("distractors", "positions", "shots"):  # HotpotQA's options, given like its flags

@@ -14,8 +14,8 @@ import pytest
 from evals.fixture import FIXTURE_PATH
 from harness.engine import run_eval
 from harness.eval import main as eval_main
-from harness.identity import FileHashCache, model_identity
-from harness.runlog import ResumeMismatchError, RunDirError
+from harness.engine.identity import FileHashCache, model_identity
+from harness.engine.runlog import ResumeMismatchError, RunDirError
 from tests.helpers import run_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_a_moved_checkpoint_is_the_same_run(ckpt, tmp_path, phi_backend):
 
 
 def test_file_hashes_are_cached_by_stat_and_any_rewrite_is_seen(tmp_path, monkeypatch):
-    import harness.identity as identity
+    import harness.engine.identity as identity
 
     calls = []
     real = identity._sha256_file
@@ -257,7 +257,7 @@ def test_templates_are_sandboxed(tmp_path, tiny_phi_dir, capsys):
 
 
 def test_a_template_includes_its_sibling_and_is_hashed_with_it(tmp_path):
-    from harness.prompting import PromptTemplate, TemplateError
+    from harness.engine.prompting import PromptTemplate, TemplateError
 
     (tmp_path / "shots.j2").write_text("Q: What is two? A: 2\n")
     (tmp_path / "main.j2").write_text('{% include "shots.j2" %}\nQ: {{ question }} A:')
@@ -298,7 +298,7 @@ def test_an_interrupted_eval_says_what_it_kept_and_resumes(tiny_phi_dir, tmp_pat
 def test_a_lock_file_replaced_under_a_run_is_seen(tmp_path):
     """Another process that deleted the lock file and took a new one holds the directory now: the first run's
     check fails, naming the lock file."""
-    from harness.runlog import RunLock
+    from harness.engine.runlog import RunLock
 
     lock = RunLock(tmp_path / "run").acquire()
     lock.verify()
@@ -312,7 +312,7 @@ def test_a_lock_file_replaced_under_a_run_is_seen(tmp_path):
 def test_a_checkpoint_rewritten_while_it_loads_is_refused(ckpt, tmp_path, tiny_tokenizer, monkeypatch):
     """Hashed, then loaded while another process writes a retrained checkpoint into the folder: which weights
     were read is unknown, so nothing is written under either identity."""
-    import harness.engine as engine
+    import harness.engine.run as engine
     from harness.tiny import make_tiny_model
 
     make_tiny_model(tmp_path / "other", "phi", seed=5, tokenizer=tiny_tokenizer)

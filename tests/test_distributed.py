@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import RunConfig
+from harness.engine.config import RunConfig
 from harness.engine import run_eval
 from tests.helpers import assert_varied
 

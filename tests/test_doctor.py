@@ -29,7 +29,7 @@ def test_doctor_reports_paths_and_passes_on_cpu(capsys, tmp_path):
 @pytest.fixture(scope="session")
 def mamba_ssm_src():
     pytest.importorskip("triton", reason="triton is in the dev extra: pip install -e '.[dev]'")
-    from harness import kernels
+    from harness.models import kernels
 
     cache = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness"))
     try:
@@ -55,7 +55,7 @@ def test_mamba_ssm_kernels_equal_the_reference_under_the_triton_interpreter(mamb
 def test_asking_for_kernels_where_they_cannot_run_is_an_error():
     import torch
 
-    from harness import kernels
+    from harness.models import kernels
 
     with pytest.raises(RuntimeError, match="cannot run here"):
         kernels.require("kernel", torch.zeros(1))

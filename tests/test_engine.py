@@ -2,11 +2,12 @@ import json
 
 import pytest
 
-from harness.engine import load_backend, plan_batches, run_eval
+from harness.engine import load_backend, run_eval
+from harness.engine.run import plan_batches
 from harness.eval import main as eval_main
-from harness.models import REGISTRY, UnknownModelError, resolve_model
-from harness.prompting import PromptTemplate
-from harness.runlog import ResumeMismatchError
+from harness.models import MODELS, UnknownModelError, resolve_model
+from harness.engine.prompting import PromptTemplate
+from harness.engine.runlog import ResumeMismatchError
 from tests.helpers import assert_varied, run_config
 
 
@@ -123,7 +124,7 @@ def test_registry_paths_and_unknown_model(tiny_phi_dir, tmp_path):
     assert resolve_model(tiny_phi_dir).backend == "transformers"
     with pytest.raises(UnknownModelError) as e:
         resolve_model("phi-15")
-    for name in REGISTRY:
+    for name in MODELS:
         assert name in str(e.value)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnknownModelError, match="no config.json"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.backends.families import FAMILIES, family_of
-from harness.generation import GenRequest, common_prefix, greedy_generate
+from harness.backends.generation import GenRequest, common_prefix, greedy_generate
 from harness.tiny import FAMILY_ARCHS
 from tests.helpers import assert_varied
 

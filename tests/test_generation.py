@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from evals.fixture import FIXTURE_PATH
-from harness.generation import GenRequest
+from harness.backends.generation import GenRequest
 from tests.helpers import assert_varied
 
 
@@ -56,7 +56,7 @@ def test_batch_size_invariance_on_varied_lengths(which, request):
 @pytest.mark.parametrize("which", ["phi", "llama"])
 def test_left_padded_batch_logits_equal_each_prompt_alone(which, request):
     """Token equality can hide small padding leaks (argmax is robust to them); the logits cannot."""
-    from harness.generation import left_pad
+    from harness.backends.generation import left_pad
 
     backend = request.getfixturevalue(f"{which}_backend")
     seqs = [backend.tokenizer(p)["input_ids"] for p in _diverse_prompts(6, seed=7)]
@@ -87,7 +87,7 @@ def test_stop_strings_eos_and_length(phi_backend):
 
 def test_incremental_detokenizer_equals_full_decode(tiny_tokenizer):
     from evals.istree import build_tokenizer
-    from harness.generation import IncrementalDetokenizer
+    from harness.backends.generation import IncrementalDetokenizer
 
     rng = random.Random(0)
     text = FIXTURE_PATH.read_text() + " naïve café — 東京 ✓ "

@@ -35,14 +35,14 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
 
 
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops(tmp_path):
-    from harness.identity import cache_dir
-    from harness.kernels import fetch_mamba_ssm_sources
+    from harness.engine.identity import cache_dir
+    from harness.models.kernels import fetch_mamba_ssm_sources
 
     try:
         src = fetch_mamba_ssm_sources(cache_dir())
     except OSError as e:
         pytest.skip(f"mamba-ssm sources: {e}")
-    code = ("from harness import kernels\nkernels.use_carried_sources()\n"
+    code = ("from harness.models import kernels\nkernels.use_carried_sources()\n"
             "from mamba_ssm.ops.triton.selective_state_update import selective_state_update\n"
             "from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined\nprint('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,

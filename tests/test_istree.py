@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from evals import istree
+from evals.synthetic import loss_mask
 from harness.models.istree import ARCHS, build_model, trainable_parameters
 
 
@@ -135,7 +136,7 @@ def test_sample_format_and_loss_mask():
     g = istree.Graph(4, [(3, 0), (2, 0), (1, 0)])
     toks = istree.sample_tokens(g, "retrieval")
     assert toks[0] == istree.BOS and toks[-1] == istree.TRUE and toks.count(istree.EOS) == 2
-    mask = istree.loss_mask(toks)
+    mask = loss_mask(toks)
     first_eos = toks.index(istree.EOS)
     assert not any(mask[: first_eos + 1])
     for j, t in enumerate(toks):
@@ -179,7 +180,7 @@ def _tool_free_reference(model, ids, n, eos=None):
 @pytest.mark.parametrize("arch", ["mamba", "hybrid"])
 def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
     from harness.backends.hf import TransformersBackend
-    from harness.generation import GenRequest, left_pad, right_pad
+    from harness.backends.generation import GenRequest, left_pad, right_pad
 
     torch.manual_seed(0)
     model = build_model(arch, "smoke", 25).eval()
@@ -218,7 +219,8 @@ def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One tiny run per architecture: CoT at n=6, a few hundred steps on the CPU."""
-    from harness.train import TrainConfig, train_one
+    from harness.training.config import TrainConfig
+    from harness.training.trainer import train_one
 
     root = tmp_path_factory.mktemp("train")
     out = {}
@@ -260,7 +262,7 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
 
 def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     """IsTree's verdict is its stop string: the vLLM path must set it and score exactly as the stepped one."""
-    from harness.config import RunConfig
+    from harness.engine.config import RunConfig
     from harness.engine import load_backend, run_eval
     from tests.helpers import fake_vllm_backend
 

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from evals.metrics import bootstrap_se, contains, exact_match, extract_answer, f1_score, normalize_answer
+from evals.metrics import contains, exact_match, extract_answer, f1_score, normalize_answer
+from harness.engine.stats import bootstrap_se
 
 
 def test_normalize_follows_official_order():
@@ -106,7 +107,7 @@ def test_a_generation_without_the_phrase_scores_zero_everywhere():
 
 def test_a_custom_answer_phrase_from_the_template_is_used_for_scoring(tmp_path):
     from evals.hotpotqa import HotpotQA
-    from harness.prompting import PromptTemplate
+    from harness.engine.prompting import PromptTemplate
 
     path = tmp_path / "mine.j2"
     path.write_text('{%- set answer_phrase = "Final answer ->" -%}Q: {{ question }}\nA:')

@@ -16,11 +16,11 @@ def test_answers_are_the_queried_values_in_order():
     for _ in range(200):
         pairs, asked = task.draw(rng)
         assert len({k for k, _ in pairs}) == 8 and len(set(asked)) == 3  # distinct keys, distinct queries
-        prompt, answer = task.tokens(pairs, asked)
+        prompt, answer = task.tokens((pairs, asked))
         table = dict(zip(prompt[1:17:2], prompt[2:17:2]))
         queried = prompt[prompt.index("[SEP]") + 1:prompt.index("[EOS]")]
         assert answer == [table[k] for k in queried]
-        text, text_answer = task.text(pairs, asked)
+        text, text_answer = task.text((pairs, asked))
         assert text_answer.split() == [a[1:] for a in answer]
         assert set(prompt + answer) <= set(task.vocabulary())
 
@@ -55,7 +55,9 @@ def test_runs_through_the_engine_grouped_by_pairs(tiny_phi_dir, phi_backend, tmp
 
 
 def test_trains_and_evaluates_as_a_trainer_task(tmp_path):
-    from harness.train import TrainConfig, TrainTask, train_one
+    from harness.training.config import TrainConfig
+    from harness.training.data import TrainTask
+    from harness.training.trainer import train_one
 
     cfg = TrainConfig(task="mqar", length=4, arch="transformer", size="smoke", samples=64, batch_size=16, lr=3e-3,
                       warmup=16, eval_samples=8, eval_batch_size=8, report_to="none",

@@ -59,4 +59,4 @@ def test_sweep_through_the_engine_and_the_cli(tiny_phi_dir, phi_backend, tmp_pat
 
 def test_hotpotqa_flags_are_refused_for_other_tasks(tiny_phi_dir, tmp_path, capsys):
     rc = eval_main(["--model", tiny_phi_dir, "--task", "needle", "--distractors", "3", "--output", str(tmp_path)])
-    assert rc == 2 and "--distractors is an option of HotpotQA" in capsys.readouterr().err
+    assert rc == 2 and "--distractors is an option of hotpotqa, not of task 'needle'" in capsys.readouterr().err

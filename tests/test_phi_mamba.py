@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from harness.generation import GenRequest
+from harness.backends.generation import GenRequest
 from harness.models import resolve_model
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
 from tests.test_generation import _diverse_prompts, _reference_greedy
@@ -108,7 +108,7 @@ def test_decode_from_saved_state_after_appending_tokens(which, request):
     ids_a, ids_b = tok(a)["input_ids"][:50], tok(b)["input_ids"][:30]
     extra_a, extra_b = tok(" <result>Karvell: a town</result>")["input_ids"], tok(" so")["input_ids"]
     with torch.no_grad():
-        from harness.generation import left_pad, right_pad
+        from harness.backends.generation import left_pad, right_pad
 
         ids, mask = left_pad([ids_a, ids_b], 0, "cpu")
         _, state = backend.prefill(ids, mask)
@@ -178,7 +178,7 @@ def _step_both(model, decode, plain, graphed, tok, mask):
 def test_graphed_decode_buffers_equal_the_plain_step(attn_layers):
     """The CUDA-graph decoder's static-buffer logic, run eagerly: a left-padded batch of 3 (bucket 4), then 2
     rows (bucket 2), then 1, gives the plain step's logits and state; only capture/replay needs CUDA."""
-    from harness.generation import left_pad
+    from harness.backends.generation import left_pad
     from harness.models.decode_graphs import GraphedDecode
 
     model = _graph_test_model(attn_layers)
@@ -214,7 +214,7 @@ def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
     per-step copy); a multi-token eager block (a tool result, right-padded with a hole in one row) writes into
     it in place; crossing 256 positions grows it to the next capacity bucket; and a second state taking the
     graphs over leaves the first one intact (its cache is copied out first)."""
-    from harness.generation import left_pad
+    from harness.backends.generation import left_pad
     from harness.models.decode_graphs import GraphedDecode
 
     model = _graph_test_model([1])
@@ -265,7 +265,7 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
     """The backend's decode loop with the static-buffer decoder (run eagerly) gives the eager tokens, through
     what a run does to a state: a shared prefix copied into every row, tool results fed as multi-token blocks,
     and rows leaving the batch at different lengths."""
-    from harness.generation import common_prefix
+    from harness.backends.generation import common_prefix
     from harness.models.decode_graphs import GraphedDecode
     from retrieval import RetrievalTool
     from tests.test_retrieval import UNITS

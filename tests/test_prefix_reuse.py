@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from harness.config import RunConfig
+from harness.engine.config import RunConfig
 from harness.engine import run_eval
-from harness.generation import GenRequest, common_prefix
+from harness.backends.generation import GenRequest, common_prefix
 from retrieval import RetrievalTool
 from tests.test_retrieval import UNITS
 from tests.helpers import assert_varied
@@ -21,7 +21,7 @@ def test_common_prefix_leaves_every_row_a_suffix():
 def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
     backend = request.getfixturevalue(f"{which}_backend")
     from evals.hotpotqa import HotpotQA, load_rows
-    from harness.prompting import PromptTemplate
+    from harness.engine.prompting import PromptTemplate
 
     from tests.test_generation import _diverse_prompts
 

@@ -1,7 +1,7 @@
 import pytest
 
 from evals.hotpotqa import HotpotQA, load_rows
-from harness.prompting import PromptTemplate, TemplateError, available_templates
+from harness.engine.prompting import PromptTemplate, TemplateError, available_templates
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_unknown_template_lists_bundled():
 
 def test_a_bare_name_is_a_bundled_template_whatever_the_working_directory_holds(tmp_path, monkeypatch):
     """Regression: a folder or file named like a template in the working directory was taken as its path."""
-    from harness.prompting import PROMPTS_DIR, resolve_template
+    from harness.engine.prompting import PROMPTS_DIR, resolve_template
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "istree").mkdir()

@@ -22,7 +22,7 @@ def test_report_merges_models_into_table_csv_and_plot(tiny_phi_dir, tiny_llama_d
     out = tmp_path / "report"
     assert report_main([str(a), str(b), "--out", str(out)]) == 0
     df = merge([str(a), str(b)])
-    assert len(df) == 6 and set(df.position) == {"first", "middle", "last"}
+    assert len(df) == 6 and set(df.condition) == {"first", "middle", "last"}
     assert (out / "report.csv").exists() and (out / "em_by_position.png").stat().st_size > 10_000
     assert "llama0/ckpt" in (out / "report.md").read_text()  # short legend names, unambiguous
     assert "first" in capsys.readouterr().out
@@ -77,7 +77,7 @@ def test_three_runs_are_three_labelled_lines_with_readable_ticks(tiny_phi_dir, t
     assert sorted(captured["ticks"]) == list(range(21))  # one tick per slot
     assert captured["ticks"][0] == "0\nfirst" and captured["ticks"][5] == "5\nmiddle"
     assert captured["ticks"][10] == "10\nlast\nmiddle" and captured["ticks"][20] == "20\nlast"  # shared slot: one label
-    assert captured["ticks"][7] == "7" and captured["title"].startswith("F1 by gold-paragraph position")
+    assert captured["ticks"][7] == "7" and captured["title"].startswith("hotpotqa: f1 by position")
 
 
 def test_an_empty_subset_is_a_clear_message(tiny_phi_dir, phi_backend, tmp_path, capsys):
@@ -149,7 +149,7 @@ def test_the_report_never_modifies_a_run_it_reads(tiny_phi_dir, phi_backend, tmp
 
 def _figure(monkeypatch):
     """What the report draws: each figure's axes, captured as it is saved."""
-    import harness.plotting as plotting
+    import harness.reports.plotting as plotting
 
     figures = []
     real = plotting.save

@@ -3,8 +3,8 @@ import re
 import pytest
 import torch
 
-from harness.generation import GenRequest
-from harness.prompting import PromptTemplate
+from harness.backends.generation import GenRequest
+from harness.engine.prompting import PromptTemplate
 from evals.base import ToolSpec
 from retrieval import RegexSearcher, RetrievalTool, parse_call
 from tests.helpers import assert_varied
@@ -146,7 +146,7 @@ def test_tool_loop_resumes_from_cache_exactly(which, request):
 def test_engine_counts_tool_calls_per_position(tiny_phi_dir, phi_backend, tmp_path):
     import json
 
-    from harness.config import RunConfig
+    from harness.engine.config import RunConfig
     from harness.engine import run_eval
 
     cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 3, "positions": ["first", "last"]}, limit=3,

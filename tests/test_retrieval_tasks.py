@@ -29,7 +29,7 @@ def test_token_and_text_formats():
     task = RETRIEVAL_TASKS["ar"](length=8, symbols=6)
     d = task.draw(random.Random(1))
     prompt, answer = task.tokens(d)
-    assert prompt[0] == "[BOS]" and prompt[-1] == "[EOS]" and "[SEP]" in prompt and answer in task.vocabulary()
+    assert prompt[0] == "[BOS]" and prompt[-1] == "[EOS]" and "[SEP]" in prompt and answer[0] in task.vocabulary()
     text, word = task.text(d)
     assert text.startswith("Pairs: ") and text.endswith("Answer:") and word in WORDS
     samples = next(task.stream(0))
@@ -40,7 +40,7 @@ def test_token_and_text_formats():
 def test_text_tasks_run_through_the_eval_engine(name, tiny_phi_dir, phi_backend, tmp_path):
     import json
 
-    from harness.config import RunConfig
+    from harness.engine.config import RunConfig
     from harness.engine import run_eval
 
     cfg = RunConfig(model=tiny_phi_dir, task=name, task_args={"samples": 6, "length": 12, "shots": 2},

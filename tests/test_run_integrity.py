@@ -15,7 +15,7 @@ import pytest
 from evals.fixture import FIXTURE_PATH
 from harness.engine import run_eval
 from harness.eval import main as eval_main
-from harness.runlog import ResumeMismatchError, RunLock, RunLockedError
+from harness.engine.runlog import ResumeMismatchError, RunLock, RunLockedError
 from retrieval.search import RegexSearcher
 from tests.helpers import alive as _alive, run_config
 
@@ -66,7 +66,7 @@ def test_two_concurrent_processes_lose_no_row(tiny_phi_dir, tmp_path):
 def test_a_lock_left_by_a_killed_run_is_taken_over(tiny_phi_dir, phi_backend, tmp_path, caplog):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from harness.runlog import RunLock
+        from harness.engine.runlog import RunLock
         lock = RunLock({str(tmp_path)!r}).acquire()
         print("locked", flush=True)
         time.sleep(60)""")], cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -244,7 +244,7 @@ def test_a_narrower_rerun_drops_stale_prediction_files_and_reports_its_own_selec
     assert sorted(p.name for p in (tmp_path / "predictions").iterdir()) == ["first.json"]
     assert res["metrics"]["first"]["n"] == 4
     df = merge([str(tmp_path)])
-    assert list(df["position"]) == ["first"] and list(df["n"]) == [4]  # not the 12 rows samples.jsonl holds
+    assert list(df["condition"]) == ["first"] and list(df["n"]) == [4]  # not the 12 rows samples.jsonl holds
 
 
 def test_every_position_gets_a_prediction_file_even_when_all_are_skipped(tiny_tokenizer, tmp_path):
@@ -303,7 +303,7 @@ def test_eight_rows_timing_out_in_one_step_search_side_by_side(phi_backend):
     """The eight searches of one decoding step run in eight workers at once (what makes eight timeouts cost one
     timeout of wall time; benchmarks/retrieval_resume.py times it): each is cut by the timeout, each in a worker
     of its own, and every row reads the timeout and goes on."""
-    from harness.generation import GenRequest
+    from harness.backends.generation import GenRequest
     from retrieval import RetrievalTool
     from tests.helpers import ScriptedBackend
 

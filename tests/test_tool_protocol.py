@@ -8,7 +8,7 @@ import re
 import pytest
 
 from evals.hotpotqa import HotpotQA
-from harness.config import RunConfig
+from harness.engine.config import RunConfig
 from harness.engine import load_backend, run_eval
 from tests.helpers import ScriptedBackend, assert_varied
 

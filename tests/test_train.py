@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from evals import istree
-from harness.config import ConfigError
+from evals.synthetic import loss_mask
+from harness.engine.config import ConfigError
 from harness.models.istree import build_model
-from harness.train import TrainConfig, TrainingBatches, TrainTask, batch_from_tokens, main, teacher_forced
+from harness.training.config import TrainConfig
+from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
+from harness.train import main
+from harness.training.trainer import teacher_forced
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,7 +105,7 @@ def test_teacher_forced_exact_match_is_every_target_token():
     for s in samples:
         ids = torch.tensor([[vocab[t] for t in s]])
         pred = model(input_ids=ids).logits[0, :-1].argmax(-1)
-        mask = torch.tensor(istree.loss_mask(s))[1:].bool()
+        mask = torch.tensor(loss_mask(s))[1:].bool()
         by_hand += bool((pred[mask] == ids[0, 1:][mask]).all())
     assert int(count) == 12 and int(right) == by_hand
 
@@ -141,7 +145,7 @@ def _no_autocast():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from harness.train import train_one
+    from harness.training.trainer import train_one
 
     cfg = _tiny(tmp_path_factory.mktemp("tr"), arch="mamba", samples=640, eval_every=160)
     return cfg, train_one(cfg, progress=False)
@@ -174,7 +178,7 @@ def test_best_checkpoint_is_kept_and_scored_by_the_papers_metric(run):
 
 
 def test_a_finished_run_is_reused_only_with_its_own_settings(run):
-    from harness.train import train_one
+    from harness.training.trainer import train_one
 
     cfg, res = run
     assert train_one(cfg, progress=False) == res  # finished: returned, not retrained
@@ -186,7 +190,7 @@ def test_a_finished_run_is_reused_only_with_its_own_settings(run):
 
 def test_tensorboard_tracker_gets_the_curves(tmp_path):
     pytest.importorskip("tensorboard")
-    from harness.train import train_one
+    from harness.training.trainer import train_one
 
     cfg = _tiny(tmp_path, samples=64, eval_every=32, report_to="tensorboard", live_eval=False)
     res = train_one(cfg, progress=False)
@@ -276,7 +280,7 @@ def test_d_model_and_layers_override_the_size_table():
 
 
 def test_refuses_the_slow_scan_on_cuda_unless_asked(monkeypatch):
-    from harness.train import check_kernels
+    from harness.training.trainer import check_kernels
 
     monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # absent: importing it raises ImportError
     cfg = TrainConfig(arch="mamba").resolved()
@@ -299,13 +303,13 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
 
 
 def test_the_plan_packs_cells_as_the_grid_runs_them():
-    from harness.grid import _makespan
+    from harness.training.grid import _makespan
 
     assert _makespan([3, 2, 2, 1], 2) == 4 and _makespan([3, 2, 2, 1], 1) == 8 and _makespan([5, 1, 1], 4) == 5
 
 
 def test_smoke_grid_cells_and_plan(tmp_path):
-    from harness.grid import grid_cells, plan_grid
+    from harness.training.grid import grid_cells, plan_grid
 
     cells = grid_cells("smoke", TrainConfig(), tmp_path)
     assert len(cells) == 9 and {c.nodes for c in cells} == {4}

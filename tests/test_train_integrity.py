@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.runlog import RunLock, RunLockedError
-from harness.train import TrainConfig, main, train_one
+from harness.engine.runlog import RunLock, RunLockedError
+from harness.training.config import TrainConfig
+from harness.train import main
+from harness.training.trainer import train_one
 from tests.helpers import alive as _alive
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,7 +172,7 @@ def test_every_trainer_flag_is_checked_before_anything_is_written(tmp_path, caps
 def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
     """A file-size limit (what a full disk does to a write) hit while the next checkpoint is written: the error
     names what was kept, and the kept checkpoint is the previous one, whole."""
-    from harness.identity import folder_digest
+    from harness.engine.identity import folder_digest
 
     out = tmp_path / "run"
     out.mkdir()
@@ -178,7 +180,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
 import resource, signal, sys, torch
 from evals.base import word_level_tokenizer
 from harness.models.istree import build_model
-from harness.train_state import TrainingError, save_checkpoint
+from harness.training.state import TrainingError, save_checkpoint
 torch.manual_seed(int(sys.argv[1]))
 model = build_model("transformer", "smoke", 20)
 tok = word_level_tokenizer([f"w{{i}}" for i in range(20)])
@@ -208,8 +210,9 @@ except TrainingError as e:
 def test_the_live_evaluation_never_counts_rows_of_another_checkpoint(tmp_path):
     from evals.base import word_level_tokenizer
     from harness.models.istree import build_model
-    from harness.train import TrainTask, evaluate
-    from harness.train_state import save_checkpoint
+    from harness.training.data import TrainTask
+    from harness.training.trainer import evaluate
+    from harness.training.state import save_checkpoint
 
     cfg = TrainConfig(size="smoke", nodes=4, setup="direct", eval_samples=6, report_to="none").resolved()
     task = TrainTask(cfg)

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.generation import GenRequest, GenResult, Prefix, greedy_generate
+from harness.backends.generation import GenRequest, GenResult, Prefix, greedy_generate
 
 log = logging.getLogger("harness")
 

@@ -7,8 +7,8 @@ import torch
 
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.hf import load_tokenizer
-from harness.generation import logits_at_last_real
-from harness import kernels
+from harness.backends.generation import logits_at_last_real
+from harness.models import kernels
 from harness.models.phi_mamba import PhiMambaForCausalLM
 
 log = logging.getLogger("harness")

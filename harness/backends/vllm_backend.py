@@ -13,7 +13,7 @@ import logging
 from typing import Sequence
 
 from harness.backends.base import Backend
-from harness.generation import GenRequest, GenResult, chunked_generate
+from harness.backends.generation import GenRequest, GenResult, chunked_generate
 
 log = logging.getLogger("harness")
 

@@ -3,7 +3,7 @@
 Loads the ``goombalab/Phi-Mamba`` and ``goombalab/Hybrid-Phi-Mamba`` checkpoints with strict key matching.
 transformers has no class for them and the authors' code needs CUDA kernels and torch 2.1, so the model is
 here; mamba-ssm's Triton kernels run the prompt scan and the decode step when present on a GPU
-(``harness.kernels`` decides), and everything runs on the CPU without.
+(``harness.models.kernels`` decides), and everything runs on the CPU without.
 
 Architecture (parameter names follow the checkpoints):
   backbone.embedding → N blocks → backbone.final_layernorm → lm_head (with bias)
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import kernels
+from harness.models import kernels
 from harness.models.masks import block_attention_mask
 
 log = logging.getLogger("harness")
@@ -475,7 +475,7 @@ def _resolve_folder(name_or_path: str) -> Path:
         return p
     from huggingface_hub import snapshot_download
 
-    from harness import hub
+    from harness.engine import hub
 
     try:
         return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"],

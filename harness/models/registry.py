@@ -11,17 +11,19 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.registry import Registry
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     path: str  # hub id or local directory
-    backend: str  # key of harness.backends.BACKENDS
+    backend: str  # a name in harness.backends.BACKENDS
     tokenizer: str | None = None  # defaults to ``path``
     description: str = ""
 
 
-REGISTRY: dict[str, ModelSpec] = {
+MODELS = Registry("model", {
     "phi-1.5": ModelSpec("phi-1.5", "microsoft/phi-1_5", "transformers",
                          description="Phi-1.5 (1.4B Transformer, 2,048-token context)"),
     "phi-mamba": ModelSpec("phi-mamba", "goombalab/Phi-Mamba", "phi-mamba", tokenizer="microsoft/phi-1_5",
@@ -29,7 +31,7 @@ REGISTRY: dict[str, ModelSpec] = {
     "hybrid-phi-mamba": ModelSpec("hybrid-phi-mamba", "goombalab/Hybrid-Phi-Mamba", "phi-mamba",
                                   tokenizer="microsoft/phi-1_5",
                                   description="Hybrid Phi-Mamba: Mamba-2 mixers with a few Phi attention layers"),
-}
+})
 
 PHI_TOKENIZER = "microsoft/phi-1_5"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -43,8 +45,8 @@ class UnknownModelError(ValueError):
 
 def resolve_model(name: str) -> ModelSpec:
     """Map a registry name, local directory or hub id to a ModelSpec; anything else lists the known names."""
-    if name in REGISTRY:
-        return REGISTRY[name]
+    if name in MODELS:
+        return MODELS.get(name)
     path = Path(name).expanduser()
     if path.is_dir():
         cfg_file = path / "config.json"
@@ -73,7 +75,7 @@ def resolve_model(name: str) -> ModelSpec:
                                 "with no folder of that name here.")
     if _HUB_ID.match(name):
         return ModelSpec(name, name, "transformers")
-    known = "\n".join(f"  {s.name:18s} {s.path:28s} {s.description}" for s in REGISTRY.values())
+    known = "\n".join(f"  {s.name:18s} {s.path:28s} {s.description}" for s in map(MODELS.get, MODELS.names()))
     raise UnknownModelError(f"unknown model {name!r}: not a registered name, an existing directory, or a hub id "
                             f"of the form org/name. Registered models:\n{known}")
 

@@ -8,7 +8,7 @@ import logging
 import random
 from typing import Any
 
-from harness.generation import GenRequest
+from harness.backends.generation import GenRequest
 
 log = logging.getLogger("harness")
 
@@ -17,7 +17,7 @@ def reference_backend(cfg, backend):
     """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy."""
     if backend is not None and _dtype(backend) == "float32" and not cfg.cuda_graphs:
         return backend
-    from harness.engine import load_backend
+    from harness.engine.run import load_backend
 
     return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs=False)
 

@@ -20,9 +20,11 @@ import torch
 from tqdm.auto import tqdm
 
 from evals import istree
-from harness.config import ConfigError
-from harness.runlog import write_atomic
-from harness.train import TrainConfig, TrainTask, batch_from_tokens, masked_loss, train_one
+from harness.engine.config import ConfigError
+from harness.engine.runlog import write_atomic
+from harness.training.config import TrainConfig
+from harness.training.data import TrainTask, batch_from_tokens
+from harness.training.trainer import masked_loss, train_one
 
 log = logging.getLogger("harness")
 
@@ -162,8 +164,8 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
     """One grid cell in a child process: an error is one line on stderr and a non-zero exit code."""
     import sys
 
-    from harness.procs import die_with_parent
-    from harness.train import USER_ERRORS
+    from harness.tools.procs import die_with_parent
+    from harness.training.config import USER_ERRORS
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the cells
@@ -313,7 +315,7 @@ def _order(arch: str) -> int:
 def plot_grid(df, path: Path) -> None:
     """Teacher-forced EM per architecture, one panel per (setup, graph size), sizes side by side: the paper's
     layout (its metric); live greedy accuracy as a hollow marker on each bar."""
-    from harness.plotting import pyplot, save
+    from harness.reports.plotting import pyplot, save
 
     plt = pyplot()
 

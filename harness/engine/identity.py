@@ -85,7 +85,7 @@ class FileHashCache:
     def _store(self, key: str, value: list) -> None:
         from filelock import FileLock
 
-        from harness.runlog import write_atomic
+        from harness.engine.runlog import write_atomic
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +167,7 @@ def awaits_download(model_path: str, tokenizer: str | None, identity: dict) -> b
 
 def software_versions() -> dict[str, str]:
     """The packages whose code decides a generation: another version may round, tokenize or decode differently."""
-    from harness.results import versions
+    from harness.engine.results import versions
 
     found = versions()
     return {pkg: found.get(pkg, "absent") for pkg in ("icr-harness", "torch", "transformers", "tokenizers")}

@@ -3,7 +3,7 @@
 ``validate`` checks every flag before anything is written; ``resolved`` turns the settings that decide a
 sample's generation into content (the dtype and device type that will really be used, the data's and the
 template's hashes; the engine adds the model's and tokenizer's files and the package versions from
-``harness.identity``), so two spellings of one run are one run and a resumed run can never mix rows made under
+``harness.engine.identity``), so two spellings of one run are one run and a resumed run can never mix rows made under
 different settings."""
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from harness.backends import BACKENDS
+from harness.models.registry import MODELS
 
 
 class ConfigError(ValueError):
@@ -34,10 +37,10 @@ class RunConfig:
     once: ``harness.eval`` builds its parser from these fields. Frozen: the engine resolves it once
     (``dataclasses.replace``) and run.json records the result."""
 
-    model: str = _f(None, "registered name (phi-1.5, phi-mamba, hybrid-phi-mamba), a hub id (org/name) or a local "
+    model: str = _f(None, f"registered name ({', '.join(MODELS.names())}), a hub id (org/name) or a local "
                           "checkpoint dir", required=True)
     backend: str = _f("auto", "model backend (default: the registry's choice; vllm is an optional GPU extra)",
-                      choices=["auto", "transformers", "phi-mamba", "vllm"])
+                      choices=["auto", *BACKENDS.names()])
     tokenizer: str | None = _f(None, "tokenizer: a hub id or local folder (default: the checkpoint's own; "
                                      "microsoft/phi-1_5's for goombalab-format folders, which carry none)")
     task: str = _f("hotpotqa", "the task (see --task-arg for each task's options)")
@@ -145,7 +148,7 @@ class RunConfig:
         model = model_path or self.model
         local = Path(model).expanduser()
         tok = Path(self.tokenizer).expanduser() if self.tokenizer else None
-        # a local folder is identified by its files' content (harness.identity), not by where it lies
+        # a local folder is identified by its files' content (harness.engine.identity), not by where it lies
         return {"model": "local folder" if local.is_dir() else model, "backend": self.backend,
                 "tokenizer": "local folder" if tok is not None and tok.is_dir() else self.tokenizer,
                 "task": self.task, "task_args": {k: v for k, v in self.task_args.items() if k not in selects},

@@ -32,8 +32,8 @@ def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
 
 def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """Greedy generations: a batch with the shared prefix reused == the batch without it == each prompt alone."""
-    from harness.engine import load_backend
-    from harness.generation import GenRequest, common_prefix
+    from harness.engine.run import load_backend
+    from harness.backends.generation import GenRequest, common_prefix
 
     backend = load_backend(path, device, dtype)
     reqs = [GenRequest(p, new) for p in prompts]
@@ -53,8 +53,8 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
     """The real generation loop replaying decode steps from CUDA graphs against eager steps: rows leaving the
     batch (batch buckets), long prompts (context buckets) and tool calls whose tags the model really writes
     (multi-token result blocks written into the resident cache)."""
-    from harness.engine import load_backend
-    from harness.generation import GenRequest
+    from harness.engine.run import load_backend
+    from harness.backends.generation import GenRequest
     from retrieval import RetrievalTool
 
     eager = load_backend(path, "cuda", "float32")
@@ -78,8 +78,8 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
 
 def family_parity(device: str, tmp: Path, tok) -> dict:
     """Every transformers family of the capability table (tiny configs): a batch of 4 == each prompt alone."""
-    from harness.engine import load_backend
-    from harness.generation import GenRequest
+    from harness.engine.run import load_backend
+    from harness.backends.generation import GenRequest
     from harness.tiny import FAMILY_ARCHS, make_tiny_model
 
     prompts = [f"Question {i}: which river runs through the town of Karvell{'?' * i}" for i in range(4)]
@@ -101,7 +101,9 @@ def family_parity(device: str, tmp: Path, tok) -> dict:
 def trainer_parity(device: str) -> dict:
     """One training step of each architecture: the loss and every gradient on ``device`` against the CPU."""
     from harness.models.istree import build_model
-    from harness.train import TrainConfig, TrainTask, batch_from_tokens, masked_loss
+    from harness.training.config import TrainConfig
+    from harness.training.data import TrainTask, batch_from_tokens
+    from harness.training.trainer import masked_loss
 
     cfg = TrainConfig(size="smoke", nodes=8, setup="cot", report_to="none").resolved()
     task = TrainTask(cfg)
@@ -129,8 +131,8 @@ def trainer_parity(device: str) -> dict:
 def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """Samples/s and tokens/s of the harness on the fixture prompts; for a transformers model also per-sample
     ``generate`` and ``generate`` on left-padded batches, with their texts checked against the harness's."""
-    from harness.engine import load_backend
-    from harness.generation import GenRequest, common_prefix
+    from harness.engine.run import load_backend
+    from harness.backends.generation import GenRequest, common_prefix
 
     backend = load_backend(path, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -174,8 +176,8 @@ def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str]
 def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """The batch ``--batch-size auto`` packs from free GPU memory against the largest batch of the same prompts
     that really fits (doubling from the auto batch until CUDA runs out of memory, at most 1,024)."""
-    from harness.engine import load_backend, plan_batches
-    from harness.generation import GenRequest
+    from harness.engine.run import load_backend, plan_batches
+    from harness.backends.generation import GenRequest
 
     backend = load_backend(path, device, dtype)
     many = (prompts * (1024 // len(prompts) + 1))[:1024]
@@ -200,7 +202,7 @@ def trainer_projection(cuda: bool) -> str:
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "train_throughput.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
     args = ["--measure-batch", "64", "--steps", "2"] if cuda else ["--nodes", "4", "--setups", "direct",
                                                                    "--measure-batch", "2", "--steps", "1"]
     try:
@@ -211,7 +213,7 @@ def trainer_projection(cuda: bool) -> str:
 
 
 def trainer_throughput(device: torch.device, cells: list) -> list[dict]:
-    from harness.grid import measure_cell
+    from harness.training.grid import measure_cell
 
     rows = []
     for cell in cells:
@@ -240,9 +242,9 @@ def _guarded(name: str, fn, *args) -> dict:
 def run_suite(out: Path, size: str | None = None) -> int:
     """Every check and measurement; returns the exit status (1 on any parity failure)."""
     from harness import doctor
-    from harness.grid import grid_cells
+    from harness.training.grid import grid_cells
     from harness.tiny import build_tokenizer
-    from harness.train import TrainConfig
+    from harness.training.config import TrainConfig
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -300,7 +302,7 @@ def run_suite(out: Path, size: str | None = None) -> int:
 
 def plot_decode(rows: list[dict], path: Path, where: str) -> Path:
     """Decode tokens/s against context, one panel per batch size, each model's line beside its bandwidth bound."""
-    from harness.plotting import pyplot, save
+    from harness.reports.plotting import pyplot, save
 
     plt = pyplot()
 

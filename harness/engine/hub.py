@@ -51,7 +51,7 @@ def load_kwargs(name: str) -> dict:
 
 
 def in_cache(repo_id: str) -> bool:
-    from harness.identity import hub_snapshot
+    from harness.engine.identity import hub_snapshot
 
     return hub_snapshot(repo_id) is not None
 

@@ -157,7 +157,7 @@ def move_aside(run_dir: Path, names: Iterable[str] | None = None) -> Path | None
 def check_run_meta(run_dir: Path, config_hash: str, hashed: dict) -> bool:
     """Raise ResumeMismatchError naming every changed setting if ``run_dir`` holds another run; True if it
     holds this one, False if it holds none yet."""
-    from harness.identity import describe_changes
+    from harness.engine.identity import describe_changes
 
     meta = run_dir / "run.json"
     if not meta.exists():

@@ -1,9 +1,10 @@
 """Output formats of a run (the per-condition table) and the provenance results.json records (versions, commit).
-The resume log is ``harness.runlog``; the statistics are ``harness.stats``.
+The resume log is ``harness.engine.runlog``; the statistics are ``harness.engine.stats``.
 
 Files in a run directory:
   samples.jsonl      one line per (question, condition): prompt, generation, answer, scores, tool calls
-  results.json       metrics per condition (HotpotQA: gold position) with bootstrap standard errors, config,
+  results.json       metrics per condition (the task's: HotpotQA's gold position, MQAR's pairs, ...) with
+                     bootstrap standard errors, config,
                      versions, timings, skips
   ...                task-specific files (HotpotQA: predictions/, official prediction files per position)
   table.md / .csv    the per-condition table
@@ -37,13 +38,14 @@ def git_hash() -> str | None:
         return None
 
 
-def metrics_table(by_position: dict[str, dict], metrics: tuple[str, ...], condition: str = "position"):
-    """A pandas DataFrame: one row per condition, each metric as 'mean ± se' ready for markdown."""
+def metrics_table(by_condition: dict[str, dict], metrics: tuple[str, ...], condition: str):
+    """A pandas DataFrame: one row per condition (a column named after the task's condition), each metric as
+    'mean ± se' ready for markdown."""
     import pandas as pd
 
     rows = []
-    for pos, m in by_position.items():
-        row = {condition: pos, "n": m["n"], "skipped": m["skipped"], "answer_found": m.get("answer_found")}
+    for value, m in by_condition.items():
+        row = {condition: value, "n": m["n"], "skipped": m["skipped"], "answer_found": m.get("answer_found")}
         for k in metrics:
             row[k] = m[k]
             row[f"{k}_se"] = m[f"{k}_se"]
@@ -51,7 +53,7 @@ def metrics_table(by_position: dict[str, dict], metrics: tuple[str, ...], condit
     return pd.DataFrame(rows)
 
 
-def format_markdown(df, metrics: tuple[str, ...], id_cols=("position",)) -> str:
+def format_markdown(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]) -> str:
     """Metrics in percent as 'mean ± SE'; ``answer found`` is the share of scored generations in which the
     answer rule found an answer (a low rate means format failures, not wrong answers)."""
     shown = df[[*id_cols, "n", "skipped"]].copy()

@@ -1,0 +1,498 @@
+"""One evaluation run (``EvalRun``): task → instances → prompts → backend → scores → run directory.
+
+It knows nothing about any one model or task; both come in through their registries."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from evals import get_task
+from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
+from harness.engine import hub
+from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
+from harness.backends.generation import GenRequest, common_prefix
+from harness.engine.prompting import PromptTemplate
+from harness.engine.results import format_markdown, git_hash, metrics_table, versions
+from harness.engine.stats import summarize
+from harness.engine.identity import awaits_download, describe_changes, model_identity
+from harness.engine.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, move_aside,
+                            write_atomic, write_run_meta)
+
+log = logging.getLogger("harness")
+
+MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
+
+
+def model_spec(model: str, tokenizer: str | None = None):
+    """The registry's spec for a model name, with ``tokenizer`` (a hub id or local folder) overriding the
+    checkpoint's own or the registry's tokenizer."""
+    from harness.models import resolve_model
+
+    spec = resolve_model(model)
+    if tokenizer:
+        return dataclasses.replace(spec, tokenizer=str(Path(tokenizer).expanduser().resolve())
+                                   if Path(tokenizer).expanduser().is_dir() else tokenizer)
+    return spec
+
+
+def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
+                 tokenizer: str | None = None, cuda_graphs: bool = False):
+    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
+    ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
+    from harness.backends import backend_class
+    from harness.backends.hf import TokenizerError
+
+    spec = model_spec(model, tokenizer)
+    if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
+        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
+    name = spec.backend if backend == "auto" else backend
+    if spec.backend == "phi-mamba" and name != "phi-mamba":
+        raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
+    cls = backend_class(name)
+    if cuda_graphs and name != "phi-mamba":
+        raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
+    extra = {"cuda_graphs": True} if cuda_graphs else {}
+    hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))
+    try:
+        return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
+    except OSError as e:
+        tok = spec.tokenizer or spec.path
+        hint = (f"\n{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
+                f"{tok}'s. Pass --tokenizer with a local copy of it (a folder holding tokenizer.json), or fill the "
+                "HF cache with it.") if Path(spec.path).is_dir() and spec.tokenizer else ""
+        raise ModelLoadError(f"could not load model {model!r} (weights {spec.path}, tokenizer {tok}) through the "
+                             f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
+                             f"`hf download {spec.path}` elsewhere and copy the HF cache (then HF_HUB_OFFLINE=1 "
+                             "skips the network), or pass a local checkpoint directory to --model.") from e
+    except (ImportError, TokenizerError):
+        raise
+    except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
+        files = ", ".join(sorted(p.name for p in Path(spec.path).glob("*") if p.is_file())[:12]) \
+            if Path(spec.path).is_dir() else spec.path
+        raise ModelLoadError(f"could not load model {model!r} from {spec.path} ({files}) through the {name} backend: "
+                             f"{type(e).__name__}: {e}\nCheck that the checkpoint files are complete (re-save or "
+                             "re-download them); --verbose shows the full traceback.") from e
+
+
+def _load_tokenizer(cfg: RunConfig):
+    """The tokenizer the model will use, loaded before the model (a task builds its prompts with it)."""
+    from harness.backends.hf import load_tokenizer
+
+    spec = model_spec(cfg.model, cfg.tokenizer)
+    name = spec.tokenizer or spec.path
+    hub.require((name, "tokenizer"))
+    try:
+        return load_tokenizer(name)
+    except OSError as e:
+        raise ModelLoadError(f"task {cfg.task!r} needs the model's tokenizer and {name!r} could not be loaded "
+                             f"({e}); pass --tokenizer with a local copy") from e
+
+
+class ModelLoadError(ValueError):
+    """A model's files exist but cannot be loaded; the message names the directory and its files."""
+
+
+def distributed_state():
+    """accelerate's process state when launched on several ranks (accelerate launch / torchrun), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> list[dict]:
+    if ids_file:
+        if not Path(ids_file).is_file():
+            raise DataError(f"--ids {ids_file}: no such file; give a file of question ids, one per line or a JSON list")
+        text = read_utf8(ids_file, "--ids file")
+        wanted = json.loads(text) if text.lstrip().startswith("[") else [l.strip() for l in text.splitlines() if l.strip()]
+        have = {r["_id"] for r in rows}
+        missing = [i for i in wanted if i not in have]
+        if missing:
+            raise DataError(f"--ids {ids_file}: {len(missing)} id(s) not in the data, e.g. {missing[:3]}")
+        keep = set(wanted)
+        rows = [r for r in rows if r["_id"] in keep]
+    return rows[:limit] if limit is not None else rows
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int) -> list[list[int]]:
+    """Longest first (an out-of-memory shows at once); ``auto`` fills each batch up to a token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if batch_size != "auto":
+        bs = int(batch_size)
+        return [order[i:i + bs] for i in range(0, len(order), bs)]
+    batches, cur = [], []
+    for i in order:
+        width = lengths[cur[0]] + max_new if cur else lengths[i] + max_new
+        if cur and (len(cur) + 1) * width > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _check_unique(instances: list[Instance], source: str | None) -> None:
+    """Every id once per condition, and no id holding the key separator (keys must split one way)."""
+    bad = sorted({i.id for i in instances if KEY_SEPARATOR in i.id})
+    if bad:
+        raise DataError(f"{len(bad)} question id(s) in the data {source or ''} contain {KEY_SEPARATOR!r} ({', '.join(bad[:5])}"
+                        f"{', ...' if len(bad) > 5 else ''}), which separates an id from its condition in a run's "
+                        "keys; rename them")
+    counts = Counter((i.id, i.condition) for i in instances)
+    dup = sorted({i for (i, _), n in counts.items() if n > 1})
+    if dup:
+        raise DataError(f"{len(dup)} question id(s) occur more than once in the data {source or ''} ({', '.join(dup[:5])}"
+                        f"{', ...' if len(dup) > 5 else ''}); each would be counted twice and resume by id is "
+                        "ambiguous. Give every row a unique _id.")
+
+
+def _backend_settings(resolved: dict, backend) -> dict:
+    """The dtype and device type a given backend really runs with override what the flags resolve to."""
+    if backend is None:
+        return resolved
+    d = backend.describe()
+    out = dict(resolved)
+    if d.get("dtype"):
+        out["dtype"] = d["dtype"]
+    if d.get("device"):
+        out["device_type"] = torch.device(d["device"]).type
+    return out
+
+
+def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) one evaluation and write its run directory; returns the results dict."""
+    return EvalRun(cfg, backend, progress).run()
+
+
+class EvalRun:
+    """One evaluation run, in the order it happens. ``prepare`` checks everything that can be checked before a
+    file is written (flags, data, the template on every prompt, the model's identity) and fixes the settings
+    hash; ``run`` then holds the run directory's lock while it resumes (``resume``), loads the model only if
+    something is left to generate, generates (``generate``), collects the rows (``collect``) and writes the
+    results (``report``). ``harness.engine.audit`` reads its prompts, stops and tool settings."""
+
+    def __init__(self, cfg: RunConfig, backend=None, progress: bool = True):
+        self.t0 = time.perf_counter()
+        self.backend, self.progress = backend, progress
+        self.prepare(cfg)
+
+    # -- before anything is written -----------------------------------------------------------------------
+    def prepare(self, cfg: RunConfig) -> None:
+        cfg.validate()
+        spec = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
+        absent = hub.missing((spec.path, "model"), (spec.tokenizer, "tokenizer")) if self.backend is None else []
+        task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
+        if cfg.retrieval and task.retrieval_template is None and not cfg.template:
+            raise ConfigError(f"--retrieval: task {cfg.task!r} has no retrieval prompt; pass --template with one")
+        template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
+        # Resolved once: the task's complete options, the template, the budget; run.json records this config.
+        self.cfg = cfg = dataclasses.replace(cfg, task_args=dataclasses.asdict(task.options),
+                                             template=cfg.template or template.name, template_sha256=template.sha256,
+                                             max_new_tokens=cfg.max_new_tokens or task.default_max_new_tokens)
+        self.task, self.template_variables = task, template.variables
+        self.stop = cfg.stop if cfg.stop is not None else task.stop
+        answer_phrase = template.declared("answer_phrase")
+        self.score_kw = {"answer_phrase": answer_phrase} if answer_phrase else {}
+        self.tool_spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
+                                  max_chars=cfg.tool_max_chars)
+        all_rows = self._load_rows(spec, absent)
+        self.rows = select_rows(all_rows, cfg.ids, cfg.limit)
+        if not self.rows:
+            raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
+                            f"--limit/--ids ({cfg.ids or cfg.limit})")
+        if task.needs_tokenizer:  # e.g. contexts measured in the model's tokens
+            task.tokenizer = self.backend.tokenizer if self.backend is not None else _load_tokenizer(cfg)
+        self.instances = task.instances(self.rows, seed=cfg.seed, pool_rows=all_rows)
+        _check_unique(self.instances, cfg.data)
+        self.prompts = self._render(template)
+        self.dist = distributed_state()
+        self.rank, self.world = (self.dist.process_index, self.dist.num_processes) if self.dist else (0, 1)
+        identity = model_identity(spec.path, spec.tokenizer)
+        if awaits_download(spec.path, spec.tokenizer, identity) and self.backend is None:
+            # a hub model not in the HF cache: loading it downloads it, and then its commit is known
+            self.backend = _load_model(cfg, self.dist)
+            identity = model_identity(spec.path, spec.tokenizer)
+        selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
+        self.resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects),
+                                          self.backend)
+        self.resolved.update(identity)
+        self.config_hash = settings_hash(self.resolved)
+        self.lock = RunLock(cfg.output) if self.rank == 0 else None
+
+    def _load_rows(self, spec, absent: list) -> list[dict]:
+        """The task's data; offline, everything missing (model, tokenizer, data) is named in one error."""
+        why = (f"{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
+               f"{spec.tokenizer}'s (--tokenizer picks another)." if spec.tokenizer and Path(spec.path).is_dir()
+               else "")
+        try:
+            rows = self.task.load()
+        except DataError as e:
+            raise (hub.unreachable_error(absent, also=str(e), why=why) if absent else e) from None
+        if absent:
+            raise hub.unreachable_error(absent, why=why)
+        return rows
+
+    def _render(self, template: PromptTemplate) -> dict[str, str]:
+        tool_vars = self.tool_spec.template_vars()
+        prompts = {i.key: template.render(**self.task.template_vars(i), tool=tool_vars) for i in self.instances}
+        empty = [k for k, p in prompts.items() if not p.strip()]
+        if empty:
+            names = ", ".join(self.task.template_vars(self.instances[0]))
+            raise ConfigError(f"template {template.path} renders an empty prompt for {len(empty)} instance(s) (e.g. "
+                              f"{empty[0]}); check that it writes the task's variables ({names})")
+        return prompts
+
+    # -- under the run directory's lock -------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            if self.cfg.overwrite and self.rank == 0:
+                move_aside(Path(self.cfg.output), _run_files(Path(self.cfg.output)))
+            todo, n_todo, n_stale = self.resume()
+            t_load = time.perf_counter()
+            if self.backend is None and (todo or not self.has_meta):
+                self.backend = _load_model(self.cfg, self.dist)
+                self._identity_after_loading(fresh=not self.has_meta and not self.samples.records)
+            load_s = time.perf_counter() - t_load
+            self._log_backend()
+            if not self.has_meta and self.rank == 0:  # only now: model, data, template and flags all work
+                write_run_meta(Path(self.cfg.output), self.config_hash, self.resolved, self.cfg.to_dict())
+            gen_s, new_tokens = self.generate(todo)
+            self.samples.close()
+            if self.dist:
+                self.dist.wait_for_everyone()
+                if self.rank != 0:
+                    return {"rank": self.rank, "counts": {"generated": len(todo)}}
+            records = self.collect()
+            timings = {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
+                       "total_s": round(time.perf_counter() - self.t0, 3), "new_tokens": new_tokens,
+                       "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None}
+            return self.report(records, {"generated": n_todo, "resumed": len(self.instances) - n_todo,
+                                         "stale_regenerated": n_stale}, timings)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def resume(self) -> tuple[list[Instance], int, int]:
+        """What is left to generate on this rank: instances without a row, and rows whose prompt or gold answer
+        is no longer what the data and template give. Rows of other settings are refused, never mixed."""
+        cfg, out = self.cfg, Path(self.cfg.output)
+        self.has_meta = check_run_meta(out, self.config_hash, self.resolved)
+        self.samples = SampleLog(out, shard=f"rank{self.rank}" if self.world > 1 else None)
+        foreign = Counter(str(r.get("config_hash")) for r in self.samples.records.values()
+                          if r.get("config_hash") != self.config_hash)
+        if foreign:
+            raise ResumeMismatchError(
+                f"{out}/samples.jsonl holds {sum(foreign.values())} row(s) made with other settings or with no "
+                f"settings hash (hash {', '.join(foreign)} vs {self.config_hash} now); they would mix with this "
+                "run's. Use a new --output, or --overwrite to start over (the old rows are moved aside, not deleted).")
+        records = self.samples.records
+        stale = [i.key for i in self.instances if i.key in records and _is_stale(records[i.key], i, self.prompts[i.key])]
+        if stale:
+            log.warning("%d finished row(s) were made from a prompt or gold answer that differs from what the data "
+                        "and template give now (e.g. %s); they are regenerated", len(stale), stale[0])
+        stale_set = set(stale)
+        if self.dist:
+            self.dist.wait_for_everyone()  # every rank has read the same "done" set before anyone writes
+        todo = [ins for ins in self.instances if ins.key not in records or ins.key in stale_set]
+        log.info("task %s: %d questions x %d conditions (%s) = %d instances (%d already done in %s)", cfg.task,
+                 len(self.rows), len({i.condition for i in self.instances}), self.task.condition, len(self.instances),
+                 len(self.instances) - len(todo), cfg.output)
+        n_todo = len(todo)
+        todo = todo[self.rank::self.world]  # a fixed split of what is left, so any number of ranks can resume any run
+        if self.world > 1:
+            log.info("rank %d of %d: %d instances", self.rank, self.world, len(todo))
+        return todo, n_todo, len(stale)
+
+    def _identity_after_loading(self, fresh: bool) -> None:
+        """The loaded files hashed again: a hub model can resolve to a newer commit once it is fetched (a new run
+        takes the commit it loaded; a resumed one is refused), and a local checkpoint rewritten while it loaded
+        may have been read half old, half new (refused)."""
+        spec = model_spec(self.cfg.model, self.cfg.tokenizer)
+        now = model_identity(spec.path, spec.tokenizer)
+        before = {k: self.resolved.get(k) for k in now}
+        if now != before:
+            if not fresh or hub.is_local(spec.path) or (spec.tokenizer and hub.is_local(spec.tokenizer)):
+                raise ResumeMismatchError(f"{self.cfg.output} holds a run made with other settings: "
+                                          f"{describe_changes(before, now)} (the model was fetched or rewritten as "
+                                          "it loaded). Use a new --output, or --overwrite to start over.")
+            self.resolved.update(now)
+            self.config_hash = settings_hash(self.resolved)
+
+    def _log_backend(self) -> None:
+        if self.backend is not None:
+            d = self.backend.describe()
+            log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", self.cfg.model, d.get("backend"),
+                     d.get("device"), d.get("dtype"), self.cfg.batch_size)
+
+    def generate(self, todo: list[Instance]) -> tuple[float, int]:
+        """Generate and score ``todo`` batch by batch, each batch's rows written as soon as it is done. A prompt
+        that does not fit the model's context is recorded as skipped, never truncated."""
+        if not todo:
+            return 0.0, 0
+        cfg, backend = self.cfg, self.backend
+        prompts = [self.prompts[ins.key] for ins in todo]
+        prompt_ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
+        limit = backend.max_context
+        fits, too_long = [], []
+        for i, ids in enumerate(prompt_ids):
+            (too_long if limit is not None and len(ids) + cfg.max_new_tokens > limit else fits).append(i)
+        if too_long:
+            log.warning("%d prompt(s) do not fit the model's %d-token context with %d new tokens; they are skipped "
+                        "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
+            self.samples.write(self._record(todo[i], prompts[i], len(prompt_ids[i]), None, None,
+                                            skipped="prompt_too_long") for i in too_long)
+        shared = common_prefix([prompt_ids[i] for i in fits]) if cfg.prefix_reuse and len(fits) > 1 else []
+        if len(shared) < MIN_SHARED_PREFIX:
+            shared = []
+        log.info("shared prompt prefix: %d tokens%s", len(shared),
+                 " (prefilled once, copied into each batch)" if shared else "")
+        bs = cfg.batch_size if cfg.batch_size == "auto" else int(cfg.batch_size)
+        batches = plan_batches([len(prompt_ids[i]) for i in fits], bs, backend.token_budget(), cfg.max_new_tokens)
+        if batches:
+            sizes = [len(b) for b in batches]
+            log.info("%d batches of %d-%d prompts (batch size %s)", len(batches), min(sizes), max(sizes),
+                     cfg.batch_size)
+        gen_s, new_tokens = 0.0, 0
+        bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample",
+                   disable=not (self.progress and self.rank == 0))
+        bar.update(len(too_long))
+        keep_stop = self.task.include_stop  # e.g. IsTree's verdict token is its stop string
+        for batch in batches:
+            idx = [fits[j] for j in batch]
+            tools = [self.task.make_tool(todo[i], self.tool_spec) for i in idx]
+            reqs = [GenRequest(prompts[i], cfg.max_new_tokens, self.stop, tool, prompt_ids=prompt_ids[i])
+                    for i, tool in zip(idx, tools)]
+            t = time.perf_counter()
+            outs = backend.generate(reqs, shared_prefix=shared or None)
+            gen_s += time.perf_counter() - t
+            new_tokens += sum(o.new_tokens for o in outs)
+            self.samples.write(
+                self._record(todo[i], prompts[i], o.prompt_tokens, o,
+                             self.task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else ""),
+                                             **self.score_kw),
+                             tool=tool, state_bytes=backend.state_bytes(o.prompt_tokens))
+                for i, o, tool in zip(idx, outs, tools))
+            bar.update(len(idx))
+        bar.close()
+        return gen_s, new_tokens
+
+    def _record(self, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, **kw) -> dict:
+        return _record(self.task, ins, prompt, prompt_tokens, out, scored, self.config_hash, **kw)
+
+    def collect(self) -> list[dict]:
+        """Every instance's row, in instance order, from this run's settings only (checked on disk)."""
+        out = Path(self.cfg.output)
+        self.lock.verify()  # the directory is still the one this run locked: its rows are this run's
+        self.samples.merge([i.key for i in self.instances], self.config_hash)
+        missing = [i.key for i in self.instances if i.key not in self.samples.records]
+        if missing:
+            raise RunDirError(f"{out}: {len(missing)} instance(s) have no record after the run "
+                              f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); rerun the same "
+                              "command to generate them")
+        return [self.samples.records[i.key] for i in self.instances]
+
+    def report(self, records: list[dict], counts: dict, timings: dict) -> dict[str, Any]:
+        """Per-condition statistics, the table and the task's own files; results.json last (it marks the run
+        finished)."""
+        cfg, task, out = self.cfg, self.task, Path(self.cfg.output)
+        conditions = list(dict.fromkeys(i.condition for i in self.instances))
+        by_condition = summarize(records, task.metrics, conditions, seed=cfg.seed, axis_statistic=task.axis_statistic)
+        results = {
+            "task": cfg.task, "task_summary": task.describe(self.template_variables), "condition": task.condition,
+            "model": cfg.model, "config": cfg.to_dict(), "config_hash": self.config_hash, "resolved": self.resolved,
+            "backend": self.backend.describe() if self.backend is not None else None,
+            "metrics": by_condition,
+            "counts": {"questions": len(self.rows), "instances": len(self.instances), **counts, "ranks": self.world,
+                       "skipped_too_long": sum(m["skipped_too_long"] for m in by_condition.values())},
+            "selection": {"ids": list(dict.fromkeys(i.id for i in self.instances)), "conditions": conditions},
+            "timings": timings, "seed": cfg.seed, "versions": versions(), "git": git_hash(),
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        if cfg.audit:
+            from harness.engine.audit import audit_rows
+
+            results["audit"] = audit_rows(self, self.backend if self.backend is not None
+                                          else _load_model(cfg, self.dist), records, cfg.audit)
+        df = metrics_table(by_condition, task.metrics, task.condition)
+        results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
+        results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions),
+                            "table.md", "table.csv"]
+        write_atomic(out / "table.csv", df.to_csv(index=False))
+        write_atomic(out / "table.md", results["table"] + "\n")
+        self.lock.verify()
+        write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
+        return results
+
+
+def _run_files(out: Path) -> set[str]:
+    """What the evaluation in ``out`` wrote: the engine's own files and those its results.json lists (a task's
+    outputs, e.g. HotpotQA's predictions/), never anything else a user keeps there."""
+    names = {"run.json", "samples.jsonl", "samples.rejected.txt", "results.json", "table.md", "table.csv"}
+    names |= {p.name for p in out.glob("samples.rank*.jsonl")}
+    try:
+        names |= {f.rstrip("/") for f in json.loads((out / "results.json").read_text()).get("files", [])}
+    except (OSError, ValueError):
+        pass
+    return names
+
+
+def _load_model(cfg: RunConfig, dist):
+    """The run's backend, on this rank's GPU when launched on several."""
+    device = cfg.device
+    if dist is not None and device == "auto" and torch.cuda.is_available():
+        device = f"cuda:{dist.local_process_index}"
+    return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs)
+
+
+def audit_line(results: dict) -> str:
+    """The audit's verdict under a results table ("" without one)."""
+    a = results.get("audit")
+    if not a:
+        return ""
+    ref = a["reference"]
+    return (f"\n\naudit: {a['agree']} of {a['rows']} rows generated again alone (batch 1, no prefix reuse, no CUDA "
+            f"graphs, {ref['dtype']}) agree" + (f"; first difference: {a['differ'][0]['key']} at generated token "
+                                                f"{a['differ'][0]['token']}" if a["differ"] else ""))
+
+
+def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:
+    """A finished row whose prompt or gold answer is not what this run would use (its prompt hash is checked
+    whenever the row carries one)."""
+    sha = rec.get("prompt_sha256")
+    return (sha is not None and sha != _sha(prompt)[:len(sha)]) or rec.get("gold") != ins.answer
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _record(task, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,
+            skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
+    """One samples.jsonl line; ``state_bytes``: the model state the prompt left (the paper's memory axis)."""
+    rec = {"key": ins.key, "id": ins.id, "condition": ins.condition, **task.record_fields(ins),
+           "config_hash": config_hash, "prompt_sha256": _sha(prompt), "prompt_tokens": prompt_tokens,
+           "state_bytes": state_bytes, "gold": ins.answer, "skipped": skipped, "prompt": prompt}
+    if out is not None:
+        rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,
+                   prediction=scored["prediction"], answer_found=scored["answer_found"],
+                   scores={k: v for k, v in scored.items() if k not in ("prediction", "answer_found")})
+        if tool is not None:
+            rec["tool_calls"] = tool.log
+            rec["tool_tokens"] = out.tool_tokens
+    return rec

@@ -1,0 +1,111 @@
+"""One training run's settings (``TrainConfig``): the trainer's flags are built from its fields, and the resolved
+config is written into result.json."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from evals import istree
+from harness.engine.config import ConfigError, _f
+from harness.engine.runlog import RunDirError
+from harness.training.state import TrainingError
+
+DEFAULT_LR = {"transformer": 1e-3, "mamba": 3e-4, "hybrid": 3e-4}
+# The paper's settings: what a flag left out means outside a grid.
+PAPER_DEFAULTS = {"samples": 5_000_000, "batch_size": 64, "warmup": 10_000, "eval_every": 100_000,
+                  "eval_samples": 5000, "eval_batch_size": 256}
+TRACKERS = ("auto", "tensorboard", "wandb", "none")
+# What a training run reports as one ``error:`` line (a bad flag, a directory in use, a diverged loss, a full disk).
+USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
+# Settings that decide a finished run's numbers: a run directory is reused only with the same values.
+RESULT_DECIDING = ("task", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
+                   "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
+                   "precision", "bucket")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of one training run, defined once: the parser is built from these fields and the
+    resolved config is written into result.json. ``None`` means the paper's value (or the grid's)."""
+
+    task: str = _f("istree", "IsTree, or any registered task with a token stream (trained on its answers)")
+    length: int = _f(32, "size of a non-IsTree task: sequence length, key-value pairs (mqar), entries (needle)")
+    arch: str = _f("transformer", "architecture", choices=["transformer", "mamba", "hybrid"])
+    size: str = _f("0.5M", "parameter budget; architectures are matched within 10%% (smoke: a CPU demo size)",
+                   choices=["0.5M", "1M", "2M", "smoke"])
+    d_model: int | None = _f(None, "model width, overriding the size table")
+    layers: int | None = _f(None, "layers, overriding the size table (the hybrid: its Mamba layers)")
+    nodes: int = _f(16, "IsTree graph size n (paper: 16, 32, 64)")
+    setup: str = _f("cot", "IsTree setup", choices=list(istree.SETUPS))
+    graph: str = _f("binary", "IsTree graphs: binary (the paper's) or recursive (random recursive trees, half "
+                              "with one edge moved to close a cycle)", choices=list(istree.GRAPHS))
+    samples: int | None = _f(None, "training samples (default 5,000,000)")
+    batch_size: int | None = _f(None, "global batch, split over the processes (default 64)")
+    lr: float | None = _f(None, "peak lr (default 1e-3 Transformer, 3e-4 Mamba and hybrid)")
+    warmup: int | None = _f(None, "warm-up samples (default 10,000)")
+    seed: int = _f(42, "seeds the initialisation and the training streams")
+    eval_every: int | None = _f(None, "samples between teacher-forced evaluations (default 100,000)")
+    eval_samples: int | None = _f(None, "held-out samples for both evaluations (default 5,000)")
+    eval_batch_size: int | None = _f(None, "batch of the evaluations (default 256)")
+    eval_max_new_tokens: int | None = _f(None, "live evaluation's generation budget (default: the task's)")
+    live_eval: bool = _f(True, "after training, evaluate the best checkpoint by greedy generation (the tool live "
+                               "for retrieval)")
+    precision: str = _f("auto", "auto (bf16 autocast on CUDA, float32 elsewhere), fp32 or bf16",
+                        choices=["auto", "fp32", "bf16"])
+    workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
+    bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
+                        "(less padding; 1 = off, as the paper)")
+    threads: int | None = _f(None, "CPU threads for torch (default: torch's)")
+    allow_slow_scan: bool = _f(False, "train Mamba or the hybrid on CUDA without mamba-ssm/causal-conv1d kernels "
+                                      "(a Python-loop scan, tens of times slower)")
+    report_to: str = _f("auto", "experiment tracker through accelerate (auto: TensorBoard when installed)",
+                        choices=list(TRACKERS))
+    output: str | None = _f(None, "run directory (default runs/NAME; a grid's root with --grid)")
+
+    @property
+    def name(self) -> str:
+        from evals import task_class
+
+        shape = "".join([f"-d{self.d_model}" if self.d_model else "", f"-L{self.layers}" if self.layers else ""])
+        return f"{self.arch}-{self.size}{shape}-{task_class(self.task).training_tag(self)}"
+
+    def resolved(self, defaults: dict | None = None) -> "TrainConfig":
+        """Every ``None`` filled from ``defaults`` (a grid's) and then the paper's; checked."""
+        fill = {**PAPER_DEFAULTS, **(defaults or {})}
+        values = {k: (fill[k] if getattr(self, k) is None and k in fill else getattr(self, k))
+                  for k in (f.name for f in dataclasses.fields(self))}
+        if values["lr"] is None:
+            values["lr"] = fill.get("lr") or DEFAULT_LR[self.arch]
+        cfg = TrainConfig(**values)
+        cfg = dataclasses.replace(cfg, output=cfg.output or f"runs/{cfg.name}")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Every flag checked before anything is written; the first bad one is a ConfigError naming it."""
+        def bad(flag, value, need):
+            raise ConfigError(f"{flag} {value!r}: {need}")
+
+        def flag(name):
+            return f"--{name.replace('_', '-')}"
+
+        for name in ("samples", "batch_size", "eval_every", "eval_samples", "eval_batch_size", "bucket", "length",
+                     "d_model", "layers", "threads", "eval_max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                bad(flag(name), value, "use a positive whole number")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            bad("--warmup", self.warmup, "use 0 or more samples")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            bad("--lr", self.lr, "use a positive, finite learning rate, e.g. 3e-4")
+        if self.samples is not None and self.batch_size is not None and self.samples < self.batch_size:
+            bad("--samples", self.samples, f"train on at least one batch ({self.batch_size} samples)")
+        if self.nodes < 4:
+            bad("--nodes", self.nodes, "IsTree graphs need at least 4 nodes")
+        if self.workers is not None and self.workers < 0:
+            bad("--workers", self.workers, "use 0 (generate in the training process) or more")
+        if self.seed < 0:
+            bad("--seed", self.seed, "use 0 or more")
+
+

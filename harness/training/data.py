@@ -1,0 +1,91 @@
+"""What the trainer feeds the model: a task's token sequences as padded batches with their loss masks, drawn
+from seeded streams so that neither the number of data workers nor a resume changes a single sample."""
+from __future__ import annotations
+
+import hashlib
+import random
+
+import torch
+
+from evals.synthetic import PAD, loss_mask
+from harness.training.config import TrainConfig
+
+
+class TrainTask:
+    """The task a run trains on, built from the run's flags through the task's own training protocol
+    (``evals.base.SyntheticTask``): its vocabulary, a fresh-sample stream, a length bound, held-out sequences,
+    and the options under which the eval engine re-creates it (icr_task.json next to the checkpoint)."""
+
+    def __init__(self, cfg: TrainConfig):
+        from evals import get_task, task_class
+
+        self.cfg = cfg
+        self.eval_args = {**task_class(cfg.task).training_options(cfg), "samples": cfg.eval_samples}
+        self.impl = get_task(cfg.task, **self.eval_args)
+        self.vocab = self.impl.vocabulary()
+        self.max_len = self.impl.training_max_len()
+
+    def stream(self, seed: int):
+        return self.impl.stream(seed)
+
+    def heldout(self) -> list[list[str]]:
+        """The live evaluation's held-out samples as whole training sequences (gold trace and tool results
+        included): what teacher-forced exact match is computed on."""
+        return self.impl.heldout_sequences(self.impl.load())
+
+    def tokenizer(self):
+        from evals.base import word_level_tokenizer
+
+        return word_level_tokenizer(self.vocab)
+
+
+def batch_from_tokens(samples: list[list[str]], vocab: dict[str, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and the loss mask (targets after the first [EOS], no tool results, no padding)."""
+    width = max(len(s) for s in samples)
+    pad = vocab[PAD]
+    ids = torch.full((len(samples), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        ids[i, : len(s)] = torch.tensor([vocab[t] for t in s])
+        mask[i, : len(s)] = torch.tensor(loss_mask(s), dtype=torch.float32)
+    return ids.to(device), mask.to(device)
+
+
+class TrainingBatches(torch.utils.data.IterableDataset):
+    """Endless pools of fresh batches (``bucket`` batches a pool). Pool ``k`` is drawn from a stream seeded by
+    (seed, process, k) alone, so the data depend on neither the number of DataLoader workers nor where a run was
+    resumed: ``start_pool`` skips to any position at no cost. Worker ``w`` of ``W`` draws pools start+w,
+    start+w+W, ...; the DataLoader takes its workers' items in turn, so pools arrive in order, generated off the
+    training loop's critical path."""
+
+    def __init__(self, task: TrainTask, batch: int, seed: int, process: int, bucket: int = 1, start_pool: int = 0):
+        self.task, self.batch, self.seed, self.process, self.bucket = task, batch, seed, process, bucket
+        self.start_pool = start_pool
+        self.vocab = {t: i for i, t in enumerate(task.vocab)}
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        pool = self.start_pool + worker
+        while True:
+            yield self.pool(pool)
+            pool += workers
+
+    def pool(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches ``index * bucket`` ... of fresh samples, each batch from its own seeded stream (bucketing
+        regroups the same samples; it never changes them)."""
+        samples = []
+        for b in range(index * self.bucket, (index + 1) * self.bucket):
+            stream = self.task.stream(seed=_batch_seed(self.seed, self.process, b))
+            samples += [next(stream) for _ in range(self.batch)]
+        if self.bucket > 1:  # sorted by length, then the batches in a seeded random order
+            samples.sort(key=len)
+        groups = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
+        random.Random(f"bucket:{self.seed}:{self.process}:{index}").shuffle(groups)
+        return [batch_from_tokens(g, self.vocab, "cpu") for g in groups]
+
+
+def _batch_seed(seed: int, process: int, batch: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"train:{seed}:{process}:{batch}".encode()).digest()[:8], "little")
+
+

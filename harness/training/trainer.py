@@ -1,0 +1,420 @@
+"""One training run, readable top to bottom: build the model, optimizer and data (``Trainer.__init__``), start
+or resume (``run``), the loop (``train``), the paper's metric on held-out samples (``evaluate``), and the best
+checkpoint evaluated live through the eval engine (``finish``).
+
+Defaults follow the paper's code: AdamW (weight decay 0), cosine schedule with a 10,000-sample warm-up, a
+global batch of 64 (split over processes), lr 1e-3 for the Transformer and 3e-4 for Mamba and the hybrid,
+fresh samples every step, mamba-ssm's initialisation. Every ``--eval-every`` samples the model is scored by
+the paper's metric, teacher-forced exact match on held-out samples (every target token right, tool results
+given); the best checkpoint is kept, written with ``save_pretrained`` next to its tokenizer and task, and
+evaluated once more by live greedy generation through the eval engine (the retrieval tool live), so
+``python -m harness.eval --model RUN_DIR --task istree`` reproduces that number.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from harness.engine.config import ConfigError
+from harness.engine.runlog import RunDirError, RunLock, write_atomic
+from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
+from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
+from harness.training.state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
+                                    rewrite_log, save_checkpoint, save_state)
+
+log = logging.getLogger("harness")
+
+def lr_at(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to zero (a multiplier of the peak learning rate)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def masked_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the loss mask's targets (next-token prediction)."""
+    logits, tgt, m = logits[:, :-1].float(), ids[:, 1:], mask[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+    return (ce * m.reshape(-1)).sum() / m.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def teacher_forced(model, batches, autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paper's metric on pre-built held-out batches: per batch, the summed loss, the number of samples whose
+    every target token is the argmax, and the sample count (tensors: summed over processes by the caller)."""
+    was_training = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    loss = torch.zeros((), device=dev)
+    right = torch.zeros((), device=dev)
+    count = torch.zeros((), device=dev)
+    for ids, mask in batches:
+        ids, mask = ids.to(dev), mask.to(dev)
+        with autocast():
+            logits = model(input_ids=ids).logits
+        ok = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | (mask[:, 1:] == 0)
+        right += ok.all(dim=1).sum()
+        count += len(ids)
+        loss += masked_loss(logits, ids, mask) * len(ids)
+    model.train(was_training)
+    return loss, right, count
+
+
+def check_kernels(cfg: TrainConfig, device: torch.device) -> None:
+    """On CUDA, Mamba without mamba-ssm and causal-conv1d falls back to a Python-loop scan: refuse unless asked."""
+    if device.type != "cuda" or cfg.arch == "transformer" or cfg.allow_slow_scan:
+        return
+    missing = []
+    for mod in ("mamba_ssm", "causal_conv1d"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod.replace("_", "-"))
+    if missing:
+        raise ConfigError(f"--arch {cfg.arch} on CUDA without {' and '.join(missing)}: training would use a "
+                          "Python-loop scan, tens of times slower; pip install 'icr-harness[gpu]' or pass "
+                          "--allow-slow-scan")
+
+
+def _tracker(cfg: TrainConfig) -> str | None:
+    import importlib.util
+
+    if cfg.report_to == "auto":
+        return "tensorboard" if importlib.util.find_spec("tensorboard") else None
+    return None if cfg.report_to == "none" else cfg.report_to
+
+
+def train_one(cfg: TrainConfig, progress: bool = True, overwrite: bool = False) -> dict:
+    """Train one model (or return the finished result; a killed run continues from its last evaluation), keep
+    the best checkpoint by teacher-forced exact match, evaluate it live, save it."""
+    if cfg.output is None or any(getattr(cfg, k) is None for k in PAPER_DEFAULTS):
+        cfg = cfg.resolved()
+    if not overwrite:
+        finished = finished_result(cfg)
+        if finished is not None:
+            log.info("%s: finished earlier, skipped", cfg.output)
+            return finished
+    trainer = Trainer(cfg, progress)
+    lock = RunLock(cfg.output).acquire() if trainer.acc.is_main_process else None
+    try:
+        return trainer.run(overwrite)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def finished_result(cfg: TrainConfig) -> dict | None:
+    """result.json of a finished run with these settings; None if unfinished; refused if of other settings."""
+    done = Path(cfg.output) / "result.json"
+    if not done.exists():
+        return None
+    try:
+        earlier = json.loads(done.read_text())
+    except ValueError as e:
+        raise RunDirError(f"{done} is not valid JSON ({e}); move it away and rerun to finish the run") from None
+    changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)]
+    if changed:
+        raise ConfigError(f"{cfg.output} holds a finished run with other settings ("
+                          + ", ".join(f"{k}: {earlier[k]!r} there, {getattr(cfg, k)!r} now" for k in changed)
+                          + "); use another --output, the same settings, or --overwrite to start over")
+    return earlier
+
+
+class Trainer:
+    """One training run, in the order it happens: build (``__init__``), start or resume, the loop, finish."""
+
+    def __init__(self, cfg: TrainConfig, progress: bool):
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        from harness.models.istree import build_model, trainable_parameters
+
+        self.cfg, self.out, self.show = cfg, Path(cfg.output), progress
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.tracker = _tracker(cfg)
+        self.acc = acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=self.tracker,
+                                     project_config=ProjectConfiguration(project_dir=str(self.out),
+                                                                         logging_dir=str(self.out / "tracker")))
+        check_kernels(cfg, acc.device)
+        if cfg.batch_size % acc.num_processes:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
+                              f"{acc.num_processes} processes")
+        self.per_process = cfg.batch_size // acc.num_processes
+        cuda = acc.device.type == "cuda"
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.seed)
+        self.task = TrainTask(cfg)
+        self.vocab = {t: i for i, t in enumerate(self.task.vocab)}
+        model = build_model(cfg.arch, cfg.size, len(self.task.vocab), max_positions=max(4096, 2 * self.task.max_len),
+                            d_model=cfg.d_model, layers=cfg.layers)
+        self.n_params = trainable_parameters(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+        self.model, self.opt = acc.prepare(model, opt)
+        self.steps = max(1, cfg.samples // cfg.batch_size)
+        warm = max(1, cfg.warmup // cfg.batch_size)
+        steps = self.steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, steps, warm))
+        self.workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
+        heldout = self.task.heldout()[acc.process_index::acc.num_processes]  # this process's share, batched once
+        self.eval_batches = [batch_from_tokens(heldout[i:i + cfg.eval_batch_size], self.vocab, "cpu")
+                             for i in range(0, len(heldout), cfg.eval_batch_size)]
+        self.n_heldout = len(heldout) * acc.num_processes
+        self.every = max(1, cfg.eval_every // cfg.batch_size)
+        self.log_every = max(1, min(self.every, self.steps // 100))
+        self.state = Progress()
+
+    def autocast(self):
+        return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    # -- start or resume ----------------------------------------------------------------------------------
+    def run(self, overwrite: bool) -> dict:
+        cfg, acc = self.cfg, self.acc
+        if acc.is_main_process:
+            check_settings(self.out, {k: getattr(cfg, k) for k in RESULT_DECIDING}, overwrite)
+        acc.wait_for_everyone()
+        resumed = load_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, acc.num_processes)
+        if resumed is not None:
+            self.state = resumed
+            log.info("%s: resumed at step %d of %d (%s samples; attempt %d); the curve so far is kept", cfg.name,
+                     resumed.step, self.steps, f"{resumed.step * cfg.batch_size:,}", resumed.attempts)
+        log.info("%s: %s trainable parameters, %d steps of %d (%d per process x %d), lr %g, %s, %s, %d data workers, "
+                 "teacher-forced eval every %d steps on %d samples", cfg.name, f"{self.n_params:,}", self.steps,
+                 cfg.batch_size, self.per_process, acc.num_processes, cfg.lr, acc.device,
+                 "bf16 autocast" if self.bf16 else "float32", self.workers, self.every, self.n_heldout)
+        self.state_bytes = model_state_bytes(acc.unwrap_model(self.model), self.task, self.task.max_len)
+        log.info("%s: a sequence of %d tokens (the task's longest) leaves %s bytes of model state", cfg.name,
+                 self.task.max_len, f"{self.state_bytes:,}")
+        if acc.is_main_process:
+            rewrite_log(self.out, self.state.curve)
+            if resumed is not None:
+                retire_tracker(self.out)
+        if self.tracker:
+            acc.init_trackers(cfg.name, config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None})
+            for row in self.state.curve:  # a resumed run's tracker holds the whole curve, once
+                self._track(row)
+        try:
+            if self.state.step < self.steps:
+                self.train()
+            acc.wait_for_everyone()
+            result = self.finish() if acc.is_main_process else None
+        finally:
+            if self.tracker:
+                acc.end_training()
+        acc.wait_for_everyone()
+        return result or {}
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def batches(self):
+        """Batches from the state's step on: pools in order from the DataLoader, split into their batches."""
+        cfg, cuda = self.cfg, self.acc.device.type == "cuda"
+        start = self.state.step
+        loader = torch.utils.data.DataLoader(
+            TrainingBatches(self.task, self.per_process, cfg.seed, self.acc.process_index, cfg.bucket,
+                            start_pool=start // cfg.bucket),
+            batch_size=None, num_workers=self.workers, pin_memory=cuda,
+            prefetch_factor=4 if self.workers else None, persistent_workers=False)
+        skip = start % cfg.bucket
+        for pool in loader:
+            yield from pool[skip:]
+            skip = 0
+
+    def train(self) -> None:
+        cfg, acc, st = self.cfg, self.acc, self.state
+        loss_sum = torch.zeros((), device=acc.device)  # summed on the device: one host sync per log line
+        first_bad = torch.full((), -1, dtype=torch.long, device=acc.device)  # first non-finite loss, no sync
+        loss_n = 0
+        self.model.train()
+        bar = tqdm(total=self.steps, initial=st.step, desc=cfg.name, unit="step", dynamic_ncols=True,
+                   disable=not (self.show and acc.is_main_process))
+        batches = self.batches()
+        t0 = time.perf_counter()
+        with open(self.out / "train_log.jsonl", "a") as logf:
+            for step in range(st.step, self.steps):
+                t_data = time.perf_counter()
+                ids, mask = next(batches)
+                ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
+                st.data_s += time.perf_counter() - t_data
+                with self.autocast():
+                    logits = self.model(input_ids=ids).logits
+                loss = masked_loss(logits, ids, mask)
+                acc.backward(loss)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                loss_sum += loss.detach()
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()), step, first_bad)
+                loss_n += 1
+                bar.update(1)
+                evaluate_now = (step + 1) % self.every == 0 or step == self.steps - 1
+                if step % self.log_every and not evaluate_now:
+                    continue
+                if float(acc.reduce((first_bad >= 0).float(), "sum")) > 0:  # on any process
+                    bad = int(first_bad) if int(first_bad) >= 0 else step
+                    self._diverged(f"the training loss became {float(loss_sum)} at step {bad} (sample "
+                                   f"{(bad + 1) * cfg.batch_size:,})")
+                row = {"step": step, "samples": (step + 1) * cfg.batch_size,
+                       "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6), "lr": self.sched.get_last_lr()[0]}
+                st.first_loss = row["loss"] if st.first_loss is None else st.first_loss
+                loss_sum.zero_()
+                loss_n = 0
+                if evaluate_now:
+                    self.evaluate(row)
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", em=f"{100 * row['eval_em']:.1f}%")
+                else:
+                    bar.set_postfix(loss=f"{row['loss']:.4f}")
+                st.curve.append(row)
+                self._track(row)
+                if acc.is_main_process:
+                    logf.write(json.dumps(row) + "\n")
+                    logf.flush()
+                if evaluate_now:  # the state a killed run resumes from: everything up to this step
+                    st.step = step + 1
+                    st.train_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    if acc.is_main_process:
+                        save_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, st,
+                                   acc.num_processes)
+        bar.close()
+
+    def evaluate(self, row: dict) -> None:
+        """The paper's metric on the held-out set; a better (or equal, later) checkpoint is kept on disk."""
+        acc, st = self.acc, self.state
+        tf_loss, right, count = (acc.reduce(t, "sum") for t in teacher_forced(self.model, self.eval_batches,
+                                                                              self.autocast))
+        row["eval_loss"] = round(float(tf_loss / count), 6)
+        row["eval_em"] = int(right) / max(1, int(count))
+        if not math.isfinite(row["eval_loss"]):  # the update of this step broke the weights: never keep them
+            self._diverged(f"the held-out loss became {row['eval_loss']} at step {row['step']} (evaluated after "
+                           f"its update; sample {row['samples']:,})")
+        if row["eval_em"] >= st.best_em:  # ties go to the later, longer-trained checkpoint
+            model = acc.unwrap_model(self.model)
+            st.best_em, st.best_samples = row["eval_em"], row["samples"]
+            st.best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            if acc.is_main_process:
+                save_checkpoint(self.out, model, self.task.tokenizer(), self.task_meta())
+        acc.wait_for_everyone()
+
+    def _diverged(self, what: str) -> None:
+        st = self.state
+        kept = (f"the best checkpoint (teacher-forced EM {100 * st.best_em:.1f}% at {st.best_samples:,} samples) "
+                f"and the training state of step {st.step} are kept in {self.out}" if st.best_state is not None
+                else f"no checkpoint was kept (the first evaluation is at step {self.every})")
+        raise TrainingError(f"{what}: non-finite, so training stopped; {kept}. Lower --lr (now {self.cfg.lr:g})"
+                            f"{' or use --precision fp32' if self.bf16 else ''}, and rerun with --overwrite or "
+                            "another --output.")
+
+    def _track(self, row: dict) -> None:
+        if self.tracker:
+            self.acc.log({f"train/{k}" if k in ("loss", "lr") else k.replace("eval_", "eval/"): v
+                          for k, v in row.items() if k not in ("step", "samples")}, step=row["samples"])
+
+    def task_meta(self) -> dict:
+        return {"task": self.cfg.task, "args": self.task.eval_args}
+
+    # -- finish -------------------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        """The best checkpoint (on disk since its evaluation) evaluated live; result.json written last."""
+        cfg, st, out = self.cfg, self.state, self.out
+        model = self.acc.unwrap_model(self.model).eval()
+        final = {"em": st.curve[-1]["eval_em"], "loss": st.curve[-1]["loss"]}
+        model.load_state_dict(st.best_state)  # the kept checkpoint is the best one
+        tok = self.task.tokenizer()
+        plot_curves(st.curve, out / "curves.png", cfg.name)
+        result = {**dataclasses.asdict(cfg), "trainable_parameters": self.n_params, "steps": self.steps,
+                  "processes": self.acc.num_processes, "device": str(self.acc.device),
+                  "compute_dtype": "bfloat16" if self.bf16 else "float32", "data_workers": self.workers,
+                  "first_loss": st.first_loss, "final_loss": final["loss"],
+                  "teacher_forced_em": st.best_em, "best_samples": st.best_samples,
+                  "teacher_forced_em_final": final["em"], "attempts": st.attempts,
+                  "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
+                  "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
+                  "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
+                  "curve": st.curve}
+        if cfg.live_eval:
+            t1 = time.perf_counter()
+            live = _only(evaluate(model, tok, out, cfg.task, self.task.eval_args, cfg.eval_batch_size,
+                                  cfg.eval_max_new_tokens, self.show)["metrics"])
+            result.update(accuracy=live["accuracy"], accuracy_se=live["accuracy_se"],
+                          eval_seconds=round(time.perf_counter() - t1, 2))
+        write_atomic(out / "result.json", json.dumps(result, indent=2))
+        drop_state(out)
+        return result
+
+
+def model_state_bytes(model, task: TrainTask, tokens: int) -> int:
+    """Bytes of decoding state (KV cache, conv and SSM state) the model holds after ``tokens`` tokens: the
+    quantity the paper's argument is about, measured as the eval engine measures it."""
+    from harness.backends.hf import TransformersBackend
+
+    was_training = model.training
+    dev = next(model.parameters()).device
+    backend = TransformersBackend("", model=model, tok=task.tokenizer(), device=str(dev),
+                                  dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
+    try:
+        return backend.state_bytes(tokens)
+    finally:
+        model.train(was_training)
+
+
+def _only(by_condition: dict) -> dict:
+    """The metrics of a run with a single condition (a trained model is evaluated at its own size)."""
+    (only,) = by_condition.values()
+    return only
+
+
+def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int,
+             max_new_tokens: int | None = None, progress: bool = False) -> dict:
+    """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval). The
+    evaluation's rows are keyed by the checkpoint's content (the files in ``run_dir``); rows of another
+    checkpoint (a killed attempt's, a retrained model's) are moved aside, never counted."""
+    from harness.backends.hf import TransformersBackend
+    from harness.engine.config import RunConfig
+    from harness.engine.run import run_eval
+    from harness.engine.runlog import ResumeMismatchError
+
+    backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
+                                  dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
+    cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
+                    max_new_tokens=max_new_tokens, output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
+    try:
+        return run_eval(cfg, backend=backend, progress=progress)
+    except ResumeMismatchError as e:
+        log.warning("%s: the live evaluation's earlier rows are of another checkpoint or settings (%s); they are "
+                    "moved aside and the evaluation starts over", run_dir / "eval", e)
+        return run_eval(dataclasses.replace(cfg, overwrite=True), backend=backend, progress=progress)
+
+
+def plot_curves(curve: list[dict], path: Path, title: str) -> None:
+    """Training loss and teacher-forced exact match against samples seen: one PNG per run."""
+    from harness.reports.plotting import pyplot, save
+
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot([r["samples"] for r in curve], [r["loss"] for r in curve], color="tab:blue", label="train loss")
+    ax.set_xlabel("training samples")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.set_yscale("log")
+    em = [r for r in curve if "eval_em" in r]
+    ax2 = ax.twinx()
+    ax2.plot([r["samples"] for r in em], [100 * r["eval_em"] for r in em], "o-", color="tab:red",
+             label="teacher-forced EM")
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("teacher-forced EM (%)", color="tab:red")
+    ax.set_title(title, fontsize=9)
+    save(fig, path, dpi=120)
+
+
