@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from evals.hotpotqa import HotpotQA, load_rows, parse_positions
-from harness.engine import load_backend
-from harness.engine.run import plan_batches
 from harness.backends.generation import GenRequest, common_prefix, first_stop
+from harness.engine import load_backend
 from harness.engine.prompting import PromptTemplate
+from harness.engine.run import plan_batches
 from harness.tiny import make_tiny_model
 
 STOP = HotpotQA.stop

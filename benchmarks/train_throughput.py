@@ -4,7 +4,7 @@ generation would take inline, and the projected hours of the paper's 81-run grid
     python benchmarks/train_throughput.py                                  # CPU: 0.5M models, batch 8 measured
     python benchmarks/train_throughput.py --sizes 0.5M,1M,2M --measure-batch 64 --steps 5   # on a GPU
 
-Each cell is measured side by side in one run with ``harness.grid.measure_cell`` (the planner's own
+Each cell is measured side by side in one run with ``harness.training.grid.measure_cell`` (the planner's own
 measurement): one warm-up step, then ``--steps`` timed optimizer steps (forward, backward, AdamW) on real
 batches of the cell, and the time to generate those samples in Python. A step measured at ``--measure-batch``
 samples is scaled linearly to the paper's batch of 64. Sizes not measured are projected from the measured
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measure_cell
 from harness.models.istree import build_model, trainable_parameters
 from harness.training.config import TrainConfig
+from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measure_cell
 
 
 def main():

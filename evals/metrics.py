@@ -6,7 +6,6 @@ import collections
 import re
 import string
 
-
 ANSWER_PHRASE = "So the answer is:"
 _SPECIAL = ("yes", "no", "noanswer")
 _PUNCT = frozenset(string.punctuation)

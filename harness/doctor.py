@@ -179,9 +179,9 @@ def memory_bandwidth(device) -> float:
 
 def check_vllm(tmp: Path) -> dict:
     """vLLM against the transformers backend: greedy tokens of a tiny random Llama."""
+    from harness.backends.generation import GenRequest
     from harness.backends.hf import TransformersBackend
     from harness.backends.vllm_backend import VLLMBackend
-    from harness.backends.generation import GenRequest
     from harness.tiny import build_tokenizer, make_tiny_model
 
     path = str(make_tiny_model(tmp / "llama", "llama", tokenizer=build_tokenizer(), hidden=128))
@@ -278,7 +278,7 @@ def _interpreted_kernel_check(cache: Path) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness.doctor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--interpret-kernels", action="store_true",
@@ -294,7 +294,11 @@ def main(argv=None) -> int:
                     help="gpu: every parity check, throughput, decode and trainer measurement in one run, written to "
                          "--out as report.json and report.md (released shapes on CUDA, tiny sizes on CPU)")
     ap.add_argument("--out", default="reports/gpu-suite", help="where --suite writes its report")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     if a.suite == "gpu":
         from harness.tools.gpu_suite import run_suite
 
@@ -308,15 +312,27 @@ def main(argv=None) -> int:
     for k, v in paths(env).items():
         print(f"  {k:22s} {v}")
 
+    checks = run_checks(env, a.interpret_kernels, Path(a.cache))
+    table = [] if a.no_decode else print_decode_table(env, a.decode_size)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"environment": env, "paths": paths(env), "checks": checks,
+                                            "decode": table}, indent=2, default=str))
+    failed = [c["name"] for c in checks if not c["ok"]]
+    print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}")
+    return 1 if failed else 0
+
+
+def run_checks(env: dict, interpret_kernels: bool, cache: Path) -> list[dict]:
+    """The parity checks this machine can run, printed as they come; what it cannot is named as skipped."""
     checks = [check_phi_mamba_reference("cuda" if env["cuda_available"] else "cpu")]
     if env["cuda_available"] and env["phi_mamba_scan"] != "pytorch reference":
         checks.append(check_phi_mamba_kernels("cuda"))
-    elif a.interpret_kernels:
+    elif interpret_kernels:
         if not env["triton"]:
             checks.append({"name": "phi-mamba kernels under the interpreter", "ok": False,
                            "error": "triton is not installed: pip install triton"})
         else:
-            checks.append(_interpreted_kernel_check(Path(a.cache)))
+            checks.append(_interpreted_kernel_check(cache))
     if env["cuda_available"]:
         checks.append(check_cuda_graphs("cuda"))
     if env["cuda_available"] and env["vllm"]:
@@ -329,28 +345,24 @@ def main(argv=None) -> int:
     skipped = []
     if not env["cuda_available"]:
         skipped.append("CUDA kernels, CUDA graphs and vLLM parity: no CUDA GPU here")
-        if not a.interpret_kernels:
+        if not interpret_kernels:
             skipped.append("kernels under the CPU interpreter: pass --interpret-kernels")
     for s in skipped:
         print(f"  SKIP  {s}")
+    return checks
 
-    table = []
-    if not a.no_decode:
-        device = "cuda" if env["cuda_available"] else "cpu"
-        size = a.decode_size or ("real" if device == "cuda" else "tiny")
-        table = decode_table(device, size)
-        print(f"== decode, batch 1, {size} random models on {device}")
-        print(f"  {'model':26s} {'context':>8s} {'ms/step':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
-              f"{'state MiB':>10s}")
-        for r in table:
-            print(f"  {r['model']:26s} {r['context']:8d} {r['ms_per_step']:9.3f} {r['tokens_per_s']:9.1f} "
-                  f"{r['bound_tokens_per_s']:9.1f} {100 * r['of_bound']:8.1f}% {r['state_mib']:10.3f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"environment": env, "paths": paths(env), "checks": checks,
-                                            "decode": table}, indent=2, default=str))
-    failed = [c["name"] for c in checks if not c["ok"]]
-    print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}")
-    return 1 if failed else 0
+
+def print_decode_table(env: dict, size: str | None) -> list[dict]:
+    device = "cuda" if env["cuda_available"] else "cpu"
+    size = size or ("real" if device == "cuda" else "tiny")
+    table = decode_table(device, size)
+    print(f"== decode, batch 1, {size} random models on {device}")
+    print(f"  {'model':26s} {'context':>8s} {'ms/step':>9s} {'tokens/s':>9s} {'bound/s':>9s} {'of bound':>9s} "
+          f"{'state MiB':>10s}")
+    for r in table:
+        print(f"  {r['model']:26s} {r['context']:8d} {r['ms_per_step']:9.3f} {r['tokens_per_s']:9.1f} "
+              f"{r['bound_tokens_per_s']:9.1f} {100 * r['of_bound']:8.1f}% {r['state_mib']:10.3f}")
+    return table
 
 
 if __name__ == "__main__":

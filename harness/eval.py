@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from harness.engine.run import run_eval
-    from harness.tools.procs import stop_on_sigterm
     from harness.engine.runlog import RunDirError
+    from harness.tools.procs import stop_on_sigterm
 
     cfg = None
     try:

@@ -8,22 +8,21 @@ encodes and the same code path as a hub checkpoint (``save_pretrained`` → ``fr
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
 EOS = "<|endoftext|>"
-CORPUS_TEMPLATES = ("hotpotqa_cot", "hotpotqa_cot_retrieval", "istree", "retrieval_tasks")
+CORPUS_PATH = Path(__file__).parent / "data" / "tiny_tokenizer_corpus.json"
 
 
 def _corpus() -> list[str]:
+    """Frozen prompt-template text plus the bundled fixture: editing a template never retrains the tiny
+    tokenizer (which would change every tiny model's text)."""
     from evals.fixture import FIXTURE_PATH
-    from harness.engine.prompting import PROMPTS_DIR
 
-    # A fixed list, so adding a template does not retrain the tiny tokenizer (and change every tiny model's text)
-    texts = [(PROMPTS_DIR / f"{n}.j2").read_text() for n in CORPUS_TEMPLATES]
-    texts.append(FIXTURE_PATH.read_text())
-    return texts
+    return [*json.loads(CORPUS_PATH.read_text())["texts"], FIXTURE_PATH.read_text()]
 
 
 def build_tokenizer(vocab_size: int = 1024):

@@ -13,9 +13,9 @@ import pytest
 
 from evals.fixture import FIXTURE_PATH
 from harness.engine import run_eval
-from harness.eval import main as eval_main
 from harness.engine.identity import FileHashCache, model_identity
 from harness.engine.runlog import ResumeMismatchError, RunDirError
+from harness.eval import main as eval_main
 from tests.helpers import run_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,8 +97,8 @@ def test_file_hashes_are_cached_by_stat_and_any_rewrite_is_seen(tmp_path, monkey
     import harness.engine.identity as identity
 
     calls = []
-    real = identity._sha256_file
-    monkeypatch.setattr(identity, "_sha256_file", lambda p: calls.append(p) or real(p))
+    real = identity.file_digest
+    monkeypatch.setattr(identity, "file_digest", lambda p: calls.append(p) or real(p))
     cache = FileHashCache(tmp_path / "cache.json")
     f = tmp_path / "w.safetensors"
     f.write_bytes(b"a" * 4096)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine.config import RunConfig
 from harness.engine import run_eval
+from harness.engine.config import RunConfig
 from tests.helpers import assert_varied
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,13 +3,12 @@ import json
 import pytest
 
 from harness.engine import load_backend, run_eval
+from harness.engine.prompting import PromptTemplate
 from harness.engine.run import plan_batches
+from harness.engine.runlog import ResumeMismatchError
 from harness.eval import main as eval_main
 from harness.models import MODELS, UnknownModelError, resolve_model
-from harness.engine.prompting import PromptTemplate
-from harness.engine.runlog import ResumeMismatchError
 from tests.helpers import assert_varied, run_config
-
 
 _cfg = run_config
 

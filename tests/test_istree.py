@@ -179,8 +179,8 @@ def _tool_free_reference(model, ids, n, eos=None):
 
 @pytest.mark.parametrize("arch", ["mamba", "hybrid"])
 def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
-    from harness.backends.hf import TransformersBackend
     from harness.backends.generation import GenRequest, left_pad, right_pad
+    from harness.backends.hf import TransformersBackend
 
     torch.manual_seed(0)
     model = build_model(arch, "smoke", 25).eval()
@@ -206,7 +206,9 @@ def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
         got = backend.step(state, b_ids, torch.cat([mask, b_mask], 1))
         for row in range(3):
             fresh = model(input_ids=torch.tensor([prompts[row] + blocks[row]])).logits[0, -1]
-            assert torch.allclose(got[row], fresh, atol=1e-4)
+            # float32: a fresh pass (full scan) and a saved state stepped token by token sum in different orders;
+            # the logits here reach ~70, and differ by ~2e-4 at most
+            assert torch.allclose(got[row], fresh, atol=5e-4)
         # and decoding goes on correctly from there
         mask2 = torch.cat([mask, b_mask, torch.ones(3, 1, dtype=torch.long)], 1)
         nxt = got.argmax(-1, keepdim=True)
@@ -262,8 +264,8 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
 
 def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     """IsTree's verdict is its stop string: the vLLM path must set it and score exactly as the stepped one."""
-    from harness.engine.config import RunConfig
     from harness.engine import load_backend, run_eval
+    from harness.engine.config import RunConfig
     from tests.helpers import fake_vllm_backend
 
     cfg, _ = trained["transformer"]
@@ -301,9 +303,12 @@ def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
 def test_linear_scan_matches_transformers_reference_with_gradients():
     from transformers.models.mamba import modeling_mamba as mm
 
-    from harness.models.istree import selective_scan_linear
+    from harness.models.istree import linear_scan, selective_scan_linear
 
-    reference = getattr(mm, "_reference_selective_scan", mm.mamba_selective_scan)
+    reference = mm.mamba_selective_scan  # building a model or training never swaps it outside linear_scan()
+    with linear_scan():
+        assert mm.mamba_selective_scan is selective_scan_linear  # no CUDA here: the trainer's scan is ours
+    assert mm.mamba_selective_scan is reference  # and transformers' own is back after
     g = torch.Generator().manual_seed(0)
     b, d, l, n = 2, 6, 41, 4
     args = [torch.randn(b, d, l, generator=g, requires_grad=True), torch.randn(b, d, l, generator=g),

@@ -6,8 +6,8 @@ import torch
 from harness.backends.generation import GenRequest
 from harness.models import resolve_model
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
-from tests.test_generation import _diverse_prompts, _reference_greedy
 from tests.helpers import assert_varied
+from tests.test_generation import _diverse_prompts, _reference_greedy
 
 
 @pytest.mark.parametrize("length,chunk", [(37, 8), (64, 16), (5, 16), (130, 128)])

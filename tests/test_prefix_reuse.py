@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from harness.engine.config import RunConfig
-from harness.engine import run_eval
 from harness.backends.generation import GenRequest, common_prefix
+from harness.engine import run_eval
+from harness.engine.config import RunConfig
 from retrieval import RetrievalTool
-from tests.test_retrieval import UNITS
 from tests.helpers import assert_varied
+from tests.test_retrieval import UNITS
 
 
 def test_common_prefix_leaves_every_row_a_suffix():
@@ -22,7 +22,6 @@ def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
     backend = request.getfixturevalue(f"{which}_backend")
     from evals.hotpotqa import HotpotQA, load_rows
     from harness.engine.prompting import PromptTemplate
-
     from tests.test_generation import _diverse_prompts
 
     rows = load_rows("fixture")

@@ -1,10 +1,10 @@
 import json
 from pathlib import Path
 
-from tests.helpers import run_config
 from harness.engine import run_eval
 from harness.report import main as report_main
 from harness.report import merge, oracle_subset
+from tests.helpers import run_config
 
 
 def _run(model_dir, backend, out, **kw):

@@ -40,8 +40,8 @@ def test_token_and_text_formats():
 def test_text_tasks_run_through_the_eval_engine(name, tiny_phi_dir, phi_backend, tmp_path):
     import json
 
-    from harness.engine.config import RunConfig
     from harness.engine import run_eval
+    from harness.engine.config import RunConfig
 
     cfg = RunConfig(model=tiny_phi_dir, task=name, task_args={"samples": 6, "length": 12, "shots": 2},
                     device="cpu", dtype="float32", output=str(tmp_path), batch_size="6")

@@ -14,10 +14,11 @@ import pytest
 
 from evals.fixture import FIXTURE_PATH
 from harness.engine import run_eval
-from harness.eval import main as eval_main
 from harness.engine.runlog import ResumeMismatchError, RunLock, RunLockedError
+from harness.eval import main as eval_main
 from retrieval.search import RegexSearcher
-from tests.helpers import alive as _alive, run_config
+from tests.helpers import alive as _alive
+from tests.helpers import run_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from evals.hotpotqa import HotpotQA
-from harness.engine.config import RunConfig
 from harness.engine import load_backend, run_eval
+from harness.engine.config import RunConfig
 from tests.helpers import ScriptedBackend, assert_varied
 
 N_QUESTIONS = 8

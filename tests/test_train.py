@@ -14,9 +14,9 @@ from evals import istree
 from evals.synthetic import loss_mask
 from harness.engine.config import ConfigError
 from harness.models.istree import build_model
+from harness.train import main
 from harness.training.config import TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
-from harness.train import main
 from harness.training.trainer import teacher_forced
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from harness.engine.runlog import RunLock, RunLockedError
-from harness.training.config import TrainConfig
 from harness.train import main
+from harness.training.config import TrainConfig
 from harness.training.trainer import train_one
 from tests.helpers import alive as _alive
 
@@ -211,8 +211,8 @@ def test_the_live_evaluation_never_counts_rows_of_another_checkpoint(tmp_path):
     from evals.base import word_level_tokenizer
     from harness.models.istree import build_model
     from harness.training.data import TrainTask
-    from harness.training.trainer import evaluate
     from harness.training.state import save_checkpoint
+    from harness.training.trainer import evaluate
 
     cfg = TrainConfig(size="smoke", nodes=4, setup="direct", eval_samples=6, report_to="none").resolved()
     task = TrainTask(cfg)

@@ -83,9 +83,6 @@ class Backend(ABC):
     @abstractmethod
     def expand(self, state: Any, n: int) -> Any: ...
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text)["input_ids"])
-
     def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None) -> list[GenResult]:
         """``shared_prefix``: token ids every prompt starts with (the few-shot exemplars). Its state is
         computed on the first call and copied into each later batch instead of being recomputed."""

@@ -156,19 +156,27 @@ def _new_rows(tokenizer, requests: Sequence[GenRequest]) -> tuple[list[list[int]
     return prompt_ids, rows
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
-    return [tokenizer(p)["input_ids"] for p in prompts]
-
-
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, device, side: str = "left"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as one [batch, longest] tensor and its 0/1 mask, padded on ``side``: prompts are padded
+    on the left (every row's next token is at the end), a block fed after a saved state on the right."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            at = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+            ids[i, at] = torch.tensor(s, dtype=torch.long)
+            mask[i, at] = 1
     return ids.to(device), mask.to(device)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return pad_batch(seqs, pad_id, device, "left")
+
+
+def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return pad_batch(blocks, pad_id, device, "right")
 
 
 @torch.inference_mode()
@@ -286,16 +294,6 @@ def chunked_generate(continue_rows: ContinueRows, tokenizer, requests: Sequence[
         _run_tool_calls([rows[b] for b in active if rows[b].done is None and rows[b].call is not None], tokenizer)
         active = [b for b in active if rows[b].done is None]  # a row a tool result overfilled ends at the top
     return [r.done for r in rows]
-
-
-def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(b) for b in blocks)
-    ids = torch.full((len(blocks), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(blocks), width), dtype=torch.long)
-    for i, b in enumerate(blocks):
-        ids[i, : len(b)] = torch.tensor(b, dtype=torch.long)
-        mask[i, : len(b)] = 1
-    return ids.to(device), mask.to(device)
 
 
 def last_real_index(block_mask: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,11 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from harness.engine import hub
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.families import family_of, map_rows, recurrent_state, restore_rows
 from harness.backends.generation import GenRequest, GenResult, last_real_index, logits_at_last_real
+from harness.engine import hub
 
 log = logging.getLogger("harness")
 

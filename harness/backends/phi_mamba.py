@@ -6,8 +6,8 @@ import logging
 import torch
 
 from harness.backends.base import Backend, resolve_device, resolve_dtype
-from harness.backends.hf import load_tokenizer
 from harness.backends.generation import logits_at_last_real
+from harness.backends.hf import load_tokenizer
 from harness.models import kernels
 from harness.models.phi_mamba import PhiMambaForCausalLM
 

@@ -4,7 +4,7 @@ Install with ``pip install "icr-harness[vllm]"`` on a GPU machine, then ``--back
 greedy (temperature 0). vLLM cannot take tokens injected mid-sequence, so a tool call ends a round: the
 round stops at the call's closing tag, the result is appended to the token sequence, and the next round
 submits prompt + everything so far (stops, limits and tool calls are decided by the same state machine as
-every other backend: ``harness.generation.chunked_generate``); automatic prefix caching (on) makes that resubmission reuse the KV
+every other backend: ``harness.backends.generation.chunked_generate``); automatic prefix caching (on) makes that resubmission reuse the KV
 blocks already computed, which is vLLM's form of "continue from the cache". Phi-Mamba stays on its own
 backend (vLLM's prefix caching does nothing for Mamba-2 state)."""
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.backends import BACKENDS
+from harness.hashing import digest, json_digest
 from harness.models.registry import MODELS
 
 
@@ -170,13 +170,9 @@ def word_negative_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def settings_hash(resolved: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_digest(resolved)
 
 
 def content_sha256(rows: list) -> str:
     """Hash of the loaded data (not its path): an edited data file is a different run, a moved one is not."""
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
-        h.update(b"\n")
-    return h.hexdigest()[:16]
+    return digest(*(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str) + "\n" for r in rows), length=16)

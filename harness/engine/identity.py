@@ -8,12 +8,13 @@ model by the snapshot commit it resolves to in the Hugging Face cache (a commit'
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
+
+from harness.hashing import digest, file_digest
 
 log = logging.getLogger("harness")
 
@@ -74,13 +75,13 @@ class FileHashCache:
         if hit is not None and hit[:-1] == stamp:
             return hit[-1]
         t0 = time.perf_counter()
-        digest = _sha256_file(file)
+        sha = file_digest(file)
         if st.st_size > 1 << 28:
             log.info("hashed %s (%.1f GB) in %.1f s; cached until the file changes", file, st.st_size / 1e9,
                      time.perf_counter() - t0)
         if self._stamp(file.stat()) == stamp and time.time() - st.st_mtime > RACY_SECONDS:
-            self._store(key, [*stamp, digest])
-        return digest
+            self._store(key, [*stamp, sha])
+        return sha
 
     def _store(self, key: str, value: list) -> None:
         from filelock import FileLock
@@ -101,24 +102,13 @@ class FileHashCache:
             log.debug("file-hash cache not written (%s)", e)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def folder_digest(folder: Path, kind: str, cache: FileHashCache | None = None) -> str | None:
     """One hash over the names and contents of ``folder``'s files of ``kind``; None when it has none."""
     cache = cache or FileHashCache()
     files = sorted(p for p in Path(folder).iterdir() if p.is_file() and file_kind(p.name) == kind)
     if not files:
         return None
-    h = hashlib.sha256()
-    for p in files:
-        h.update(f"{p.name}\0{cache.sha256(p)}\n".encode())
-    return h.hexdigest()[:16]
+    return digest(*(f"{p.name}\0{cache.sha256(p)}\n" for p in files), length=16)
 
 
 def hub_snapshot(repo_id: str) -> Path | None:

@@ -5,11 +5,12 @@ A template may declare settings the scorer needs with a top-level constant, e.g.
 template with its own answer phrase is scored by it without touching Python."""
 from __future__ import annotations
 
-import hashlib
 import importlib.resources
 from pathlib import Path
 
 import jinja2
+
+from harness.hashing import digest
 
 PROMPTS_DIR = Path(str(importlib.resources.files("prompts")))  # the installed package's templates
 
@@ -19,7 +20,8 @@ class TemplateError(ValueError):
 
 
 def available_templates() -> list[str]:
-    return sorted(p.stem for p in PROMPTS_DIR.glob("*.j2"))
+    """The bundled templates a run can name; ``_name.j2`` files are parts other templates include."""
+    return sorted(p.stem for p in PROMPTS_DIR.glob("*.j2") if not p.name.startswith("_"))
 
 
 def resolve_template(name_or_path: str) -> Path:
@@ -65,7 +67,8 @@ class PromptTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"template {self.path} does not parse: line {e.lineno}: {e.message}") from e
         self.variables: set[str] = set()  # what the template and its includes read (filled by _sources)
-        self.sha256 = hashlib.sha256(self._sources(parsed).encode()).hexdigest()[:16]
+        self.includes: list[str] = []  # the templates it includes, imports or extends, recursively
+        self.sha256 = digest(self._sources(parsed), length=16)
         self._declared = {n.target.name: n.node.value for n in parsed.body
                           if isinstance(n, jinja2.nodes.Assign) and isinstance(n.target, jinja2.nodes.Name)
                           and isinstance(n.node, jinja2.nodes.Const)}
@@ -82,6 +85,7 @@ class PromptTemplate:
                                     "templates literally ({% include \"NAME.j2\" %}) so the run's hash covers them")
             if name in seen:
                 continue
+            self.includes.append(name)
             try:
                 src, file, _ = self._env.loader.get_source(self._env, name)
             except jinja2.TemplateNotFound:

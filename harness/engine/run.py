@@ -4,7 +4,6 @@ It knows nothing about any one model or task; both come in through their registr
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -19,15 +18,16 @@ from tqdm.auto import tqdm
 
 from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
+from harness.backends.generation import GenRequest, common_prefix
 from harness.engine import hub
 from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
-from harness.backends.generation import GenRequest, common_prefix
+from harness.engine.identity import awaits_download, describe_changes, model_identity
 from harness.engine.prompting import PromptTemplate
 from harness.engine.results import format_markdown, git_hash, metrics_table, versions
-from harness.engine.stats import summarize
-from harness.engine.identity import awaits_download, describe_changes, model_identity
 from harness.engine.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, move_aside,
-                            write_atomic, write_run_meta)
+                                   write_atomic, write_run_meta)
+from harness.engine.stats import summarize
+from harness.hashing import digest
 
 log = logging.getLogger("harness")
 
@@ -479,7 +479,7 @@ def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:
 
 
 def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return digest(text)
 
 
 def _record(task, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,

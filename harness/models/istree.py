@@ -16,6 +16,7 @@ LlamaDecoderLayer.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -94,30 +95,37 @@ def selective_scan_linear(hidden_states, dt, A, B, C, D=None, z=None, delta_bias
     return (y, state) if return_last_state else y
 
 
-def use_linear_scan_without_kernels() -> bool:
-    """Route transformers' Mamba reference scan to ``selective_scan_linear`` when no CUDA kernel can run.
-    A GPU with mamba-ssm keeps the kernel. Written by hand because the library's fallback is the slow part
-    (see above) and transformers exposes no option for it; the check below keeps it to signatures we know."""
+@contextlib.contextmanager
+def linear_scan():
+    """Within this block, transformers' Mamba reference scan (what runs where no CUDA kernel can) is
+    ``selective_scan_linear``; on leaving it, the library's own is back. Written by hand because the library's
+    fallback is the slow part in training (see above) and transformers takes no argument for the scan: the swap
+    is scoped to the trainer's forward and backward passes, so no other model in the process (an evaluation, a
+    hub Mamba) ever runs it. A GPU with mamba-ssm keeps the kernel; an unknown scan signature is left alone."""
     import inspect
 
     from transformers.models.mamba import modeling_mamba as mm
 
-    if torch.cuda.is_available():
-        try:
-            import mamba_ssm  # noqa: F401
-
-            return False
-        except ImportError:
-            pass
     current = getattr(mm, "mamba_selective_scan", None)
-    if current is None or current is selective_scan_linear:
-        return current is selective_scan_linear
-    params = set(inspect.signature(current).parameters)
-    if not {"hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
-            "return_last_state"} <= params:
-        return False
-    mm._reference_selective_scan = current
+    usable = current is not None and {"hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                                      "return_last_state"} <= set(inspect.signature(current).parameters)
+    if not usable or _mamba_kernels_run():
+        yield
+        return
     mm.mamba_selective_scan = selective_scan_linear
+    try:
+        yield
+    finally:
+        mm.mamba_selective_scan = current
+
+
+def _mamba_kernels_run() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import mamba_ssm  # noqa: F401
+    except ImportError:
+        return False
     return True
 
 
@@ -137,8 +145,8 @@ class HybridConfig(PretrainedConfig):
     def llama(self) -> LlamaConfig:
         cfg = LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.attn_ffn,
                           num_hidden_layers=1, num_attention_heads=self.attn_heads, num_key_value_heads=self.attn_heads,
-                          max_position_embeddings=self.max_position_embeddings, rms_norm_eps=RMS_NORM_EPS)
-        cfg._attn_implementation = "sdpa"
+                          max_position_embeddings=self.max_position_embeddings, rms_norm_eps=RMS_NORM_EPS,
+                          attn_implementation="sdpa")
         return cfg
 
 
@@ -226,8 +234,6 @@ def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192, d_m
                                                max_position_embeddings=max_positions))
         mamba_ssm_init_(model.backbone)
         torch_default_init_(model.attn)
-    if arch != "transformer":
-        use_linear_scan_without_kernels()
     freeze_sinusoidal_embedding(model)
     return model
 

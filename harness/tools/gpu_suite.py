@@ -32,8 +32,8 @@ def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
 
 def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """Greedy generations: a batch with the shared prefix reused == the batch without it == each prompt alone."""
-    from harness.engine.run import load_backend
     from harness.backends.generation import GenRequest, common_prefix
+    from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
     reqs = [GenRequest(p, new) for p in prompts]
@@ -53,8 +53,8 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
     """The real generation loop replaying decode steps from CUDA graphs against eager steps: rows leaving the
     batch (batch buckets), long prompts (context buckets) and tool calls whose tags the model really writes
     (multi-token result blocks written into the resident cache)."""
-    from harness.engine.run import load_backend
     from harness.backends.generation import GenRequest
+    from harness.engine.run import load_backend
     from retrieval import RetrievalTool
 
     eager = load_backend(path, "cuda", "float32")
@@ -78,8 +78,8 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
 
 def family_parity(device: str, tmp: Path, tok) -> dict:
     """Every transformers family of the capability table (tiny configs): a batch of 4 == each prompt alone."""
-    from harness.engine.run import load_backend
     from harness.backends.generation import GenRequest
+    from harness.engine.run import load_backend
     from harness.tiny import FAMILY_ARCHS, make_tiny_model
 
     prompts = [f"Question {i}: which river runs through the town of Karvell{'?' * i}" for i in range(4)]
@@ -100,7 +100,7 @@ def family_parity(device: str, tmp: Path, tok) -> dict:
 
 def trainer_parity(device: str) -> dict:
     """One training step of each architecture: the loss and every gradient on ``device`` against the CPU."""
-    from harness.models.istree import build_model
+    from harness.models.istree import build_model, linear_scan
     from harness.training.config import TrainConfig
     from harness.training.data import TrainTask, batch_from_tokens
     from harness.training.trainer import masked_loss
@@ -118,8 +118,9 @@ def trainer_parity(device: str) -> dict:
         for dev in ("cpu", device):
             m = model.to(dev)
             m.zero_grad()
-            loss = masked_loss(m(input_ids=ids.to(dev)).logits, ids.to(dev), mask.to(dev))
-            loss.backward()
+            with linear_scan():  # as the trainer runs it
+                loss = masked_loss(m(input_ids=ids.to(dev)).logits, ids.to(dev), mask.to(dev))
+                loss.backward()
             out[dev] = (loss.item(), [p.grad.detach().cpu().clone() for p in m.parameters() if p.grad is not None])
         (l0, g0), (l1, g1) = out["cpu"], out[device]
         worst[arch] = max([abs(l0 - l1)] + [((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
@@ -131,8 +132,8 @@ def trainer_parity(device: str) -> dict:
 def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """Samples/s and tokens/s of the harness on the fixture prompts; for a transformers model also per-sample
     ``generate`` and ``generate`` on left-padded batches, with their texts checked against the harness's."""
-    from harness.engine.run import load_backend
     from harness.backends.generation import GenRequest, common_prefix
+    from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -176,8 +177,8 @@ def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str]
 def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """The batch ``--batch-size auto`` packs from free GPU memory against the largest batch of the same prompts
     that really fits (doubling from the auto batch until CUDA runs out of memory, at most 1,024)."""
-    from harness.engine.run import load_backend, plan_batches
     from harness.backends.generation import GenRequest
+    from harness.engine.run import load_backend, plan_batches
 
     backend = load_backend(path, device, dtype)
     many = (prompts * (1024 // len(prompts) + 1))[:1024]
@@ -242,9 +243,9 @@ def _guarded(name: str, fn, *args) -> dict:
 def run_suite(out: Path, size: str | None = None) -> int:
     """Every check and measurement; returns the exit status (1 on any parity failure)."""
     from harness import doctor
-    from harness.training.grid import grid_cells
     from harness.tiny import build_tokenizer
     from harness.training.config import TrainConfig
+    from harness.training.grid import grid_cells
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

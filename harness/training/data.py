@@ -2,12 +2,13 @@
 from seeded streams so that neither the number of data workers nor a resume changes a single sample."""
 from __future__ import annotations
 
-import hashlib
 import random
 
 import torch
 
 from evals.synthetic import PAD, loss_mask
+from harness.backends.generation import pad_batch
+from harness.hashing import digest
 from harness.training.config import TrainConfig
 
 
@@ -41,14 +42,9 @@ class TrainTask:
 
 def batch_from_tokens(samples: list[list[str]], vocab: dict[str, int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids and the loss mask (targets after the first [EOS], no tool results, no padding)."""
-    width = max(len(s) for s in samples)
-    pad = vocab[PAD]
-    ids = torch.full((len(samples), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)] = torch.tensor([vocab[t] for t in s])
-        mask[i, : len(s)] = torch.tensor(loss_mask(s), dtype=torch.float32)
-    return ids.to(device), mask.to(device)
+    ids, _ = pad_batch([[vocab[t] for t in s] for s in samples], vocab[PAD], device, side="right")
+    targets, _ = pad_batch([loss_mask(s) for s in samples], 0, device, side="right")
+    return ids, targets.float()
 
 
 class TrainingBatches(torch.utils.data.IterableDataset):
@@ -86,6 +82,6 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
 
 def _batch_seed(seed: int, process: int, batch: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"train:{seed}:{process}:{batch}".encode()).digest()[:8], "little")
+    return int.from_bytes(bytes.fromhex(digest(f"train:{seed}:{process}:{batch}", length=16)), "little")
 
 

@@ -182,7 +182,7 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3) -> dict:
     """Seconds per optimizer step and per sample of data generation, measured on a few real batches of the
     cell (one warm-up step first), and the forward-only seconds of one batch (for the evaluations)."""
-    from harness.models.istree import build_model
+    from harness.models.istree import build_model, linear_scan
 
     task = TrainTask(cell)
     vocab = {t: i for i, t in enumerate(task.vocab)}
@@ -201,16 +201,16 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
         ids, mask = batch_from_tokens(s, vocab, device)
-        with autocast:
+        with autocast, linear_scan():  # as the trainer runs it
             loss = masked_loss(model(input_ids=ids).logits, ids, mask)
-        loss.backward()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
     t1 = time.perf_counter()
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, linear_scan():
         model(input_ids=ids)
     if cuda:
         torch.cuda.synchronize()

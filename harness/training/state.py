@@ -1,6 +1,6 @@
 """A training run's directory: the same guarantees as an evaluation's, for the trainer.
 
-  .lock / .lock.json     one process trains into a directory at a time (``harness.runlog.RunLock``)
+  .lock / .lock.json     one process trains into a directory at a time (``harness.engine.runlog.RunLock``)
   train_run.json         the settings that decide the run's numbers; a rerun with others is refused by name
   .training_state.pt     model, optimizer, scheduler, RNG, the step reached (the data stream's position),
                          the curve and the best checkpoint so far: written atomically at every evaluation, so a

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from harness.engine.config import ConfigError
 from harness.engine.runlog import RunDirError, RunLock, write_atomic
+from harness.models.istree import linear_scan
 from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
 from harness.training.state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
@@ -207,7 +208,8 @@ class Trainer:
                 self._track(row)
         try:
             if self.state.step < self.steps:
-                self.train()
+                with linear_scan():  # Mamba's CPU scan with a linear-time backward (models.istree)
+                    self.train()
             acc.wait_for_everyone()
             result = self.finish() if acc.is_main_process else None
         finally:
