@@ -336,7 +336,7 @@ class IsTree(SyntheticTask):
     # -- the trainer's protocol: a graph, written as the whole sample of its setup --------------------
     @classmethod
     def training_options(cls, cfg) -> dict:
-        return {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph}
+        return {"nodes": cfg.nodes, "setup": cfg.setup, "graph": cfg.graph, **cfg.task_args}
 
     @classmethod
     def training_tag(cls, cfg) -> str:

@@ -116,8 +116,8 @@ class SyntheticTask(Task):
     # -- the trainer's protocol ---------------------------------------------------------------------------
     @classmethod
     def training_options(cls, cfg) -> dict:
-        """The task options a training run's flags (a ``TrainConfig``) select."""
-        return {"length": cfg.length, "format": "tokens"}
+        """The task options a training run's flags (a ``TrainConfig``: ``--length``, ``--task-arg``) select."""
+        return {"length": cfg.length, "format": "tokens", **cfg.task_args}
 
     @classmethod
     def training_tag(cls, cfg) -> str:

@@ -11,10 +11,10 @@ The settings are ``harness.training.config.TrainConfig``; the loop is ``harness.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from harness.engine.config import ConfigError, _f, word_negative_flags
@@ -32,7 +32,7 @@ def trainable_tasks() -> list[str]:
     return [n for n in task_names() if issubclass(task_class(n), SyntheticTask)]
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainCliFlags:
     """Flags of the command line only: which runs to start and what to print, never a run's result."""
 
@@ -43,6 +43,9 @@ class TrainCliFlags:
                                 "threads (default: one per CPU core without a GPU, 1 with one)")
     plan: bool = _f(False, "measure a few steps of every grid cell and print the grid's estimated hours; train "
                            "nothing")
+    task_arg: list[str] = dataclasses.field(default_factory=list, metadata={
+        "help": "the task's own options as KEY=VALUE (repeatable), e.g. --task-arg symbols=8 (see python -m "
+                "harness.eval --help for each task's)", "action": "extend", "metavar": "KEY=VALUE"})
     overwrite: bool = _f(False, "start over in --output even if it holds a run (finished, killed, or of other "
                                 "settings): its files are moved to OUTPUT/replaced-TIMESTAMP/, never deleted")
     progress: bool = _f(True, "show progress bars")
@@ -61,6 +64,11 @@ def build_parser():
 
 def main(argv=None) -> int:
     cfg, flags = build_parser().parse_args_into_dataclasses(argv)
+    bad = [p for p in flags.task_arg if "=" not in p]
+    if bad:
+        print(f"error: --task-arg expects KEY=VALUE, got {bad[0]!r}", file=sys.stderr)
+        return 2
+    cfg = dataclasses.replace(cfg, task_args=dict(p.split("=", 1) for p in flags.task_arg))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     root = Path(cfg.output or f"runs/grid-{flags.grid}") if flags.grid else None

@@ -68,3 +68,31 @@ def test_trains_and_evaluates_as_a_trainer_task(tmp_path):
     assert res["steps"] == 4 and 0.0 <= res["accuracy"] <= 1.0
     saved = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
     assert saved["config"]["task"] == "mqar" and saved["config"]["task_args"]["format"] == "tokens"
+
+
+def test_trainer_task_args_reach_the_task_the_name_and_the_evaluation(tmp_path, capsys):
+    """``--task-arg`` sets the task's own options for training: its vocabulary, the run's name and settings, and
+    the options the saved checkpoint is evaluated with; "8" from the command line and 8 are one setting."""
+    from harness.train import main
+    from harness.training.config import TrainConfig
+    from harness.training.data import TrainTask
+
+    small = TrainConfig(task="mqar", length=4, size="smoke", task_args={"keys": "8", "values": 8}).resolved()
+    default = TrainConfig(task="mqar", length=4, size="smoke").resolved()
+    assert small.task_args == {"keys": 8, "values": 8} and small.name == "transformer-smoke-mqar-L4-keys8-values8"
+    assert len(TrainTask(small).vocab) < len(TrainTask(default).vocab)  # 5 specials + 8 + 8 against 5 + 64 + 64
+    out = tmp_path / "run"
+    args = ["--task", "mqar", "--length", "4", "--task-arg", "keys=8", "values=8", "--size", "smoke", "--samples", "32",
+            "--batch-size", "16", "--eval-every", "32", "--eval-samples", "8", "--eval-batch-size", "8",
+            "--report-to", "none", "--no-progress", "--output", str(out)]
+    assert main(args) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["task_args"] == {"keys": 8, "values": 8}
+    assert json.loads((out / "icr_task.json").read_text())["args"]["keys"] == 8  # harness.eval --model out uses it
+    saved = json.loads((out / "eval" / "results.json").read_text())
+    assert saved["config"]["task_args"]["keys"] == 8 and saved["config"]["task_args"]["values"] == 8
+    capsys.readouterr()
+    assert main([*args[:5], "keys=2", *args[6:-1], str(tmp_path / "bad")]) == 2  # 2 keys cannot hold 4 pairs
+    assert "error: --task-arg: need 1 <= queries (4) <= pairs (4) <= keys (2)" in capsys.readouterr().err
+    assert main([*args[:5], "keys", *args[6:]]) == 2
+    assert "error: --task-arg expects KEY=VALUE, got 'keys'" in capsys.readouterr().err

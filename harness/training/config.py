@@ -2,9 +2,10 @@
 config is written into result.json."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from evals import istree
 from harness.engine.config import ConfigError, _f
@@ -19,7 +20,7 @@ TRACKERS = ("auto", "tensorboard", "wandb", "none")
 # What a training run reports as one ``error:`` line (a bad flag, a directory in use, a diverged loss, a full disk).
 USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
-RESULT_DECIDING = ("task", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
+RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
                    "precision", "bucket")
 
@@ -30,6 +31,7 @@ class TrainConfig:
     resolved config is written into result.json. ``None`` means the paper's value (or the grid's)."""
 
     task: str = _f("istree", "IsTree, or any registered task with a token stream (trained on its answers)")
+    task_args: dict = field(default_factory=dict, metadata={"help": argparse.SUPPRESS})  # --task-arg KEY=VALUE
     length: int = _f(32, "size of a non-IsTree task: sequence length, key-value pairs (mqar), entries (needle)")
     arch: str = _f("transformer", "architecture", choices=["transformer", "mamba", "hybrid"])
     size: str = _f("0.5M", "parameter budget; architectures are matched within 10%% (smoke: a CPU demo size)",
@@ -68,7 +70,8 @@ class TrainConfig:
         from evals import task_class
 
         shape = "".join([f"-d{self.d_model}" if self.d_model else "", f"-L{self.layers}" if self.layers else ""])
-        return f"{self.arch}-{self.size}{shape}-{task_class(self.task).training_tag(self)}"
+        options = "".join(f"-{k}{v}" for k, v in sorted(self.task_args.items()))
+        return f"{self.arch}-{self.size}{shape}-{task_class(self.task).training_tag(self)}{options}"
 
     def resolved(self, defaults: dict | None = None) -> "TrainConfig":
         """Every ``None`` filled from ``defaults`` (a grid's) and then the paper's; checked."""
@@ -77,10 +80,23 @@ class TrainConfig:
                   for k in (f.name for f in dataclasses.fields(self))}
         if values["lr"] is None:
             values["lr"] = fill.get("lr") or DEFAULT_LR[self.arch]
+        values["task_args"] = self._typed_task_args()
         cfg = TrainConfig(**values)
         cfg = dataclasses.replace(cfg, output=cfg.output or f"runs/{cfg.name}")
         cfg.validate()
         return cfg
+
+    def _typed_task_args(self) -> dict:
+        """``task_args`` as the task's option types (``"8"`` from the command line and ``8`` are one setting)."""
+        from evals import task_class
+        from evals.base import OptionError, make_options
+
+        cls = task_class(self.task)
+        try:
+            options = make_options(cls.Options, {**cls.training_options(self), **self.task_args}, self.task)
+        except OptionError as e:
+            raise ConfigError(str(e)) from None
+        return {k: getattr(options, k) for k in self.task_args}
 
     def validate(self) -> None:
         """Every flag checked before anything is written; the first bad one is a ConfigError naming it."""
