@@ -83,21 +83,6 @@ class ToolSpec:
 
 
 @dataclass
-class SyntheticOptions:
-    """Options every generated task shares: the format its samples are written in, and its held-out set."""
-
-    format: str = field(default="text", metadata={"help": "text (pretrained LMs) or tokens (models trained here)"})
-    samples: int = field(default=200, metadata={"help": "held-out samples"})
-    eval_seed: int = field(default=0, metadata={"help": "which held-out set"})
-
-    def check(self) -> None:
-        if self.format not in ("text", "tokens"):
-            raise OptionError("--task-arg format: 'text' (pretrained LMs) or 'tokens' (models trained here)")
-        if self.samples < 1:
-            raise OptionError(f"--task-arg samples={self.samples}: use 1 or more")
-
-
-@dataclass
 class NoOptions:
     """A task without options of its own."""
 
