@@ -203,7 +203,9 @@ class Trainer:
             if resumed is not None:
                 retire_tracker(self.out)
         if self.tracker:
-            acc.init_trackers(cfg.name, config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None})
+            hparams = {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None and k != "task_args"}
+            hparams.update({f"task_arg.{k}": v for k, v in cfg.task_args.items()})  # trackers take scalars only
+            acc.init_trackers(cfg.name, config=hparams)
             for row in self.state.curve:  # a resumed run's tracker holds the whole curve, once
                 self._track(row)
         try:
