@@ -21,7 +21,7 @@ class CliFlags:
     """Flags of the command line only: they change what is printed, never a result."""
 
     task_arg: list[str] = dataclasses.field(default_factory=list, metadata={
-        "help": "the task's options as KEY=VALUE (repeatable); for a checkpoint trained by harness.training.trainer they "
+        "help": "the task's options as KEY=VALUE (repeatable); for a checkpoint trained by harness.train they "
                 "default to its training task's", "action": "extend", "metavar": "KEY=VALUE"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show a progress bar"})
     verbose: bool = dataclasses.field(default=False, metadata={"help": "debug logging, full tracebacks",
@@ -110,7 +110,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
 
 
 def _task_args(pairs: list[str], model: str, task: str) -> dict:
-    """KEY=VALUE pairs; a checkpoint written by harness.training.trainer supplies its own task's options as defaults."""
+    """KEY=VALUE pairs; a checkpoint written by harness.train supplies its own task's options as defaults."""
     out: dict = {}
     meta = Path(model) / "icr_task.json"
     if meta.is_file():
