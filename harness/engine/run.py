@@ -392,8 +392,20 @@ class EvalRun:
         bar.close()
         return gen_s, new_tokens
 
-    def _record(self, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, **kw) -> dict:
-        return _record(self.task, ins, prompt, prompt_tokens, out, scored, self.config_hash, **kw)
+    def _record(self, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None,
+                skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
+        """One samples.jsonl line; ``state_bytes``: the model state the prompt left (the paper's memory axis)."""
+        rec = {"key": ins.key, "id": ins.id, "condition": ins.condition, **self.task.record_fields(ins),
+               "config_hash": self.config_hash, "prompt_sha256": digest(prompt), "prompt_tokens": prompt_tokens,
+               "state_bytes": state_bytes, "gold": ins.answer, "skipped": skipped, "prompt": prompt}
+        if out is not None:
+            rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,
+                       prediction=scored["prediction"], answer_found=scored["answer_found"],
+                       scores={k: v for k, v in scored.items() if k not in ("prediction", "answer_found")})
+            if tool is not None:
+                rec["tool_calls"] = tool.log
+                rec["tool_tokens"] = out.tool_tokens
+        return rec
 
     def collect(self) -> list[dict]:
         """Every instance's row, in instance order, from this run's settings only (checked on disk)."""
@@ -475,24 +487,4 @@ def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:
     """A finished row whose prompt or gold answer is not what this run would use (its prompt hash is checked
     whenever the row carries one)."""
     sha = rec.get("prompt_sha256")
-    return (sha is not None and sha != _sha(prompt)[:len(sha)]) or rec.get("gold") != ins.answer
-
-
-def _sha(text: str) -> str:
-    return digest(text)
-
-
-def _record(task, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None, config_hash: str,
-            skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
-    """One samples.jsonl line; ``state_bytes``: the model state the prompt left (the paper's memory axis)."""
-    rec = {"key": ins.key, "id": ins.id, "condition": ins.condition, **task.record_fields(ins),
-           "config_hash": config_hash, "prompt_sha256": _sha(prompt), "prompt_tokens": prompt_tokens,
-           "state_bytes": state_bytes, "gold": ins.answer, "skipped": skipped, "prompt": prompt}
-    if out is not None:
-        rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,
-                   prediction=scored["prediction"], answer_found=scored["answer_found"],
-                   scores={k: v for k, v in scored.items() if k not in ("prediction", "answer_found")})
-        if tool is not None:
-            rec["tool_calls"] = tool.log
-            rec["tool_tokens"] = out.tool_tokens
-    return rec
+    return (sha is not None and sha != digest(prompt)[:len(sha)]) or rec.get("gold") != ins.answer
