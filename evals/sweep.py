@@ -51,6 +51,11 @@ def checked_options(options_cls: type, values: dict[str, Any], task: str) -> dic
     return {**checked[0], key: [c[key] for c in checked]}
 
 
+# The plain settings a Task declares at class level (metrics, condition, templates, stops, report axis, ...).
+TASK_SETTINGS = tuple(k for k, v in vars(Task).items() if not k.startswith("_") and k not in ("name", "Options")
+                      and not callable(v) and not isinstance(v, (classmethod, staticmethod, property)))
+
+
 class TaskSweep(Task):
     """Sub-tasks of one task class differing in one option, seen by the engine as one task."""
 
@@ -60,8 +65,7 @@ class TaskSweep(Task):
         first = self.parts[0]
         self.name, self.Options = cls.name, cls.Options
         self.options = dataclasses.replace(first.options, **{key: [getattr(p.options, key) for p in self.parts]})
-        for attr in ("metrics", "condition", "default_template", "retrieval_template", "stop", "include_stop",
-                     "needs_tokenizer", "axis_statistic", "axis_label"):
+        for attr in TASK_SETTINGS:  # every setting a task declares, so a new one needs no edit here
             setattr(self, attr, getattr(first, attr))
         self.default_max_new_tokens = max(p.default_max_new_tokens for p in self.parts)
         self._part_of: dict[str, Task] = {}
