@@ -91,7 +91,7 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
     else:
         threads = cell_threads(base, jobs)
         log.info("grid %s: %d cells, %d at a time, %d CPU thread(s) each", name, len(cells), jobs, threads)
-        results = _train_in_processes(name, sorted(cells, key=_cost, reverse=True), jobs, threads, progress,
+        results = train_in_processes(name, sorted(cells, key=_cost, reverse=True), jobs, threads, progress,
                                       overwrite)
     write_grid_report(root)
     return results
@@ -108,7 +108,7 @@ def cell_threads(base: TrainConfig, jobs: int) -> int:
     return base.threads or max(1, (os.cpu_count() or 1) // jobs)
 
 
-def _train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: int, progress: bool,
+def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: int, progress: bool,
                         overwrite: bool) -> list[dict]:
     """Cells in child processes, ``jobs`` at a time. A child dies with this process however it ends (SIGKILL
     included), and on any exit here (Ctrl-C, SIGTERM, an error) the running children are stopped before it
