@@ -192,7 +192,8 @@ def main(argv=None) -> int:
         if todo:
             print(f"training {len(todo)} of {len(cells)} cells ({len(cells) - len(todo)} cached) under {root}/, "
                   f"{jobs} at a time; about {_minutes(todo, jobs)} on a 2-core CPU", flush=True)
-            train_in_processes("demo", sorted(todo, key=_cost, reverse=True), jobs, 1, args.progress, False)
+            train_in_processes("demo", sorted(todo, key=_cost, reverse=True), jobs, 1, args.progress, False,
+                               cost=_cost)
         rows = collect(cells)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished cells are kept under {root}/; run the same command to continue",

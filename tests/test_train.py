@@ -321,3 +321,19 @@ def test_smoke_grid_cells_and_plan(tmp_path):
     table = plan_grid("smoke", TrainConfig(), tmp_path, measure_batch=2, steps=1, progress=False, jobs=2)
     assert table.count("smoke-n4") == 9 and "2 at a time" in table and "of wall time" in table
     assert not list(tmp_path.iterdir())  # planning trains and writes nothing
+
+
+def test_grid_progress_counts_the_steps_each_cell_has_logged(tmp_path):
+    from harness.training.grid import cell_fraction
+
+    cell = TrainConfig(task="index", length=4, arch="mamba", size="smoke", samples=3200, batch_size=32,
+                       output=str(tmp_path / "cell"))  # 100 steps
+    assert cell_fraction(cell) == 0.0  # not started
+    (tmp_path / "cell").mkdir()
+    log = tmp_path / "cell" / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0, "pad": "x" * 300}) + "\n" for s in range(0, 40)))
+    assert cell_fraction(cell) == 0.4  # the last line of a log longer than the tail it reads
+    log.write_text(log.read_text() + '{"step": 4')  # a line being written: not counted, not an error
+    assert cell_fraction(cell) == 0.4
+    (tmp_path / "cell" / "result.json").write_text("{}")
+    assert cell_fraction(cell) == 1.0

@@ -92,7 +92,7 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
         threads = cell_threads(base, jobs)
         log.info("grid %s: %d cells, %d at a time, %d CPU thread(s) each", name, len(cells), jobs, threads)
         results = train_in_processes(name, sorted(cells, key=_cost, reverse=True), jobs, threads, progress,
-                                      overwrite)
+                                     overwrite, cost=_cost)
     write_grid_report(root)
     return results
 
@@ -109,18 +109,25 @@ def cell_threads(base: TrainConfig, jobs: int) -> int:
 
 
 def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: int, progress: bool,
-                        overwrite: bool) -> list[dict]:
+                       overwrite: bool, cost=None) -> list[dict]:
     """Cells in child processes, ``jobs`` at a time. A child dies with this process however it ends (SIGKILL
     included), and on any exit here (Ctrl-C, SIGTERM, an error) the running children are stopped before it
     returns: no cell keeps training unseen, so a rerun never trains a cell twice at once (each cell's directory
     lock refuses that too). Processes are managed by hand because ProcessPoolExecutor waits for running cells
-    when interrupted and has no public way to stop them."""
+    when interrupted and has no public way to stop them.
+
+    The progress bar counts the work done in every cell (the steps in its ``train_log.jsonl``), each cell
+    weighted by ``cost`` (default: its steps), so its ETA moves while long cells train."""
     import multiprocessing
     from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context("spawn")
     pending, running, results, failed = list(cells), {}, [], []
-    bar = tqdm(total=len(cells), desc=f"grid {name}", unit="cell", disable=not progress)
+    weight = {c.output: (cost or (lambda c: c.samples // c.batch_size))(c) for c in cells}
+    total = sum(weight.values()) or 1.0
+    shown = 0.0
+    bar = tqdm(total=100.0, desc=f"{name}: {len(cells)} cells", unit="%", disable=not progress,
+               bar_format="{l_bar}{bar}| {n:.0f}% [{elapsed}<{remaining}{postfix}]")
     try:
         while pending or running:
             while pending and len(running) < jobs:
@@ -129,17 +136,21 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
                                    name=f"cell {cell.name}")
                 proc.start()
                 running[proc.sentinel] = (proc, cell)
-            for sentinel in wait(list(running)):
+            for sentinel in wait(list(running), timeout=1.0):
                 proc, cell = running.pop(sentinel)
                 proc.join()
                 done = Path(cell.output) / "result.json"
                 if proc.exitcode == 0 and done.exists():
                     res = json.loads(done.read_text())
                     results.append(res)
-                    bar.set_postfix_str(f"{cell.name}: EM {100 * res.get('teacher_forced_em', 0):.0f}%")
+                    bar.set_postfix_str(f"{len(results)} done, last {cell.name}: EM "
+                                        f"{100 * res.get('teacher_forced_em', 0):.0f}%")
                 else:
                     failed.append(f"{cell.name} (exit code {proc.exitcode})")
-                bar.update(1)
+            now = 100.0 * sum(weight[c.output] * cell_fraction(c) for c in cells) / total
+            if now > shown:
+                bar.update(now - shown)
+                shown = now
     finally:
         _stop(proc for proc, _ in running.values())
         bar.close()
@@ -147,6 +158,28 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
         raise ConfigError(f"grid {name}: {len(failed)} cell(s) failed ({'; '.join(failed)}); their errors are printed "
                           "above; the other cells are finished and kept; rerun the same command to retry them")
     return results
+
+
+def cell_fraction(cell: TrainConfig) -> float:
+    """How much of a cell is done: 1 when finished, else the last logged step over its steps (the log's tail)."""
+    out = Path(cell.output)
+    if (out / "result.json").exists():
+        return 1.0
+    try:
+        with open(out / "train_log.jsonl", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return 0.0
+    step = 0
+    for line in reversed(tail.splitlines()):  # the last whole line (the child may be writing the next one)
+        try:
+            step = json.loads(line)["step"] + 1
+            break
+        except (ValueError, KeyError, TypeError):
+            continue
+    return min(1.0, step / max(1, cell.samples // cell.batch_size))
 
 
 def _stop(procs) -> None:
