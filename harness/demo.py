@@ -1,9 +1,9 @@
 """The paper's effect at toy scale, on a CPU, in a few minutes: ``python -m harness.demo``.
 
-Tiny Transformer, Mamba and hybrid models (the trainer's ``smoke`` size, about 30k trainable parameters each) are trained
-by the project's trainer on the paper's index task (a sequence of L random symbols, then a position i: answer
-the symbol at position i), one model per architecture and length, as the paper trains one per size; each
-checkpoint is then evaluated by greedy generation through the eval engine on 500 held-out sequences. The
+Tiny Transformer, Mamba and hybrid models (the trainer's ``smoke`` size, about 30k trainable parameters each)
+are trained by the project's trainer on the paper's index task (a sequence of L random symbols, then a position
+i: answer the symbol at position i), one model per architecture and length, as the paper trains one per size;
+each checkpoint is then evaluated by greedy generation through the eval engine on 500 held-out sequences. The
 table and ``demo.png`` show accuracy against context length next to the decoding state each model holds.
 
 Everything is seeded (same numbers on every run of one machine and torch version) and cached: trained cells
@@ -24,11 +24,10 @@ from pathlib import Path
 
 from harness.training.config import TrainConfig
 
-log = logging.getLogger("harness")
-
 ARCHS = ("transformer", "hybrid", "mamba")
 LENGTHS = (4, 8, 16)
 BATCH = 32
+SYMBOLS = 16  # the index task's default alphabet: chance is 1/16
 
 
 def default_steps(length: int) -> int:
@@ -36,7 +35,7 @@ def default_steps(length: int) -> int:
     contexts (1,000 at L=4, 1,500 at L=8, 2,000 at L=16)."""
     return max(100, round(500 * math.log2(length)))
 
-SYMBOLS = 16
+
 LIMITS = """\
 What it does not show: the paper's result is a limit (a fixed-size state cannot hold an arbitrarily long
 context); at this scale Mamba's numbers also depend on how long it trains, and the tiny Transformer learns
@@ -113,9 +112,9 @@ def table(rows: list[dict]) -> str:
     se = df.pivot(index="arch", columns="length", values="accuracy_se").reindex(list(ARCHS))
     state = df.pivot(index="arch", columns="length", values="state_bytes").reindex(list(ARCHS))
     samples = df.groupby("length")["samples"].first()
-    shown = pd.DataFrame({f"L={n} ({samples[n] // 1000}k samples)": [f"{100 * a:.0f} ± {100 * s:.0f}%  ({b / 1024:.1f} KiB)"
-                                     for a, s, b in zip(acc[n], se[n], state[n])] for n in acc.columns},
-                         index=acc.index)
+    shown = pd.DataFrame({f"L={n} ({samples[n] // 1000}k samples)":
+                          [f"{100 * a:.0f} ± {100 * s:.0f}%  ({b / 1024:.1f} KiB)" for a, s, b in zip(acc[n], se[n], state[n])]
+                          for n in acc.columns}, index=acc.index)
     params = df.groupby("arch")["parameters"].first().reindex(list(ARCHS))
     shown.insert(0, "parameters", [f"{p:,}" for p in params])
     return shown.to_markdown()
@@ -134,7 +133,8 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = sorted((r for r in rows if r["arch"] == arch), key=lambda r: r["length"])
         xs = [r["length"] for r in mine]
         marker, line, size = styles[arch]
-        kw = dict(marker=marker, ls=line, ms=size, color=f"C{k}", label=arch, mfc="none" if arch == "transformer" else None)
+        kw = dict(marker=marker, ls=line, ms=size, color=f"C{k}", label=arch,
+                  mfc="none" if arch == "transformer" else None)
         ax.errorbar(xs, [100 * r["accuracy"] for r in mine], yerr=[100 * r["accuracy_se"] for r in mine],
                     capsize=3, **kw)
         ax2.plot(xs, [r["state_bytes"] / 1024 for r in mine], **kw)
@@ -153,18 +153,20 @@ def plot(rows: list[dict], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/demo", help="where the trained cells and the report go (default %(default)s)")
+    p.add_argument("--out", default="runs/demo", help="the trained cells and the report (default %(default)s)")
     p.add_argument("--jobs", type=int, default=None, help="cells trained at once (default: one per CPU core, up to 3)")
     p.add_argument("--steps", type=int, default=None, help="training steps of 32 samples per cell (default: 1,000 "
                                                           "at L=4, 1,500 at L=8, 2,000 at L=16; other values train "
                                                           "other cells)")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="context lengths (default %(default)s)")
-    p.add_argument("--seed", type=int, default=42, help="initialisation and data (default: the trainer's, %(default)s)")
+    p.add_argument("--seed", type=int, default=42, help="initialisation and data (default: the trainer's, "
+                                                        "%(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 
 def main(argv=None) -> int:
+    from harness.engine.runlog import write_atomic
     from harness.training.config import USER_ERRORS
     from harness.training.grid import train_in_processes
     from harness.training.trainer import finished_result
@@ -204,8 +206,8 @@ def main(argv=None) -> int:
         return 2
     text, words = table(rows), f"{textwrap.fill(findings(rows), 110)}\n\n{LIMITS}"
     plot(rows, root / "demo.png")
-    (root / "demo.md").write_text(f"{text}\n\n{words}\n")
-    print(f"\nindex task, accuracy (± standard error) and the model's decoding state at the question, "
+    write_atomic(root / "demo.md", f"{text}\n\n{words}\n")
+    print(f"\nindex task, accuracy (± standard error) and the model's state at the end of its prompt, "
           f"{time.perf_counter() - t0:.0f} s\n\n{text}\n\n{words}\n\nwrote {root}/demo.png, {root}/demo.md")
     return 0
 
