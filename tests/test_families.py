@@ -138,3 +138,44 @@ def test_unlisted_recurrent_model_runs_alone(tmp_path, tiny_tokenizer, caplog):
         fam = family_of(model)
     assert fam.padding == "alone" and not fam.prefix_reuse
     assert "families.py" in caplog.text
+
+
+def _scoring_pairs(tok):
+    """(context, continuation) token ids of different lengths, so a batch holds ragged rows."""
+    pairs = []
+    for i, q in enumerate(QUESTIONS):
+        ctx = tok(f"{HEADER[: 40 * (i + 1)]}Question: {q}\nAnswer:")["input_ids"]
+        pairs.append((ctx, tok(" " + "yes no maybe so"[: 3 + 2 * i])["input_ids"]))
+    return pairs
+
+
+@torch.no_grad()
+def _alone_reference(forward, pairs):
+    """Each row scored alone and unpadded, straight from the model's forward: the batched path's reference."""
+    out = []
+    for ctx, cont in pairs:
+        ids = torch.tensor([ctx + cont[:-1]])
+        logits = forward(ids)[0].float().log_softmax(-1)[len(ctx) - 1:]
+        tgt = torch.tensor(cont)
+        out.append((float(logits.gather(1, tgt[:, None]).sum()), bool((logits.argmax(-1) == tgt).all())))
+    return out
+
+
+def _check_scores(backend, forward, name):
+    pairs = _scoring_pairs(backend.tokenizer)
+    ref = _alone_reference(forward, pairs)
+    assert len({round(s, 3) for s, _ in ref}) == len(ref), "the scores must differ between rows"
+    for batch in (1, 3, len(pairs)):
+        got = backend.loglikelihood(pairs, batch)
+        assert [g for _, g in got] == [g for _, g in ref], f"{name}: batch {batch}"
+        assert max(abs(s - r) for (s, _), (r, _) in zip(got, ref)) < 1e-4, f"{name}: batch {batch}"
+
+
+def test_loglikelihood_is_independent_of_batching(family_backend):
+    _check_scores(family_backend, lambda ids: family_backend.model(input_ids=ids).logits, family_backend.family.name)
+
+
+@pytest.mark.parametrize("which", ["phi_mamba_backend", "hybrid_backend"])
+def test_phi_mamba_loglikelihood_is_independent_of_batching(which, request):
+    b = request.getfixturevalue(which)
+    _check_scores(b, lambda ids: b.model(ids)[0], which)

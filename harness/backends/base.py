@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.backends.generation import GenRequest, GenResult, Prefix, greedy_generate
+from harness.backends.generation import GenRequest, GenResult, Prefix, greedy_generate, pad_batch
 
 log = logging.getLogger("harness")
 
@@ -92,6 +92,50 @@ class Backend(ABC):
         prefix = self._prefix_state(list(shared_prefix)) if use_prefix else None
         return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context,
                                prefix=prefix, stats=self.stats)
+
+    # -- scoring -----------------------------------------------------------------------------------
+    def sequence_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of a batch of right-padded sequences, computed from scratch (no state)."""
+        raise NotImplementedError(f"the {self.name} backend does not score text (loglikelihood); use the "
+                                  "transformers or phi-mamba backend")
+
+    @torch.inference_mode()
+    def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8
+                      ) -> list[tuple[float, bool]]:
+        """For each (context ids, continuation ids): the continuation's summed log-probability after the context,
+        and whether greedy decoding would have produced it token for token.
+
+        Rows are padded on the right, after their last token, where no causal model (attention, convolution or
+        recurrence) can carry padding back into a row's earlier positions: every family batches exactly here,
+        with no mask and no state surgery. Longest rows first, so a batch holds similar lengths; results in the
+        input order. A row longer than the model's context keeps its last ``max_context`` tokens."""
+        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+        out: list[tuple[float, bool] | None] = [None] * len(pairs)
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+        for start in range(0, len(order), max(1, batch_size)):
+            rows = order[start:start + max(1, batch_size)]
+            inputs = [self._scoring_input(*pairs[i]) for i in rows]
+            ids, _ = pad_batch(inputs, pad, self.device, side="right")
+            logp = self.sequence_logits(ids).float().log_softmax(-1)
+            for r, i in enumerate(rows):
+                n, cont = len(inputs[r]), torch.tensor(list(pairs[i][1]), device=self.device)
+                lp = logp[r, n - len(cont):n]  # the positions that predict the continuation
+                out[i] = (float(lp.gather(1, cont[:, None]).sum()), bool((lp.argmax(-1) == cont).all()))
+        return out  # type: ignore[return-value]
+
+    def _scoring_input(self, context: Sequence[int], continuation: Sequence[int]) -> list[int]:
+        if not continuation:
+            raise ValueError("loglikelihood: an empty continuation has nothing to score")
+        if not context:
+            raise ValueError("loglikelihood: the first token has no context to be predicted from; start the "
+                             "context with a BOS/EOS token")
+        seq = [*context, *continuation][:-1]  # the last token is only predicted
+        if self.max_context and len(seq) > self.max_context:
+            if len(continuation) > self.max_context:
+                raise ValueError(f"loglikelihood: a continuation of {len(continuation)} tokens does not fit the "
+                                 f"model's {self.max_context}-token context")
+            seq = seq[-self.max_context:]
+        return seq
 
     def prefix_reuse_pays(self) -> bool:
         """Whether feeding each row's suffix as one block after a copied prefix beats a full prefill."""

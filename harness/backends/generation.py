@@ -127,6 +127,16 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(ids)
         return self.text
 
+    def flush(self, ids: list[int]) -> str:
+        """The text once generation has ended: what ``update`` held back for an incomplete character is kept
+        (no later token can complete it), so the text is a full decode's, as transformers' and lm-eval's."""
+        self.update(ids)
+        prefix_text, new_text = self._decode(ids[self._prefix:self._read]), self._decode(ids[self._prefix:])
+        if len(new_text) > len(prefix_text):
+            self.text += new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(ids)
+        return self.text
+
 
 @dataclass
 class _Row:
@@ -328,7 +338,7 @@ def _after_model_token(row: _Row, tok: int, tokenizer, eos_id) -> None:
         row.done.stop_string = hit[1]
         return
     if row.new_tokens >= row.req.max_new_tokens:  # before any tool call: a model that calls on every token
-        row.done = _finish(row, "length", text=text)  # must still stop
+        row.done = _finish(row, "length")  # must still stop
         return
     if call_at >= 0:
         row.call = (text, call_at + len(tool.call_end))
@@ -378,7 +388,7 @@ def _feed_tool_result(row: _Row, result: str, tokenizer) -> None:
 
 def _finish(row: _Row, reason: str, text: str | None = None) -> GenResult:
     if text is None:
-        text = row.detok.update(row.ids)
+        text = row.detok.flush(row.ids)
     return GenResult(text=text, finish_reason=reason, prompt_tokens=row.prompt_len, new_tokens=row.new_tokens,
                      tool_tokens=row.tool_tokens, token_ids=list(row.ids), tool_spans=list(row.tool_spans),
                      retokenized_spans=list(row.retokenized_spans))

@@ -131,6 +131,9 @@ class TransformersBackend(Backend):
             logits = step_logits if logits is None else torch.where(valid[:, None], step_logits, logits)
         return logits
 
+    def sequence_logits(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
     def expand(self, state, n):
         cache = copy.deepcopy(state["cache"])
         map_rows(cache, lambda t: t.repeat_interleave(n, dim=0))

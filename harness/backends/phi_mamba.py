@@ -49,6 +49,9 @@ class PhiMambaBackend(Backend):
         logits, state = self.model(input_ids, attention_mask, state)
         return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 
+    def sequence_logits(self, input_ids):
+        return self.model(input_ids)[0]
+
     def select(self, state, keep):
         return state.select(keep)
 
