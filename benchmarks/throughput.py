@@ -55,14 +55,13 @@ def run_generate(model, tok, prompts, max_new):
             enc = tok(p, return_tensors="pt")
             gen = model.generate(**enc, max_new_tokens=max_new, do_sample=False, stop_strings=STOP, tokenizer=tok,
                                  pad_token_id=tok.pad_token_id)
-            text = cut(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
-            # A run cut by the length limit inside a multi-byte character: decode() prints U+FFFD for the
-            # incomplete bytes, the harness's incremental detokenizer holds them back. Same tokens either way.
-            out.append(text.rstrip("\ufffd"))
+            # a run cut by the length limit inside a multi-byte character ends in U+FFFD, here and in the harness
+            out.append(cut(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)))
     return out, time.perf_counter() - t0
 
 
-def run_lm_eval(model_dir, prompts, max_new, batch_size):
+def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf"):
+    """The prompts as an lm-eval generate_until task, through lm-eval's hf model or this harness's ``icr``."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -79,9 +78,14 @@ def run_lm_eval(model_dir, prompts, max_new, batch_size):
             'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\ntarget_delimiter: ""\n'
             f"generation_kwargs:\n  until: {json.dumps(STOP)}\n  max_gen_toks: {max_new}\n  do_sample: false\n"
             "metric_list:\n  - metric: exact_match\n")
-        from lm_eval.models.huggingface import HFLM
+        if model == "icr":
+            import harness.lm_eval
 
-        lm = HFLM(pretrained=model_dir, dtype="float32", device="cpu", batch_size=batch_size)
+            lm = harness.lm_eval.ICRLM(pretrained=model_dir, dtype="float32", device="cpu", batch_size=batch_size)
+        else:
+            from lm_eval.models.huggingface import HFLM
+
+            lm = HFLM(pretrained=model_dir, dtype="float32", device="cpu", batch_size=batch_size)
         t0 = time.perf_counter()
         res = lm_eval.simple_evaluate(model=lm, tasks=["icr_hotpotqa_bench"], task_manager=TaskManager(include_path=d),
                                       log_samples=True, bootstrap_iters=0, verbosity="ERROR")
@@ -99,6 +103,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lm-eval-batch-size", default="1", help="lm-eval's 'auto' picks 1 for generation")
+    ap.add_argument("--icr-batch-size", default="8", help="batch size of lm-eval's icr model (this harness inside it)")
     a = ap.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,6 +123,7 @@ def main():
         ours_np, t_np, st_plain, _ = run_harness(backend, prompts, a.max_new_tokens, False)
         gen, t_gen = run_generate(backend.model, backend.tokenizer, prompts, a.max_new_tokens)
         lme, t_lme = run_lm_eval(model_dir, prompts, a.max_new_tokens, a.lm_eval_batch_size)
+        lmi, t_lmi = run_lm_eval(model_dir, prompts, a.max_new_tokens, a.icr_batch_size, model="icr")
     n = len(prompts)
     print(f"{'system':44s} {'seconds':>8s} {'samples/s':>10s} {'vs harness':>11s} identical")
     print(f"{'icr-harness (auto batches, prefix reuse)':44s} {t_ours:8.2f} {n / t_ours:10.2f} {'1.00x':>11s} -")
@@ -133,6 +139,9 @@ def main():
         if lme != ours:
             diff = sum(x != y for x, y in zip(lme, ours))
             print(f"  lm-eval differs on {diff}/{n} samples")
+        print(f"{'lm-eval icr (this harness), batch_size ' + a.icr_batch_size:44s} {t_lmi:8.2f} {n / t_lmi:10.2f} "
+              f"{t_lmi / t_ours:10.2f}x {lmi == ours}")
+        print(f"  inside lm-eval, icr vs hf: {t_lme / t_lmi:.2f}x the samples/s, same outputs: {lmi == lme}")
     print(f"\nharness batches: {nb}; prefill tokens computed: {st_plain['prefill_tokens']} without reuse, "
           f"{st_reuse['prefill_tokens'] + st_reuse.get('prefix_tokens', 0)} with reuse "
           f"({st_plain['prefill_tokens'] / (st_reuse['prefill_tokens'] + st_reuse.get('prefix_tokens', 0)):.2f}x fewer)")

@@ -17,8 +17,11 @@ unchanged. Importing this module does not import lm-eval: ``ICRLM`` is built on 
 runs where lm-eval is not installed."""
 from __future__ import annotations
 
+import logging
 import sys
 from functools import lru_cache
+
+log = logging.getLogger("harness")
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf model's window for models that state no context length
 
@@ -44,7 +47,7 @@ def _icr_class():
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     from tqdm.auto import tqdm
 
-    from harness.backends.generation import GenRequest
+    from harness.backends.generation import GenRequest, common_prefix
     from harness.engine.run import load_backend
 
     class ICRLM(TemplateLM):
@@ -53,12 +56,13 @@ def _icr_class():
 
         def __init__(self, pretrained: str, batch_size: int | str = 8, device: str = "auto", dtype: str = "auto",
                      backend: str = "auto", tokenizer: str | None = None, max_length: int | None = None,
-                     add_bos_token: bool = False, **unused):
+                     add_bos_token: bool = False):
             super().__init__()
             self.backend_impl = load_backend(pretrained, device=device, dtype=dtype, backend=backend,
                                              tokenizer=tokenizer)
             self.tokenizer = self.backend_impl.tokenizer
-            if str(batch_size).startswith("auto"):
+            if str(batch_size).startswith("auto"):  # any size is exact here; 8 fills a CPU and most GPUs well
+                log.info("icr: batch_size %s -> 8", batch_size)
                 batch_size = 8
             self.batch_size = max(1, int(batch_size))
             self.max_length = int(max_length or self.backend_impl.max_context or DEFAULT_MAX_LENGTH)
@@ -68,6 +72,12 @@ def _icr_class():
         @classmethod
         def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
             """``--model_args`` first; lm-eval's own ``--batch_size`` / ``--device`` where those leave them."""
+            import inspect
+
+            known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+            unknown = sorted(set(arg_dict) - set(known))
+            if unknown:
+                raise ValueError(f"--model_args: icr takes no {', '.join(unknown)}; it takes {', '.join(known)}")
             extra = {k: v for k, v in (additional_config or {}).items()
                      if k in ("batch_size", "device") and v is not None and k not in arg_dict}
             return cls(**arg_dict, **extra)
@@ -137,11 +147,12 @@ def _icr_class():
                 gens.append(GenRequest(prompt=context, max_new_tokens=max_new, stop=[u for u in until if u],
                                        prompt_ids=ids))
             order = sorted(range(len(gens)), key=lambda i: -len(gens[i].prompt_ids))
+            shared = common_prefix([g.prompt_ids for g in gens]) if len(gens) > 1 else None  # e.g. few-shot
             texts: list[str | None] = [None] * len(gens)
             bar = tqdm(total=len(gens), desc="icr generate_until", disable=disable_tqdm)
             for start in range(0, len(order), self.batch_size):
                 rows = order[start:start + self.batch_size]
-                for i, res in zip(rows, self.backend_impl.generate([gens[i] for i in rows])):
+                for i, res in zip(rows, self.backend_impl.generate([gens[i] for i in rows], shared_prefix=shared)):
                     texts[i] = res.text
                     self.cache_hook.add_partial("generate_until", requests[i].args, res.text)
                 bar.update(len(rows))
@@ -160,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     register()
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (ValueError, OSError) as e:  # a model that does not load, a bad model argument, a sampling task
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

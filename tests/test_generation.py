@@ -90,6 +90,7 @@ def test_incremental_detokenizer_equals_full_decode(tiny_tokenizer):
     from harness.backends.generation import IncrementalDetokenizer
 
     rng = random.Random(0)
+    cut_mid_character = 0
     text = FIXTURE_PATH.read_text() + " naïve café — 東京 ✓ "
     for tok in (tiny_tokenizer, build_tokenizer(8)):
         for _ in range(50):
@@ -103,3 +104,7 @@ def test_incremental_detokenizer_equals_full_decode(tiny_tokenizer):
                 d.update(ids[:k])
             full = tok.decode(ids, skip_special_tokens=False)
             assert d.text == full or (full.endswith("\ufffd") and full.startswith(d.text))
+            held_back = d.text != full
+            assert d.flush(ids) == full  # once generation ends, nothing is held back
+            cut_mid_character += held_back
+    assert cut_mid_character > 0, "some runs must end inside a character for flush to be tested"

@@ -127,3 +127,13 @@ def test_lm_eval_command_line_runs_icr_as_its_hf_model(tiny_llama_dir, tmp_path)
         for (sa, ga), (sb, gb) in zip((r[0] for r in a["resps"]), (r[0] for r in b["resps"])):
             assert abs(float(sa) - float(sb)) <= 1e-4 and ga == gb
     assert icr[0]["icr_tiny_mc"]["acc,none"] == hf[0]["icr_tiny_mc"]["acc,none"]
+
+
+def test_lm_eval_command_line_bad_model_args_are_one_error_line(tiny_llama_dir, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1"}
+    for model_args, says in ((f"pretrained={tiny_llama_dir},dytpe=float32", "icr takes no dytpe"),
+                             (f"pretrained={tmp_path / 'missing'}", "does not exist")):
+        res = subprocess.run([sys.executable, "-m", "harness.lm_eval", "--model", "icr", "--model_args", model_args,
+                              "--tasks", "icr_tiny_qa", "--include_path", str(_tasks(tmp_path))], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
