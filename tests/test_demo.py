@@ -32,6 +32,14 @@ def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
     for c, r in results.items():
         rows = (out / c / "eval" / "samples.jsonl").read_text().splitlines()
         assert len(rows) == 500 and r["samples"] == 25 * 32 and 0 <= r["accuracy"] <= 1
+    # each live evaluation is also in lm-eval's output format, with the same numbers (which differ between cells)
+    lm_eval_acc = {}
+    for c, r in results.items():
+        (res_file,) = (out / c / "eval" / "lm_eval").glob("results_*.json")
+        (task_row,) = json.loads(res_file.read_text())["results"].values()
+        lm_eval_acc[c] = task_row["accuracy,none"]
+        assert task_row["accuracy,none"] == r["accuracy"]
+    assert len(set(lm_eval_acc.values())) > 1
     # the table is built from those results: one row per architecture, one column per length
     table = (out / "demo.md").read_text()
     for arch in ("transformer", "hybrid", "mamba"):

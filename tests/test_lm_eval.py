@@ -137,3 +137,31 @@ def test_lm_eval_command_line_bad_model_args_are_one_error_line(tiny_llama_dir, 
                               "--tasks", "icr_tiny_qa", "--include_path", str(_tasks(tmp_path))], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_harness_runs_are_read_by_lm_eval_tooling(tiny_phi_dir, tmp_path):
+    from lm_eval.utils import get_latest_filename, get_results_filenames, get_sample_results_filenames, make_table
+
+    from harness.eval import main
+
+    out = tmp_path / "run"
+    argv = ["--model", tiny_phi_dir, "--data", "fixture", "--distractors", "2", "--positions", "first,last", "--limit",
+            "3", "--max-new-tokens", "6", "--device", "cpu", "--output", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert main(argv) == 0  # resumed and reported again: the lm-eval files are replaced, never accumulated
+    files = [str(p) for p in (out / "lm_eval").iterdir()]
+    assert len(get_results_filenames(files)) == 1 and len(get_sample_results_filenames(files)) == 2
+    payload = json.loads(Path(get_latest_filename(get_results_filenames(files))).read_text())
+    ours = json.loads((out / "results.json").read_text())
+    table = make_table(payload)
+    for cond in ("first", "last"):
+        row = payload["results"][f"hotpotqa_{cond}"]
+        assert row["em,none"] == ours["metrics"][cond]["em"] and row["f1,none"] == ours["metrics"][cond]["f1"]
+        assert f"hotpotqa_{cond}" in table
+    gens = {json.loads(ln)["id"] + "@" + json.loads(ln)["condition"]: json.loads(ln)["generation"]
+            for ln in (out / "samples.jsonl").read_text().splitlines()}
+    for f in get_sample_results_filenames(files):
+        for ln in Path(f).read_text().splitlines():
+            s = json.loads(ln)
+            assert s["resps"] == [[gens[f"{s['doc']['id']}@{s['doc']['condition']}"]]]
+    assert len(set(gens.values())) > 1

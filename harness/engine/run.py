@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
 from harness.backends.generation import GenRequest, common_prefix
-from harness.engine import hub
+from harness.engine import hub, lm_eval_format
 from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.engine.identity import awaits_download, describe_changes, model_identity
 from harness.engine.prompting import PromptTemplate
@@ -444,7 +444,7 @@ class EvalRun:
         df = metrics_table(by_condition, task.metrics, task.condition)
         results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
         results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions),
-                            "table.md", "table.csv"]
+                            "table.md", "table.csv", *lm_eval_format.write(out, results, records, task.metrics)]
         write_atomic(out / "table.csv", df.to_csv(index=False))
         write_atomic(out / "table.md", results["table"] + "\n")
         self.lock.verify()
