@@ -116,10 +116,10 @@ class Backend(ABC):
             rows = order[start:start + max(1, batch_size)]
             inputs = [self._scoring_input(*pairs[i]) for i in rows]
             ids, _ = pad_batch(inputs, pad, self.device, side="right")
-            logp = self.sequence_logits(ids).float().log_softmax(-1)
+            logits = self.sequence_logits(ids)
             for r, i in enumerate(rows):
                 n, cont = len(inputs[r]), torch.tensor(list(pairs[i][1]), device=self.device)
-                lp = logp[r, n - len(cont):n]  # the positions that predict the continuation
+                lp = logits[r, n - len(cont):n].float().log_softmax(-1)  # the positions predicting the continuation
                 out[i] = (float(lp.gather(1, cont[:, None]).sum()), bool((lp.argmax(-1) == cont).all()))
         return out  # type: ignore[return-value]
 
