@@ -60,3 +60,32 @@ def test_asking_for_kernels_where_they_cannot_run_is_an_error():
     with pytest.raises(RuntimeError, match="cannot run here"):
         kernels.require("kernel", torch.zeros(1))
     assert kernels.require("torch", torch.zeros(1)) is None and kernels.require("auto", torch.zeros(1)) is None
+
+
+def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm_src):
+    """mamba-ssm's kernels address a call in 32-bit, so a batch past 2**31 elements runs as row groups; groups of
+    one row (the limit lowered, as 2**31 elements cannot be interpreted on CPU) give the whole batch's logits."""
+    from harness.models.kernels import int32_safe_rows
+
+    assert int32_safe_rows(5, 2**30) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    assert int32_safe_rows(5, 10) == [slice(0, 5)] and int32_safe_rows(7, 2**29 + 1) == [slice(0, 3), slice(3, 6),
+                                                                                          slice(6, 7)]
+    src, _ = mamba_ssm_src
+    code = ("import json, torch\nfrom harness.models import kernels\n"
+            f"kernels.enable_cpu_interpreter({str(src)!r})\n"
+            "from harness.doctor import _probe_prompts, _run_paths, _tiny_phi_mamba\n"
+            "model, seqs = _tiny_phi_mamba([1], 'cpu'), _probe_prompts()\n"
+            "whole = _run_paths(model, seqs, 3, 'kernel', 'cpu')\n"
+            "calls = dict(kernels.CALLS)\nkernels.INT32_MAX = 1\n"
+            "split = _run_paths(model, seqs, 3, 'kernel', 'cpu')\n"
+            "diff = max((a - b).abs().max().item() for a, b in zip([whole[0], *whole[1]], [split[0], *split[1]]))\n"
+            "varies = max((whole[0][0] - r).abs().max().item() for r in whole[0][1:])\n"
+            "print('RESULT ' + json.dumps({'diff': diff, 'varies': varies, 'rows': len(seqs), "
+            "'scans': [calls['chunk_scan'], kernels.CALLS['chunk_scan'] - calls['chunk_scan']]}))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, res.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["varies"] > 1e-3  # the rows' logits differ, so equal logits say something
+    assert got["scans"][1] == got["rows"] * got["scans"][0]  # each row its own kernel call
+    assert got["diff"] == 0.0

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +35,8 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     assert (out / "decode.png").stat().st_size > 10_000
 
 
-def test_a_carried_mamba_ssm_tree_imports_its_triton_ops(tmp_path):
+def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path):
+    """Its ops import; afterwards nothing else (transformers) can find a mamba_ssm with stand-in extensions."""
     from harness.engine.identity import cache_dir
     from harness.models.kernels import fetch_mamba_ssm_sources
 
@@ -42,11 +44,35 @@ def test_a_carried_mamba_ssm_tree_imports_its_triton_ops(tmp_path):
         src = fetch_mamba_ssm_sources(cache_dir())
     except OSError as e:
         pytest.skip(f"mamba-ssm sources: {e}")
-    code = ("from harness.models import kernels\nkernels.use_carried_sources()\n"
-            "from mamba_ssm.ops.triton.selective_state_update import selective_state_update\n"
-            "from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined\nprint('ok')\n")
+    code = ("import importlib.util, sys\nfrom harness.models import kernels\nops = kernels.mamba_ssm_ops()\n"
+            "left = [m for m in sys.modules if m.split('.')[0] in ('mamba_ssm', *kernels.STAND_INS)]\n"
+            "print('ok' if ops is not None and not left and importlib.util.find_spec('mamba_ssm') is None "
+            "else f'ops {ops}, left {left}')\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "ICR_MAMBA_SSM_SRC": str(src)})
+                         env={**os.environ, "ICR_MAMBA_SSM_SRC": str(src), "TRITON_INTERPRET": "1"})
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
     size = sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file())
     assert size < 8 * 2**20  # what the device tool carries: far below its 64 MiB
+
+
+def test_a_divergence_is_measured_by_its_logit_gap_so_a_wrong_token_fails_and_a_near_tie_passes(tmp_path):
+    """The parity check's allowance for bf16 rounding: the gap between the two tokens in the reference's own
+    logits. Equal runs have no divergence; a row given the reference's least likely token is far past any
+    near-tie; for the second most likely token the gap is the top-two margin."""
+    from harness.backends.generation import GenRequest
+    from harness.engine.run import load_backend
+    from harness.tiny import build_tokenizer
+    from harness.tools.gpu_suite import NEAR_TIE, _model, divergences
+
+    backend = load_backend(_model(tmp_path, "phi", "tiny", build_tokenizer()), "cpu", "float32")
+    prompts = ["Paragraph: Karvell is a town.", "Question: where is the river Olm?"]
+    ref = [backend.generate([GenRequest(p, 6)])[0].token_ids for p in prompts]
+    assert ref[0] != ref[1] and divergences(backend, prompts, ref, ref) == []
+    logits = backend.sequence_logits(torch.tensor([backend.tokenizer(prompts[1])["input_ids"] + ref[1][:2]]))[0, -1]
+    worst, second = int(logits.argmin()), int(logits.topk(2).indices[1])
+    wrong = [ref[0], ref[1][:2] + [worst] + ref[1][3:]]
+    (d,) = divergences(backend, prompts, ref, wrong)
+    assert (d["row"], d["step"]) == (1, 2) and d["gap"] / d["spread"] > 10 * NEAR_TIE["bfloat16"]
+    (d,) = divergences(backend, prompts, ref, [ref[0], ref[1][:2] + [second]])
+    top = logits.float().topk(2).values
+    assert ref[1][2] == int(logits.argmax()) and abs(d["gap"] - float(top[0] - top[1])) < 1e-5

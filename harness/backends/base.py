@@ -171,11 +171,31 @@ class Backend(ABC):
         return None if fit is None else int(round(fit[0] + fit[1] * tokens))
 
     def token_budget(self) -> int:
-        """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``."""
+        """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``. A token costs the
+        larger of what its cache holds while decoding and what a prefill needs per token, measured."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return max(2048, int(free * 0.4 / max(1, self.bytes_per_token())))
+            per_token = max(self.bytes_per_token(), self.prefill_bytes_per_token())
+            return max(2048, int(free * 0.5 / max(1, per_token)))
         return 16384
+
+    @torch.inference_mode()
+    def prefill_bytes_per_token(self, length: int = 2048) -> int:
+        """Peak CUDA memory one prefilled token takes (activations, the kernels' scratch, its cache), measured once
+        on one prompt of ``length`` tokens. A recurrent model's cache is small but its prefill is not: on an H100 a
+        Phi-Mamba batch sized by its cache alone ran out of memory."""
+        if getattr(self, "_prefill_cost", None) is None:
+            n = min(length, self.max_context or length)
+            ids = torch.full((1, n), self.tokenizer.eos_token_id or 0, device=self.device)
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            out = self.prefill(ids, torch.ones_like(ids))
+            torch.cuda.synchronize(self.device)
+            self._prefill_cost = -(-(torch.cuda.max_memory_allocated(self.device) - base) // n)
+            del out
+            torch.cuda.empty_cache()
+        return self._prefill_cost
 
     def bytes_per_token(self) -> int:
         """Memory one cached token costs while decoding; a conservative default."""

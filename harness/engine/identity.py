@@ -166,7 +166,8 @@ def software_versions() -> dict[str, str]:
 # What a changed key of the resolved settings is called in an error line.
 LABELS = {"model_weights": "model weights", "model_config": "model config (config.json)",
           "tokenizer_files": "tokenizer files", "software": "package versions", "data_sha256": "data file",
-          "template_sha256": "template", "dtype": "dtype", "device_type": "device type", "model": "model"}
+          "template_sha256": "template", "dtype": "dtype", "device_type": "device type", "model": "model",
+          "scan": "Phi-Mamba scan path"}
 
 
 def describe_changes(old: dict, new: dict) -> str:

@@ -170,6 +170,8 @@ def _backend_settings(resolved: dict, backend) -> dict:
         out["dtype"] = d["dtype"]
     if d.get("device"):
         out["device_type"] = torch.device(d["device"]).type
+    if d.get("scan"):  # Phi-Mamba: the reference scan or mamba-ssm's kernels (and their dot precision) round apart
+        out["scan"] = d["scan"]
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the sdist the CPU-interpreter tests and the doctor fetch
 CALLS: dict[str, int] = {"chunk_scan": 0, "state_update": 0}  # kernel launches, so a test can see the path ran
+INT32_MAX = 2**31 - 1  # the most elements one kernel call may span (``int32_safe_rows``)
 
 
 def interpreting() -> bool:
@@ -35,13 +36,26 @@ def mamba_ssm_ops() -> types.SimpleNamespace | None:
     """mamba-ssm's Triton ops if they import and can run here (a GPU or the interpreter); else None."""
     if not (torch.cuda.is_available() or interpreting()):
         return None
-    use_carried_sources()
+    # float32 means IEEE float32: Triton's tl.dot otherwise rounds float32 inputs to TF32 on NVIDIA GPUs, which
+    # moved the scan's logits by 4e-2 against the reference on an H100 (cuBLAS float32 stays IEEE: PyTorch's
+    # default). Read when a kernel compiles; a value the user set wins.
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     try:
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        with carried_sources():
+            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception:  # not installed, or built for another torch
         return None
     return types.SimpleNamespace(chunk_scan=mamba_chunk_scan_combined, state_update=selective_state_update)
+
+
+def int32_safe_rows(batch: int, per_row_elements: int) -> list[slice]:
+    """Row groups small enough for mamba-ssm's Triton kernels, which form a row's offset in 32-bit arithmetic:
+    past 2**31 elements in one call they read or write the wrong memory, silently or as an illegal address
+    (state-spaces/mamba#1015; seen here on an H100 at batch 2x the auto batch). Rows are independent in these
+    kernels, so splitting changes no row's result."""
+    step = max(1, INT32_MAX // max(1, per_row_elements))
+    return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
 
 
 def require(scan: str, t: torch.Tensor) -> types.SimpleNamespace | None:
@@ -70,16 +84,31 @@ def status() -> dict:
     return out
 
 
-def use_carried_sources() -> None:
+STAND_INS = ("selective_scan_cuda", "causal_conv1d_cuda", "causal_conv1d")  # CUDA extensions it imports on load
+
+
+@contextlib.contextmanager
+def carried_sources():
     """A mamba-ssm source tree carried to a machine where pip cannot build it (the GPU machines: no network, no
     compiler for its CUDA extensions): ``ICR_MAMBA_SSM_SRC`` names it, and its Triton ops import with empty
-    stand-ins for the CUDA extension modules it imports at top level (the ops used here need none of them)."""
+    stand-ins for the CUDA extension modules it imports at top level (the ops used here need none of them).
+    Afterwards the tree, the stand-ins and the ``mamba_ssm`` modules leave ``sys.path`` and ``sys.modules``
+    again, so transformers does not find a mamba-ssm whose CUDA extensions are empty stand-ins and call them
+    (its Falcon-Mamba did, on an H100); the two ops keep their modules alive."""
     src = os.environ.get("ICR_MAMBA_SSM_SRC")
-    if not src or str(Path(src).resolve()) in sys.path:
+    path = str(Path(src).resolve()) if src else None
+    if path is None or path in sys.path or "mamba_ssm" in sys.modules:
+        yield
         return
-    sys.path.insert(0, str(Path(src).resolve()))
-    for name in ("selective_scan_cuda", "causal_conv1d_cuda", "causal_conv1d"):
-        sys.modules.setdefault(name, types.ModuleType(name))
+    added = [n for n in STAND_INS if n not in sys.modules]
+    sys.path.insert(0, path)
+    sys.modules.update({n: types.ModuleType(n) for n in added})
+    try:
+        yield
+    finally:
+        sys.path.remove(path)
+        for name in [*added, *(m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm."))]:
+            sys.modules.pop(name, None)
 
 
 def enable_cpu_interpreter(mamba_ssm_src: str | Path) -> None:
@@ -88,9 +117,7 @@ def enable_cpu_interpreter(mamba_ssm_src: str | Path) -> None:
     if "triton" in sys.modules and not interpreting():
         raise RuntimeError("enable_cpu_interpreter must run before triton is imported")
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(Path(mamba_ssm_src).resolve()))
-    for name in ("selective_scan_cuda", "causal_conv1d_cuda", "causal_conv1d"):
-        sys.modules.setdefault(name, types.ModuleType(name))  # CUDA extensions mamba_ssm imports at top level
+    os.environ["ICR_MAMBA_SSM_SRC"] = str(Path(mamba_ssm_src).resolve())  # imported as a carried tree is
     torch.cuda.device = lambda *a, **k: contextlib.nullcontext()  # kernels enter the tensor's CUDA device
     from triton.runtime import autotuner
 

@@ -213,10 +213,12 @@ class DiscreteMamba2(nn.Module):
         xbc = torch.where(m[..., None], xbc, 0.0)
         full = torch.cat([state["conv"].to(xbc.dtype), xbc.transpose(1, 2)], dim=2)  # b c (k-1+l)
         w = self.conv1d.weight.squeeze(1)  # c k
-        if l == 1:
-            conv = (full * w).sum(-1, keepdim=True)
-        else:
-            conv = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)  # b c l
+        # The depthwise causal convolution as k shifted products, not F.conv1d: on CUDA that is cuDNN, which runs
+        # float32 in TF32 by default and picks its algorithm by batch shape, so a row's result would depend on
+        # its batch (seen on an H100). Elementwise products are exact float32 and the same in any batch.
+        conv = full[..., :l] * w[:, :1]
+        for j in range(1, k):
+            conv = conv + full[..., j:j + l] * w[:, j:j + 1]
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias[:, None]
         idx = (last[:, None] + 1 + torch.arange(k - 1, device=u.device))[:, None, :].expand(-1, self.conv_dim, -1)
@@ -242,24 +244,36 @@ class DiscreteMamba2(nn.Module):
         ops = kernels.require(scan, x)
         if ops is None:
             return ssd_chunked(x, log_a, B, C, h0, self.cfg.chunk_size)
-        kernels.CALLS["chunk_scan"] += 1
         dt = (-log_a).contiguous()
-        return ops.chunk_scan(x / dt.clamp_min(1e-12)[..., None], dt, -torch.ones(self.h, device=x.device), B, C,
-                              chunk_size=self.cfg.chunk_size, initial_states=h0, return_final_states=True)
+        x, a = x / dt.clamp_min(1e-12)[..., None], -torch.ones(self.h, device=x.device)
+        b, l, chunk = x.shape[0], x.shape[1], self.cfg.chunk_size
+        chunks = -(-l // chunk)
+        # the largest per-row extent of an input or intermediate (chunk states, the chunk-by-chunk C.B products)
+        per_row = max(l * self.h * max(self.p, self.n), chunks * self.h * max(self.p * self.n, chunk * chunk))
+        ys, hs = [], []
+        for rows in kernels.int32_safe_rows(b, per_row):
+            kernels.CALLS["chunk_scan"] += 1
+            y, h = ops.chunk_scan(x[rows], dt[rows], a, B[rows], C[rows], chunk_size=chunk, initial_states=h0[rows],
+                                  return_final_states=True)
+            ys.append(y)
+            hs.append(h)
+        return (ys[0], hs[0]) if len(ys) == 1 else (torch.cat(ys), torch.cat(hs))
 
     def _step(self, x, log_a, B, C, h, scan):
         ops = kernels.require(scan, x)
         if ops is None:
             return ssd_step(x, log_a, B, C, h)
-        kernels.CALLS["state_update"] += 1
         dt = (-log_a)[..., None].expand_as(x).contiguous()
+        x, a = x / dt.clamp_min(1e-12), -torch.ones(self.h, self.p, self.n, device=x.device)
         h = h.clone()  # updated in place by the kernel; a copied prefix state must stay intact
         zeros = torch.zeros(self.h, self.p, device=x.device, dtype=x.dtype)
-        # D and dt_bias are passed as zeros (they add nothing): mamba-ssm 2.3.2's launcher fails on None for
-        # either (found by the CPU-interpreter test). D x is added outside, as in the reference path.
-        y = ops.state_update(h, x / dt.clamp_min(1e-12), dt, -torch.ones(self.h, self.p, self.n, device=x.device),
-                             B, C, D=zeros, dt_bias=zeros)
-        return y, h
+        ys = []
+        for rows in kernels.int32_safe_rows(x.shape[0], self.h * self.p * self.n):
+            kernels.CALLS["state_update"] += 1
+            # D and dt_bias are passed as zeros (they add nothing): mamba-ssm 2.3.2's launcher fails on None for
+            # either (found by the CPU-interpreter test). D x is added outside, as in the reference path.
+            ys.append(ops.state_update(h[rows], x[rows], dt[rows], a, B[rows], C[rows], D=zeros, dt_bias=zeros))
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)), h
 
 
 class PhiAttentionMixer(nn.Module):
