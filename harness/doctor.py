@@ -321,9 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.suite == "gpu":
-        from harness.tools.gpu_suite import run_suite
-
-        from harness.tools.gpu_suite import PARTS
+        from harness.tools.gpu_suite import PARTS, run_suite
 
         parts = PARTS if a.part == "all" else tuple(p.strip() for p in a.part.split(",") if p.strip())
         unknown = sorted(set(parts) - set(PARTS))
