@@ -89,12 +89,25 @@ def build_config(arch: str, vocab_size: int, max_positions: int = 4096, layers: 
     families = _family_configs()
     if arch in families:
         return families[arch](vocab_size, hidden, init_std)
+    if arch in FLA_ARCHS:
+        return _fla_config(arch, vocab_size, hidden, init_std)
     raise ValueError(f"unknown tiny arch {arch!r}; choose phi, llama, phi-mamba, hybrid-phi-mamba or one of "
-                     f"{', '.join(FAMILY_ARCHS)}")
+                     f"{', '.join(FAMILY_ARCHS + FLA_ARCHS)}")
 
 
 FAMILY_ARCHS = ("gpt2", "mamba", "falcon_mamba", "mamba2", "zamba2", "jamba", "bamba", "falcon_h1", "lfm2",
                 "recurrent_gemma", "rwkv")
+# flash-linear-attention's families (``pip install "icr-harness[fla]"``; on CPU under TRITON_INTERPRET=1)
+FLA_ARCHS = ("gla", "retnet", "delta_net")
+
+
+def _fla_config(arch: str, vocab_size: int, hidden: int, init_std: float):
+    import fla  # noqa: F401  registers its model types with transformers' Auto classes
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(arch, vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=2, num_heads=4,
+                                initializer_range=init_std, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                tie_word_embeddings=False, attn_mode="fused_recurrent")
 
 
 def _family_configs():
@@ -165,7 +178,7 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
         _scale_init(model, init_std)
     else:
         model = AutoModelForCausalLM.from_config(build_config(arch, len(tok), max_positions, layers, hidden, init_std))
-        if arch in FAMILY_ARCHS:  # not every family's init reads initializer_range
+        if arch in FAMILY_ARCHS + FLA_ARCHS:  # not every family's init reads initializer_range
             _scale_init(model, init_std)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -174,7 +187,7 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m harness.tiny", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="phi", choices=["phi", "llama", "phi-mamba", "hybrid-phi-mamba", *FAMILY_ARCHS])
+    ap.add_argument("--arch", default="phi", choices=["phi", "llama", "phi-mamba", "hybrid-phi-mamba", *FAMILY_ARCHS, *FLA_ARCHS])
     ap.add_argument("--out", required=True, help="directory to write the checkpoint and tokenizer to")
     ap.add_argument("--max-positions", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=2)

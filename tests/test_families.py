@@ -11,7 +11,8 @@ import torch
 
 from harness.backends.families import FAMILIES, family_of
 from harness.backends.generation import GenRequest, common_prefix, greedy_generate
-from harness.tiny import FAMILY_ARCHS
+from harness.models.kernels import interpreting
+from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
 from tests.helpers import assert_varied
 
 QUESTIONS = ["Which river runs through the old town?", "Who wrote it?",
@@ -79,7 +80,15 @@ def _run(backend, requests, batch, reuse):
     return out
 
 
-@pytest.fixture(scope="module", params=("llama", *FAMILY_ARCHS))
+def _fla_here() -> bool:
+    """fla's families join the matrix where fla is installed and Triton interprets on CPU (tests/test_fla.py
+    runs this file so in a child process)."""
+    import importlib.util
+
+    return interpreting() and importlib.util.find_spec("fla") is not None
+
+
+@pytest.fixture(scope="module", params=("llama", *FAMILY_ARCHS, *(FLA_ARCHS if _fla_here() else ())))
 def family_backend(request, tmp_path_factory, tiny_tokenizer):
     from harness.engine import load_backend
     from harness.tiny import make_tiny_model
@@ -115,7 +124,7 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
 
 
 def test_every_listed_family_is_in_the_matrix():
-    assert set(FAMILIES) - {"icr_hybrid"} <= set(FAMILY_ARCHS)
+    assert set(FAMILIES) - {"icr_hybrid"} <= set(FAMILY_ARCHS + FLA_ARCHS)
 
 
 def test_unlisted_attention_model_is_inspected_as_masked(tiny_llama_dir):
@@ -161,14 +170,27 @@ def _alone_reference(forward, pairs):
     return out
 
 
+def _choice_pairs(tok):
+    """Multiple-choice rows: two contexts, each with choices of 1, 2 and 4 tokens, the greedy one among them."""
+    pairs = []
+    for q in QUESTIONS[:2]:
+        ctx = tok(f"{HEADER}Question: {q}\nAnswer:")["input_ids"]
+        pairs += [(ctx, tok(" " + c)["input_ids"]) for c in ("yes", "no no", "maybe so, maybe not")]
+    return pairs
+
+
 def _check_scores(backend, forward, name):
-    pairs = _scoring_pairs(backend.tokenizer)
+    pairs = _scoring_pairs(backend.tokenizer) + _choice_pairs(backend.tokenizer)
     ref = _alone_reference(forward, pairs)
-    assert len({round(s, 3) for s, _ in ref}) == len(ref), "the scores must differ between rows"
+    assert len({round(s, 6) for s, _ in ref}) == len(ref), "the scores must differ between rows"
+    backend.stats = {}
     for batch in (1, 3, len(pairs)):
         got = backend.loglikelihood(pairs, batch)
         assert [g for _, g in got] == [g for _, g in ref], f"{name}: batch {batch}"
         assert max(abs(s - r) for (s, _), (r, _) in zip(got, ref)) < 1e-4, f"{name}: batch {batch}"
+    # the choices were scored after one prefill of their shared context wherever that is exact
+    shared = backend.stats.get("loglikelihood_shared_rows", 0)
+    assert shared == (3 * 6 if backend.prefix_reuse_pays() else 0), f"{name}: {shared} rows after a shared prefill"
 
 
 def test_loglikelihood_is_independent_of_batching(family_backend):

@@ -99,18 +99,27 @@ class Backend(ABC):
         raise NotImplementedError(f"the {self.name} backend does not score text (loglikelihood); use the "
                                   "transformers or phi-mamba backend")
 
+    def block_logits(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Like ``step``, but logits at every position of the right-padded block, [B, L, V]: scoring several
+        continuations after one prefilled context. Backends where a block after a copied state is not exact
+        leave it unimplemented, and their contexts are recomputed per row."""
+        raise NotImplementedError
+
     @torch.inference_mode()
     def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8
                       ) -> list[tuple[float, bool]]:
         """For each (context ids, continuation ids): the continuation's summed log-probability after the context,
         and whether greedy decoding would have produced it token for token.
 
-        Rows are padded on the right, after their last token, where no causal model (attention, convolution or
-        recurrence) can carry padding back into a row's earlier positions: every family batches exactly here,
-        with no mask and no state surgery. Longest rows first, so a batch holds similar lengths; results in the
-        input order. A row longer than the model's context keeps its last ``max_context`` tokens."""
-        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+        Continuations that share a context (a multiple-choice question's choices) are scored after one prefill of
+        it where a block after a copied state is exact (``block_logits``). Every other row is padded on the right,
+        after its last token, where no causal model (attention, convolution or recurrence) can carry padding back
+        into a row's earlier positions: every family batches exactly here, with no mask and no state surgery.
+        Longest rows first, so a batch holds similar lengths; results in the input order. A row longer than the
+        model's context keeps its last ``max_context`` tokens."""
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
+        rest = self._score_shared_contexts(pairs, out, batch_size)
+        order = sorted(rest, key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         for start in range(0, len(order), max(1, batch_size)):
             rows = order[start:start + max(1, batch_size)]
@@ -118,10 +127,42 @@ class Backend(ABC):
             ids, _ = pad_batch(inputs, pad, self.device, side="right")
             logits = self.sequence_logits(ids)
             for r, i in enumerate(rows):
-                n, cont = len(inputs[r]), torch.tensor(list(pairs[i][1]), device=self.device)
-                lp = logits[r, n - len(cont):n].float().log_softmax(-1)  # the positions predicting the continuation
-                out[i] = (float(lp.gather(1, cont[:, None]).sum()), bool((lp.argmax(-1) == cont).all()))
+                n = len(inputs[r])
+                out[i] = _score(logits[r, n - len(pairs[i][1]):n], pairs[i][1])  # the positions predicting it
         return out  # type: ignore[return-value]
+
+    def _score_shared_contexts(self, pairs, out: list, batch_size: int) -> list[int]:
+        """Score the pairs whose context another pair shares, one prefill per context; the indices left over."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, cont) in enumerate(pairs):
+            groups.setdefault(tuple(ctx), []).append(i)
+        if not self.prefix_reuse_pays() or type(self).block_logits is Backend.block_logits:
+            return list(range(len(pairs)))
+        rest = []
+        for ctx, members in groups.items():
+            fits = not self.max_context or len(ctx) + max(len(pairs[i][1]) for i in members) - 1 <= self.max_context
+            if len(members) < 2 or not fits:
+                rest += members
+                continue
+            self._scoring_input(list(ctx), pairs[members[0]][1])  # the same checks as a row scored alone
+            t = torch.tensor([list(ctx)], device=self.device)
+            first, state = self.prefill(t, torch.ones_like(t))  # logits predicting each continuation's first token
+            self.stats = getattr(self, "stats", {})
+            self.stats["loglikelihood_shared_rows"] = self.stats.get("loglikelihood_shared_rows", 0) + len(members)
+            for start in range(0, len(members), max(1, batch_size)):
+                rows = members[start:start + max(1, batch_size)]
+                conts = [list(pairs[i][1]) for i in rows]
+                if max(map(len, conts)) == 1:
+                    for i in rows:
+                        out[i] = _score(first[0][None], pairs[i][1])
+                    continue
+                pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+                block, mask = pad_batch([c[:-1] or [pad] for c in conts], pad, self.device, side="right")
+                mask = torch.cat([mask.new_ones(len(rows), len(ctx)), mask], 1)
+                logits = self.block_logits(self.expand(state, len(rows)), block, mask)
+                for r, i in enumerate(rows):
+                    out[i] = _score(torch.cat([first[0][None], logits[r, :len(conts[r]) - 1].float()]), conts[r])
+        return rest
 
     def _scoring_input(self, context: Sequence[int], continuation: Sequence[int]) -> list[int]:
         if not continuation:
@@ -203,3 +244,11 @@ class Backend(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "device": str(self.device)}
+
+
+def _score(logits: torch.Tensor, continuation: Sequence[int]) -> tuple[float, bool]:
+    """Summed log-probability of ``continuation`` under the logits at the positions predicting it, and whether
+    each of its tokens is the argmax."""
+    cont = torch.tensor(list(continuation), device=logits.device)
+    lp = logits.float().log_softmax(-1)
+    return float(lp.gather(1, cont[:, None]).sum()), bool((lp.argmax(-1) == cont).all())

@@ -38,6 +38,7 @@ class Family:
     block_steps: bool = True  # a cached step may feed several tokens per row in one call
     module_state: bool = False  # the recurrent state lives in the model's modules: one sequence at a time
     max_context: bool = True  # config.max_position_embeddings limits the context
+    own_cache: bool = False  # the model builds its own cache class at prefill (fla's), not a DynamicCache
 
     @property
     def prefix_reuse(self) -> bool:
@@ -63,6 +64,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("recurrent_gemma", padding="alone", cache_out=None, module_state=True, block_steps=False),
     Family("rwkv", padding="alone", cache_arg="state", cache_out="state", positions=False, step_mask=False,
            max_context=False),
+    # flash-linear-attention (harness.backends.fla_models): each layer unpads its rows by the attention mask
+    *(Family(name, positions=False, max_context=False, own_cache=True) for name in ("gla", "delta_net")),
+    Family("retnet", padding="restore", positions=False, max_context=False, own_cache=True),
 ]}
 
 # Layer attributes of transformers' cache layers that hold per-row tensors (a tensor, or a dict/list of them).
@@ -140,16 +144,48 @@ def _slots(cache, names=_KV + _RECURRENT) -> list[tuple[Any, Any]]:
     return out
 
 
+# fla's cache layers keep one dict per layer: recurrent_state, attn_state (keys, values), conv_state, ffn_state,
+# each a tensor or a tuple of them.
+_FLA_RECURRENT = ("recurrent_state", "conv_state", "ffn_state")
+
+
+def _fla_layers(cache) -> list:
+    return [layer for c in _caches(cache) if not isinstance(c, list) for layer in getattr(c, "layers", [])
+            if isinstance(getattr(layer, "state", None), dict)]
+
+
+def _fla_map(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fla_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _fla_map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _fla_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _fla_tensors(v)]
+    return []
+
+
 def map_rows(cache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Apply a batch-dimension op (keep rows, repeat rows) to every per-row tensor of a cache, in place.
     Written here because transformers' linear-attention cache layers have no batch_select_indices."""
     for box, key in _slots(cache):
         _set(box, key, fn(_get(box, key)))
+    for layer in _fla_layers(cache):
+        layer.state = _fla_map(layer.state, fn)
 
 
 def recurrent_state(cache, clone: bool = False) -> list[torch.Tensor]:
     """The recurrent tensors of a cache (not keys/values: a padded position's KV entry is masked anyway)."""
-    return [(_get(b, k).clone() if clone else _get(b, k)) for b, k in _slots(cache, _RECURRENT)]
+    found = [_get(b, k) for b, k in _slots(cache, _RECURRENT)]
+    found += [t for layer in _fla_layers(cache) for k in _FLA_RECURRENT for t in _fla_tensors(layer.state.get(k))]
+    return [t.clone() for t in found] if clone else found
 
 
 def restore_rows(cache, saved: list[torch.Tensor], rows: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
+from harness.backends import fla_models
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.families import family_of, map_rows, recurrent_state, restore_rows
 from harness.backends.generation import GenRequest, GenResult, last_real_index, logits_at_last_real
@@ -52,7 +53,10 @@ class TransformersBackend(Backend):
         self.path = path
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
         if model is None:
+            fla_models.register_for(path, hub.load_kwargs(path))
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, **hub.load_kwargs(path))
+        if fla_models.is_fla_type(model.config.model_type):
+            fla_models.prepare_device(self.device)
         self.model = model.to(self.device).eval()
         self.family = family_of(self.model)
         self.max_context = getattr(self.model.config, "max_position_embeddings", None) \
@@ -91,7 +95,7 @@ class TransformersBackend(Backend):
     def prefill(self, input_ids, attention_mask):
         pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = None
-        if self.family.cache_out is None or self.family.padding == "masked":
+        if (self.family.cache_out is None or self.family.padding == "masked") and not self.family.own_cache:
             cache = DynamicCache(config=self.model.config)
         logits, cache = self._forward(cache, input_ids, attention_mask, pos, logits_to_keep=1)
         return logits[:, -1].float(), {"cache": cache, "pos": pos[:, -1]}
@@ -111,6 +115,16 @@ class TransformersBackend(Backend):
                                                attention_mask if self.family.step_mask else None, pos)
         state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
         return logits_at_last_real(logits, block_mask).float()
+
+    def block_logits(self, state, input_ids, attention_mask):
+        """Every position's logits of a right-padded block (families whose blocks are masked in every layer)."""
+        if not self.family.prefix_reuse:
+            raise NotImplementedError(f"{self.family.name}: a block after a copied state is not exact")
+        block_mask = attention_mask[:, -input_ids.shape[1]:]
+        pos = state["pos"][:, None] + block_mask.cumsum(-1)
+        logits, state["cache"] = self._forward(state["cache"], input_ids,
+                                               attention_mask if self.family.step_mask else None, pos)
+        return logits.float()
 
     def _token_by_token(self, state, input_ids, attention_mask):
         """A block fed one token per call; rows whose block has ended get their recurrent state put back."""

@@ -51,6 +51,9 @@ class PhiMambaBackend(Backend):
         logits, state = self.model(input_ids, attention_mask, state)
         return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 
+    def block_logits(self, state, input_ids, attention_mask):
+        return self.model(input_ids, attention_mask, state)[0].float()
+
     def sequence_logits(self, input_ids):
         return self.model(input_ids)[0]
 

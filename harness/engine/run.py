@@ -51,6 +51,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
     ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
     from harness.backends import backend_class
+    from harness.backends.fla_models import FlaError
     from harness.backends.hf import TokenizerError
 
     spec = model_spec(model, tokenizer)
@@ -75,7 +76,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
                              f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
                              f"`hf download {spec.path}` elsewhere and copy the HF cache (then HF_HUB_OFFLINE=1 "
                              "skips the network), or pass a local checkpoint directory to --model.") from e
-    except (ImportError, TokenizerError):
+    except (ImportError, TokenizerError, FlaError):
         raise
     except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
         files = ", ".join(sorted(p.name for p in Path(spec.path).glob("*") if p.is_file())[:12]) \

@@ -118,17 +118,31 @@ def enable_cpu_interpreter(mamba_ssm_src: str | Path) -> None:
         raise RuntimeError("enable_cpu_interpreter must run before triton is imported")
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["ICR_MAMBA_SSM_SRC"] = str(Path(mamba_ssm_src).resolve())  # imported as a carried tree is
-    torch.cuda.device = lambda *a, **k: contextlib.nullcontext()  # kernels enter the tensor's CUDA device
+    triton_on_cpu()
+    mamba_ssm_ops.cache_clear()
+
+
+def triton_on_cpu() -> None:
+    """What Triton kernels (mamba-ssm's, fla's) need to run on CPU tensors once ``TRITON_INTERPRET=1`` was set
+    before triton was imported: autotuning reduced to each kernel's first config (timing configs needs a GPU;
+    every config computes the same result) and a no-op ``torch.cuda.device`` (kernels enter the tensor's device).
+    Idempotent; changes this process only."""
+    if not interpreting():
+        raise RuntimeError("Triton kernels on CPU need TRITON_INTERPRET=1 in the environment before the program "
+                           "starts (it must be set before triton is imported)")
     from triton.runtime import autotuner
 
+    if getattr(autotuner.Autotuner.run, "_first_config_only", False):
+        return
     run = autotuner.Autotuner.run
 
     def first_config(self, *args, **kwargs):
-        self.configs = self.configs[:1]  # timing configs needs a GPU; the first one computes the same result
+        self.configs = self.configs[:1]
         return run(self, *args, **kwargs)
 
+    first_config._first_config_only = True
     autotuner.Autotuner.run = first_config
-    mamba_ssm_ops.cache_clear()
+    torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
 
 
 def fetch_mamba_ssm_sources(cache_dir: str | Path) -> Path:
