@@ -119,10 +119,10 @@ class IncrementalDetokenizer:
             self._prefix = self._read  # no clean window: continue from here with no look-back
         return self.text
 
-    def update(self, ids: list[int]) -> str:
+    def update(self, ids: list[int], final: bool = False) -> str:
         prefix_text = self._decode(ids[self._prefix:self._read])
         new_text = self._decode(ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             self.text += new_text[len(prefix_text):]
             self._prefix, self._read = self._read, len(ids)
         return self.text
@@ -130,12 +130,7 @@ class IncrementalDetokenizer:
     def flush(self, ids: list[int]) -> str:
         """The text once generation has ended: what ``update`` held back for an incomplete character is kept
         (no later token can complete it), so the text is a full decode's, as transformers' and lm-eval's."""
-        self.update(ids)
-        prefix_text, new_text = self._decode(ids[self._prefix:self._read]), self._decode(ids[self._prefix:])
-        if len(new_text) > len(prefix_text):
-            self.text += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(ids)
-        return self.text
+        return self.update(ids, final=True)
 
 
 @dataclass
