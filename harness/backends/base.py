@@ -106,8 +106,8 @@ class Backend(ABC):
         raise NotImplementedError
 
     @torch.inference_mode()
-    def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8
-                      ) -> list[tuple[float, bool]]:
+    def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8,
+                      share_contexts: bool = True) -> list[tuple[float, bool]]:
         """For each (context ids, continuation ids): the continuation's summed log-probability after the context,
         and whether greedy decoding would have produced it token for token.
 
@@ -116,9 +116,10 @@ class Backend(ABC):
         after its last token, where no causal model (attention, convolution or recurrence) can carry padding back
         into a row's earlier positions: every family batches exactly here, with no mask and no state surgery.
         Longest rows first, so a batch holds similar lengths; results in the input order. A row longer than the
-        model's context keeps its last ``max_context`` tokens."""
+        model's context keeps its last ``max_context`` tokens. ``share_contexts=False`` scores every row on its
+        own (the reference the shared path is checked and benchmarked against)."""
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
-        rest = self._score_shared_contexts(pairs, out, batch_size)
+        rest = self._score_shared_contexts(pairs, out, batch_size) if share_contexts else range(len(pairs))
         order = sorted(rest, key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         for start in range(0, len(order), max(1, batch_size)):
@@ -133,11 +134,12 @@ class Backend(ABC):
 
     def _score_shared_contexts(self, pairs, out: list, batch_size: int) -> list[int]:
         """Score the pairs whose context another pair shares, one prefill per context; the indices left over."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, (ctx, cont) in enumerate(pairs):
-            groups.setdefault(tuple(ctx), []).append(i)
         if not self.prefix_reuse_pays() or type(self).block_logits is Backend.block_logits:
             return list(range(len(pairs)))
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, _) in enumerate(pairs):
+            groups.setdefault(tuple(ctx), []).append(i)
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         rest = []
         for ctx, members in groups.items():
             fits = not self.max_context or len(ctx) + max(len(pairs[i][1]) for i in members) - 1 <= self.max_context
@@ -156,7 +158,6 @@ class Backend(ABC):
                     for i in rows:
                         out[i] = _score(first[0][None], pairs[i][1])
                     continue
-                pad = getattr(self.tokenizer, "pad_token_id", None) or 0
                 block, mask = pad_batch([c[:-1] or [pad] for c in conts], pad, self.device, side="right")
                 mask = torch.cat([mask.new_ones(len(rows), len(ctx)), mask], 1)
                 logits = self.block_logits(self.expand(state, len(rows)), block, mask)
