@@ -50,7 +50,7 @@ def register_for(path: str, load_kwargs: dict) -> bool:
         import fla  # noqa: F401  registers fla's configs and models with the Auto classes
     except ImportError as e:
         raise FlaError(f"{path} is a {mtype!r} checkpoint, a model type transformers does not ship; if it is a "
-                          f"flash-linear-attention model, install it: {INSTALL}") from e
+                       f"flash-linear-attention model, install it: {INSTALL}") from e
     return is_registered(mtype) and is_fla_type(mtype)
 
 
@@ -69,5 +69,5 @@ def prepare_device(device) -> None:
 
     if not kernels.interpreting():
         raise FlaError("fla models run Triton kernels, which need a GPU; on CPU start the program with "
-                           "TRITON_INTERPRET=1 (Triton's interpreter: exact, slow, for tiny models and tests)")
+                       "TRITON_INTERPRET=1 (Triton's interpreter: exact, slow, for tiny models and tests)")
     kernels.triton_on_cpu()

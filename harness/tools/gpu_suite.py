@@ -36,7 +36,7 @@ def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
 # divergences had gaps of 1-6 bf16 steps at the logits' scale (under 0.09 of the spread), and transformers' own
 # batched ``generate`` agreed with its per-sample runs on 9 of 24 fixture prompts. A masking or state bug
 # moves logits by the spread itself.
-NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.125, "float16": 2e-2}
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.125}
 
 
 @torch.inference_mode()
