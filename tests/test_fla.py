@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("fla") is None,
-                                reason='fla is not installed: pip install "icr-harness[fla]"')
+needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None,
+                               reason='fla is not installed: pip install "icr-harness[fla]"')
 
 COMPACT = """
 import json, tempfile, warnings
@@ -52,6 +52,7 @@ def _child(code: str, interpret: bool) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@needs_fla
 def test_gla_batches_exactly_with_tool_calls_under_the_interpreter():
     """Batch 3 with the prefix reused == batch 1 == no reuse == an uncached per-sample reference, with tool
     results of different lengths (ragged right-padded blocks) on prompts whose generations differ."""
@@ -64,6 +65,7 @@ def test_gla_batches_exactly_with_tool_calls_under_the_interpreter():
     assert all(got["same"].values()), got["same"]
 
 
+@needs_fla
 def test_an_fla_model_on_cpu_without_the_interpreter_is_one_clear_error(tmp_path):
     code = (f"from harness.tiny import make_tiny_model\nmake_tiny_model({str(tmp_path / 'm')!r}, 'gla')\n"
             "from harness.engine import load_backend\n"
@@ -72,3 +74,20 @@ def test_an_fla_model_on_cpu_without_the_interpreter_is_one_clear_error(tmp_path
     res = _child(code, interpret=False)
     assert "RESULT" in res.stdout, res.stderr[-3000:]
     assert "TRITON_INTERPRET=1" in res.stdout and "need a GPU" in res.stdout
+
+
+def test_an_fla_checkpoint_without_fla_installed_is_one_error_line_with_the_install_command(tmp_path):
+    """Runs with or without fla: the child blocks its import, as a machine without the extra has none."""
+    from harness.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gla", "hidden_size": 64}))
+    code = ("import sys\nsys.modules['fla'] = None  # what a missing package looks like to import\n"
+            "from harness.eval import main\n"
+            f"sys.exit(main(['--model', {str(tmp_path)!r}, '--task', 'hotpotqa', '--device', 'cpu', "
+            f"'--data', 'fixture', '--limit', '1', '--output', {str(tmp_path / 'out')!r}]))\n")
+    res = _child(code, interpret=False)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    err = res.stderr.strip().splitlines()
+    assert err[-1].startswith("error: ") and "'gla' checkpoint" in err[-1] and 'icr-harness[fla]' in err[-1]
+    assert "Traceback" not in res.stderr
