@@ -281,17 +281,16 @@ def paths(env: dict) -> dict:
 def _interpreted_kernel_check(cache: Path) -> dict:
     """The kernel check under Triton's CPU interpreter, in a child process (the interpreter must be switched
     on before triton is imported)."""
+    from harness.tools.procs import python_result
+
     code = ("import json, sys\nfrom harness.models import kernels\n"
             f"kernels.enable_cpu_interpreter(kernels.fetch_mamba_ssm_sources({str(cache)!r}))\n"
             "from harness.doctor import check_phi_mamba_kernels\n"
             "print('RESULT ' + json.dumps(check_phi_mamba_kernels('cpu')))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                         cwd=Path(__file__).resolve().parent.parent)
-    line = next((l for l in res.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
+    out, res = python_result(code, timeout=1800, cwd=Path(__file__).resolve().parent.parent)
+    if out is None:
         return {"name": "phi-mamba: mamba-ssm kernels == reference (cpu, triton interpreter)", "ok": False,
                 "error": (res.stderr or res.stdout).strip()[-1500:]}
-    out = json.loads(line[len("RESULT "):])
     out["name"] += ", triton interpreter"
     return out
 

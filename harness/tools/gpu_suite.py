@@ -213,17 +213,15 @@ def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str]
 def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """``probe_auto_batch`` in a child process: a search that runs the GPU to its limit must not take the suite's
     CUDA context with it (an illegal address, unlike an out-of-memory error, leaves the context unusable)."""
-    import subprocess
-    import sys
+    from harness.tools.procs import python_result
 
     code = ("import json, sys; from harness.tools.gpu_suite import probe_auto_batch; "
             "print('RESULT ' + json.dumps(probe_auto_batch(*json.load(sys.stdin))))")
-    res = subprocess.run([sys.executable, "-c", code], input=json.dumps([path, arch, device, dtype, prompts, new]),
-                         capture_output=True, text=True, timeout=600, env=_project_env())
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-    if res.returncode or not lines:
+    got, res = python_result(code, stdin=json.dumps([path, arch, device, dtype, prompts, new]), timeout=600,
+                             env=_project_env())
+    if res.returncode or got is None:
         raise RuntimeError(f"the probe exited {res.returncode}: {res.stderr.strip()[-1500:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return got
 
 
 def probe_auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:

@@ -1,11 +1,15 @@
 """Process lifetimes: a child process never outlives the process that started it, and a scheduler's SIGTERM
-ends a run as Ctrl-C does (``finally`` blocks run: children are stopped, locks released, what finished kept)."""
+ends a run as Ctrl-C does (``finally`` blocks run: children are stopped, locks released, what finished kept).
+And a child Python that reports one JSON result (work that must not share this process: Triton's interpreter,
+a search that may leave the GPU unusable)."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -48,3 +52,13 @@ def stop_on_sigterm():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def python_result(code: str, *, timeout: float, stdin: str | None = None, env: dict | None = None,
+                  cwd=None) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """Run ``code`` in a child Python; the JSON it printed on a line starting ``RESULT `` (None if it printed
+    none), and the finished process for its exit status and output."""
+    res = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=timeout,
+                         env=env, cwd=cwd)
+    line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+    return (json.loads(line[len("RESULT "):]) if line else None), res
