@@ -61,7 +61,7 @@ def run_generate(model, tok, prompts, max_new):
     return out, time.perf_counter() - t0
 
 
-def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf"):
+def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf", stop=STOP):
     """The prompts as an lm-eval generate_until task, through lm-eval's hf model or this harness's ``icr``."""
     try:
         import lm_eval
@@ -77,7 +77,7 @@ def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf"):
             f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
             "test_split: test\noutput_type: generate_until\n"
             'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{answer}}"\ntarget_delimiter: ""\n'
-            f"generation_kwargs:\n  until: {json.dumps(STOP)}\n  max_gen_toks: {max_new}\n  do_sample: false\n"
+            f"generation_kwargs:\n  until: {json.dumps(list(stop))}\n  max_gen_toks: {max_new}\n  do_sample: false\n"
             "metric_list:\n  - metric: exact_match\n")
         if model == "icr":
             import harness.lm_eval

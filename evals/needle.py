@@ -1,10 +1,11 @@
-"""Phonebook needle-in-a-haystack: one entry (the needle) hidden at a chosen depth in a phone book filled to
-a chosen context length in tokens of the model's own tokenizer; the model must give the needle's number.
+"""Phonebook needle-in-a-haystack: a phone book filled to a chosen context length in tokens of the model's own
+tokenizer; the question asks for the number of the entry at a chosen depth (the needle).
 
-A sweep over ``lengths`` x ``depths`` in one run: each (length, depth) is a condition of the results table,
-and every length uses the same needle and the same filler (a shorter book is a prefix of a longer one), so
-length and depth effects are not confounded with content. ``context_tokens`` in each sample records the
-book's exact token count.
+A sweep over ``lengths`` x ``depths`` in one run: each (length, depth) is a condition of the results table.
+One sample's book is the same text at every depth (only the name asked for moves) and a shorter book is a
+prefix of a longer one, so depth and length effects are not confounded with the text read, and a sweep's
+prompts share everything up to the question: the prefix tree (``--prefix-reuse tree``) reads each book once.
+``context_tokens`` in each sample records the book's exact token count.
 
     tokens (models trained here)  [BOS] n12 p3 n7 p9 ... [SEP] n7 [EOS] p9      (--length entries)
 """
@@ -89,21 +90,21 @@ class Needle(SyntheticTask):
             raise OptionError("task 'needle' measures lengths in the model's tokens; the engine must set its tokenizer")
         out = []
         for r in rows:
-            needle, *filler = self._book(r["seed"], 16 + max(o.lengths) // 4)  # >= 4 tokens per entry
-            line = lambda e: f"{e[0]}: {e[1]}"  # noqa: E731
-            per_line = [self._count(line(e) + "\n") for e in filler]
+            book = self._book(r["seed"], 16 + max(o.lengths) // 4)  # >= 4 tokens per entry
+            lines = [f"{name}: {number}" for name, number in book]
+            per_line = [self._count(line + "\n") for line in lines]
             for length in o.lengths:
-                n, total = 0, self._count(line(needle) + "\n")
-                while n < len(filler) and total + per_line[n] <= length:
+                n, total = 0, 0
+                while n < len(lines) and total + per_line[n] <= length:
                     total += per_line[n]
                     n += 1
+                text = "\n".join(lines[:n])
+                tokens = self._count(text)
                 for depth in o.depths:
-                    at = round(depth * n)
-                    lines = [line(e) for e in filler[:at]] + [line(needle)] + [line(e) for e in filler[at:n]]
-                    book = "\n".join(lines)
-                    out.append(Instance(id=r["_id"], condition=f"{length}@{depth:g}", question=book,
-                                        answer=needle[1], meta={"name": needle[0], "entries": n + 1,
-                                                                "needle_index": at, "context_tokens": self._count(book)}))
+                    at = round(depth * (n - 1))
+                    out.append(Instance(id=r["_id"], condition=f"{length}@{depth:g}", question=text,
+                                        answer=book[at][1], meta={"name": book[at][0], "entries": n,
+                                                                  "needle_index": at, "context_tokens": tokens}))
         return out
 
     def record_fields(self, instance: Instance) -> dict:

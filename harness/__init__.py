@@ -1,2 +1,2 @@
 """icr-harness: evaluation engine, model backends, CLI and reports for in-context retrieval studies."""
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif action.dest in SET_BY_HARNESS:  # fields of the recorded config, never flags
             action.type = _refuse(action.dest)
     word_negative_flags(ap)
+    ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_const", const="none",
+                    help="the same as --prefix-reuse none: every prompt prefilled whole")
     group = ap.add_argument_group("task options with flags of their own (also --task-arg KEY=VALUE)")
     for name, declared in task_flags().items():
         tasks, f = [t for t, _ in declared], declared[0][1]

@@ -48,6 +48,7 @@ def _icr_class():
     from tqdm.auto import tqdm
 
     from harness.backends.generation import GenRequest, common_prefix
+    from harness.backends.prefix_tree import generate_through_tree
     from harness.engine.run import load_backend
 
     class ICRLM(TemplateLM):
@@ -146,18 +147,28 @@ def _icr_class():
                 ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]  # lm-eval's left truncation
                 gens.append(GenRequest(prompt=context, max_new_tokens=max_new, stop=[u for u in until if u],
                                        prompt_ids=ids))
-            order = sorted(range(len(gens)), key=lambda i: -len(gens[i].prompt_ids))
-            shared = common_prefix([g.prompt_ids for g in gens]) if len(gens) > 1 else None  # e.g. few-shot
             texts: list[str | None] = [None] * len(gens)
             bar = tqdm(total=len(gens), desc="icr generate_until", disable=disable_tqdm)
-            for start in range(0, len(order), self.batch_size):
-                rows = order[start:start + self.batch_size]
-                for i, res in zip(rows, self.backend_impl.generate([gens[i] for i in rows], shared_prefix=shared)):
+            for rows, results in self._batches(gens):
+                for i, res in zip(rows, results):
                     texts[i] = res.text
                     self.cache_hook.add_partial("generate_until", requests[i].args, res.text)
                 bar.update(len(rows))
             bar.close()
             return texts
+
+        def _batches(self, gens: list[GenRequest]):
+            """Through the prefix tree where the backend can (every shared prefix prefilled once), else longest
+            first with the prefix all share (e.g. the few-shot examples) prefilled once."""
+            impl = self.backend_impl
+            if len(gens) > 1 and getattr(impl, "tree_reuse_pays", lambda: False)():
+                yield from generate_through_tree(impl, gens, self.batch_size)
+                return
+            order = sorted(range(len(gens)), key=lambda i: -len(gens[i].prompt_ids))
+            shared = common_prefix([g.prompt_ids for g in gens]) if len(gens) > 1 else None
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start:start + self.batch_size]
+                yield rows, impl.generate([gens[i] for i in rows], shared_prefix=shared)
 
     return ICRLM
 

@@ -17,6 +17,8 @@ CASES = {
     "kv_cache.py": (["--lengths", "40,300", "--steps", "4", "--hidden", "32", "--layers", "2"], "True"),
     "loglikelihood.py": (["--questions", "2", "--choices", "3", "--distractors", "1", "--hidden", "32", "--layers",
                           "1"], "True"),
+    "prefix_tree.py": (["--models", "phi,hybrid-phi-mamba", "--questions", "1", "--samples", "1", "--hidden", "32",
+                        "--layers", "1", "--lengths", "64,128", "--no-lm-eval"], "| True | True |"),
     "retrieval_resume.py": (["--context", "120", "--calls", "2", "--new-tokens", "8", "--hidden", "32", "--layers",
                              "2", "--samples", "2"], "identical tokens: True"),
     "throughput.py": (["--questions", "2", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",

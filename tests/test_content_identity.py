@@ -179,13 +179,13 @@ class _ReplacesItsDirectory:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def generate(self, reqs, shared_prefix=None):
+    def generate(self, reqs, **kw):
         self.calls += 1
         if self.calls == 2:
             os.rename(self.out, self.out.parent / "moved")
             self.out.mkdir()
             (self.out / "samples.jsonl").write_text(json.dumps({"key": "x@first", "config_hash": "other"}) + "\n")
-        return self.backend.generate(reqs, shared_prefix)
+        return self.backend.generate(reqs, **kw)
 
 
 def test_a_directory_replaced_mid_run_fails_loudly_and_writes_no_results(ckpt, tmp_path, phi_backend):

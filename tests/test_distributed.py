@@ -44,7 +44,8 @@ def _samples(out):
 def single_rank(tiny_phi_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
     cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]}, limit=12,
-                    max_new_tokens=16, batch_size="2", device="cpu", dtype="float32", output=str(out))
+                    max_new_tokens=16, batch_size="2", device="cpu", dtype="float32", output=str(out),
+                    prefix_reuse="none")  # the ranks run the default, the prefix tree: both modes agree
     res = run_eval(cfg, progress=False)
     return out, res
 
@@ -60,6 +61,7 @@ def test_two_ranks_merge_to_the_single_rank_result(tiny_phi_dir, single_rank, tm
     assert _samples(out) == _samples(out1)
     res2 = json.loads((out / "results.json").read_text())
     assert res2["counts"]["ranks"] == 2 and res2["counts"]["generated"] == 24
+    assert res2["timings"]["prefix_reuse"] == "tree"
     assert res2["metrics"] == res1["metrics"]
 
 

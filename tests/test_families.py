@@ -1,5 +1,5 @@
 """The family matrix: for every model family in harness/backends/families.py, greedy output at batch 4 equals
-batch 1, equals decoding without prefix reuse, and equals an uncached per-sample reference that runs each
+batch 1, equals decoding without prefix reuse and through the prefix tree, and equals an uncached per-sample reference that runs each
 sequence alone through a full forward pass at every step (no cache, no padding). With and without tool calls
 whose results differ in length per row (ragged blocks, the case that corrupts recurrent state)."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from harness.backends.families import FAMILIES, family_of
 from harness.backends.generation import GenRequest, common_prefix, greedy_generate
+from harness.backends.prefix_tree import generate_through_tree
 from harness.models.kernels import interpreting
 from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
 from tests.helpers import assert_varied
@@ -73,6 +74,13 @@ def _fields(results):
 
 
 def _run(backend, requests, batch, reuse):
+    if reuse == "tree":  # prefilled through the prefix tree where the family can merge rows, else as batch
+        if not backend.tree_reuse_pays():
+            return _run(backend, requests, batch, True)
+        got = {}
+        for idx, outs in generate_through_tree(backend, requests, batch):
+            got.update(zip(idx, outs))
+        return [got[i] for i in range(len(requests))]
     shared = common_prefix([r.prompt_ids for r in requests]) if reuse else None
     out = []
     for i in range(0, len(requests), batch):
@@ -118,7 +126,7 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
     if with_tool:
         lengths = {e - s for r in ref for s, e in r.tool_spans}
         assert len(lengths) > 1, "the tool results must differ in length to make ragged blocks"
-    for batch, reuse in [(4, True), (1, True), (4, False), (6, True)]:
+    for batch, reuse in [(4, True), (1, True), (4, False), (6, True), (4, "tree")]:
         got = _run(b, _requests(tok, tool_end), batch, reuse)
         assert _fields(got) == _fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
 

@@ -21,7 +21,7 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["size"] == "tiny" and report["device"] == "cpu"
     names = [c["name"] for c in report["checks"]]
-    assert sum("batched == no prefix reuse == alone" in n for n in names) == 3 and any("family matrix" in n for n in names)
+    assert sum("batched == no prefix reuse == prefix tree == alone" in n for n in names) == 3 and any("family matrix" in n for n in names)
     assert all(c["ok"] for c in report["checks"])
     assert all(c["distinct_generations"] >= 2 for c in report["checks"] if "distinct_generations" in c
                and isinstance(c["distinct_generations"], int))

@@ -14,6 +14,8 @@ def _instances(tok, **opts):
 
 
 def test_books_fill_each_length_in_tokens_with_the_needle_at_its_depth(tiny_tokenizer):
+    """The entry asked for sits at its depth; a sample's book is one text at every depth and a prefix of its
+    longer books (what lets the prefix tree read each book once)."""
     task, inst = _instances(tiny_tokenizer, lengths=[64, 256], depths=[0, 0.5, 1], samples=3)
     assert len(inst) == 3 * 2 * 3
     for ins in inst:
@@ -24,11 +26,12 @@ def test_books_fill_each_length_in_tokens_with_the_needle_at_its_depth(tiny_toke
         hit = [i for i, l in enumerate(lines) if l == f"{ins.meta['name']}: {ins.answer}"]
         depth = float(ins.condition.split("@")[1])
         assert hit == [round(depth * (len(lines) - 1))]  # once, where the depth says
-        assert ins.question.count(ins.answer) == 1
+        assert ins.question.count(f"{ins.meta['name']}:") == 1
     by = {(i.id, i.condition): i for i in inst}
     short, long = by[("needle0000", "64@1")], by[("needle0000", "256@1")]
-    assert long.question.startswith(short.question.rsplit("\n", 1)[0])  # same filler, a longer book
-    assert len({i.answer for i in inst}) == 3  # one needle per sample, the same at every length and depth
+    assert long.question.startswith(short.question + "\n")  # the same entries, a longer book
+    assert by[("needle0000", "64@0")].question == short.question  # one book at every depth
+    assert len({(i.id, i.answer) for i in inst if i.condition.startswith("256@")}) == 3 * 3  # the depths ask apart
 
 
 def test_scores_the_number_only():

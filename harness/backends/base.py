@@ -83,15 +83,20 @@ class Backend(ABC):
     @abstractmethod
     def expand(self, state: Any, n: int) -> Any: ...
 
-    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None) -> list[GenResult]:
+    def merge(self, states: Sequence[Any], lengths: Sequence[int]) -> Any:
+        raise NotImplementedError(f"the {self.name} backend cannot merge prefilled rows into a batch")
+
+    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None,
+                 started: Sequence[Prefix] | None = None) -> list[GenResult]:
         """``shared_prefix``: token ids every prompt starts with (the few-shot exemplars). Its state is
-        computed on the first call and copied into each later batch instead of being recomputed."""
+        computed on the first call and copied into each later batch instead of being recomputed.
+        ``started``: each request's prompt already prefilled through the prefix tree (``PrefixStates.start``)."""
         if not hasattr(self, "stats"):
             self.stats: dict[str, int] = {}
-        use_prefix = shared_prefix and self.prefix_reuse_pays()
+        use_prefix = shared_prefix and self.prefix_reuse_pays() and started is None
         prefix = self._prefix_state(list(shared_prefix)) if use_prefix else None
         return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context,
-                               prefix=prefix, stats=self.stats)
+                               prefix=prefix, started=started, stats=self.stats)
 
     # -- scoring -----------------------------------------------------------------------------------
     def sequence_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -183,6 +188,11 @@ class Backend(ABC):
         """Whether feeding each row's suffix as one block after a copied prefix beats a full prefill."""
         return True
 
+    def tree_reuse_pays(self) -> bool:
+        """Whether prompts may be prefilled through a prefix tree: a multi-token block after a copied one-row
+        state is exact in one call, and prefilled rows merge into a batch (``merge``)."""
+        return type(self).merge is not Backend.merge and self.prefix_reuse_pays()
+
     @torch.inference_mode()
     def _prefix_state(self, ids: list[int]) -> Prefix:
         cached = getattr(self, "_prefix", None)
@@ -191,6 +201,7 @@ class Backend(ABC):
             logits, state = self.prefill(t, torch.ones_like(t))
             self._prefix = cached = Prefix(ids, state, logits)
             self.stats["prefix_tokens"] = self.stats.get("prefix_tokens", 0) + len(ids)
+            self.stats["prefill_tokens"] = self.stats.get("prefill_tokens", 0) + len(ids)
         return cached
 
     @torch.inference_mode()

@@ -188,6 +188,41 @@ def recurrent_state(cache, clone: bool = False) -> list[torch.Tensor]:
     return [t.clone() for t in found] if clone else found
 
 
+# Cache layers whose per-row tensors are all keys/values of the whole sequence or a fixed-size recurrent state:
+# rows prefilled apart can be merged into one batch (sliding-window, static and quantized layers cannot).
+MERGEABLE_LAYERS = ("DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer")
+
+
+def mergeable(cache) -> bool:
+    """Whether ``merge_rows`` can batch rows of this kind of cache."""
+    caches = _caches(cache)
+    return bool(caches) and all(not isinstance(c, list) and getattr(c, "layers", None) and
+                                all(type(l).__name__ in MERGEABLE_LAYERS for l in c.layers) for c in caches)
+
+
+def merge_rows(caches: list, lengths: list[int]):
+    """One cache holding the rows of ``caches`` (one row each, prefilled unpadded, ``lengths`` tokens): keys
+    and values left-padded with zeros to the longest (the attention mask hides them, as it hides a left-padded
+    prefill's pads), recurrent state stacked; ``caches`` are consumed. Written here because transformers' caches can only select or
+    repeat rows, not join caches of different lengths."""
+    import copy
+
+    width = max(lengths)
+    out = copy.deepcopy(caches[0])  # the structure (one row's tensors, replaced below)
+    for names, pad in ((_KV, True), (_RECURRENT, False)):
+        rows = [_slots(c, names) for c in caches]
+        for k, (box, key) in enumerate(_slots(out, names)):
+            parts = [_get(*r[k]) for r in rows]
+            if pad:
+                if any(t.shape[-2] != n for t, n in zip(parts, lengths)):
+                    raise ValueError("merge_rows: a row's keys do not hold its whole prompt")
+                parts = [torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0)) for t in parts]
+            _set(box, key, torch.cat(parts))
+            for r in rows:  # each row's tensor released once copied: the rows and the batch are not held twice
+                _set(*r[k], None)
+    return out
+
+
 def restore_rows(cache, saved: list[torch.Tensor], rows: torch.Tensor) -> None:
     """Put back the recurrent state of the rows where ``rows`` is True (their block had already ended)."""
     for cur, old in zip(recurrent_state(cache), saved):

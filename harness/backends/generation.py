@@ -44,6 +44,11 @@ class Stepper(Protocol):
     def expand(self, state: Any, n: int) -> Any:
         """A fresh copy of a one-row state repeated ``n`` times (the shared prefix, copied into each row)."""
 
+    def merge(self, states: Sequence[Any], lengths: Sequence[int]) -> Any:
+        """One batch state from one-row, unpadded states of ``lengths`` tokens each (prompts prefilled through
+        the prefix tree): attention keys and values left-padded to the longest (the mask hides the pads),
+        recurrent state stacked. Optional: only the prefix tree needs it."""
+
 
 @dataclass
 class GenRequest:
@@ -187,8 +192,9 @@ def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
 @torch.inference_mode()
 def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
                     max_context: int | None = None, prefix: Prefix | None = None,
-                    stats: dict | None = None) -> list[GenResult]:
+                    started: Sequence[Prefix] | None = None, stats: dict | None = None) -> list[GenResult]:
     """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order.
+    ``started``: each row's prompt already prefilled (``harness.backends.prefix_tree``), merged into one batch.
 
     Each step feeds every active row a block: its chosen token, followed by a tool result when that token
     completed a call. Blocks are right-padded to the longest, so a whole result is absorbed in the same
@@ -199,7 +205,17 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     eos_id = tokenizer.eos_token_id
     prompt_ids, rows = _new_rows(tokenizer, requests)
     n = len(prefix.ids) if prefix is not None else 0
-    if n and all(len(p) > n and p[:n] == prefix.ids for p in prompt_ids):
+    if started is not None:
+        if [s.ids for s in started] != prompt_ids:
+            raise ValueError("greedy_generate: a started state is not its request's prompt")
+        states = [s.state for s in started]
+        for s in started:  # a started row is used once: the batch state replaces it (memory is not held twice)
+            s.state = None
+        state = stepper.merge(states, [len(p) for p in prompt_ids])
+        del states
+        _, mask = left_pad(prompt_ids, pad_id, device)
+        logits = torch.cat([s.logits for s in started])
+    elif n and all(len(p) > n and p[:n] == prefix.ids for p in prompt_ids):
         # Copy the prefix state into every row, then feed each row's own suffix as one right-padded block.
         state = stepper.expand(prefix.state, len(rows))
         ids, block_mask = right_pad([p[n:] for p in prompt_ids], pad_id, device)
@@ -208,7 +224,7 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     else:
         ids, mask = left_pad(prompt_ids, pad_id, device)
         logits, state = stepper.prefill(ids, mask)
-    if stats is not None:
+    if stats is not None and started is None:  # a started row's prefill was counted where it ran
         stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + ids.numel()
     active = list(range(len(rows)))
     while True:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness.backends import fla_models
 from harness.backends.base import Backend, resolve_device, resolve_dtype
-from harness.backends.families import family_of, map_rows, recurrent_state, restore_rows
+from harness.backends.families import family_of, map_rows, merge_rows, mergeable, recurrent_state, restore_rows
 from harness.backends.generation import GenRequest, GenResult, last_real_index, logits_at_last_real
 from harness.engine import hub
 
@@ -64,9 +64,10 @@ class TransformersBackend(Backend):
         self._told_alone = False
 
     # -- batching decisions ----------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None) -> list[GenResult]:
+    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None,
+                 started=None) -> list[GenResult]:
         if self.family.padding != "alone":
-            return super().generate(requests, shared_prefix)
+            return super().generate(requests, shared_prefix, started)
         if not self._told_alone:
             log.info("model family %r cannot keep padding out of its state: each sample runs alone and unpadded "
                      "(exact; the batch size only groups the progress bar)", self.family.name)
@@ -78,6 +79,24 @@ class TransformersBackend(Backend):
 
     def prefix_reuse_pays(self) -> bool:
         return self.family.prefix_reuse
+
+    @torch.inference_mode()
+    def tree_reuse_pays(self) -> bool:
+        """The prefix tree feeds each row alone after a copied state (unpadded), then merges rows: exact for a
+        masked family, and for a restore family whose cached steps take a block in one call; the cache's layers
+        must be ones ``merge_rows`` knows."""
+        fam = self.family
+        if fam.padding == "alone" or fam.module_state or fam.own_cache or not (fam.padding == "masked" or
+                                                                               fam.block_steps):
+            return False
+        if getattr(self, "_mergeable", None) is None:
+            ids = torch.full((1, 2), self.tokenizer.eos_token_id, device=self.device)
+            self._mergeable = mergeable(self.prefill(ids, torch.ones_like(ids))[1]["cache"])
+        return self._mergeable
+
+    def merge(self, states, lengths):
+        return {"cache": merge_rows([s["cache"] for s in states], list(lengths)),
+                "pos": torch.cat([s["pos"] for s in states])}
 
     # -- stepper ---------------------------------------------------------------------------------
     def _forward(self, cache, input_ids, attention_mask, pos, **kw):

@@ -10,7 +10,7 @@ from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.generation import logits_at_last_real
 from harness.backends.hf import load_tokenizer
 from harness.models import kernels
-from harness.models.phi_mamba import PhiMambaForCausalLM
+from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState
 
 log = logging.getLogger("harness")
 
@@ -62,6 +62,9 @@ class PhiMambaBackend(Backend):
 
     def expand(self, state, n):
         return state.repeat(n)
+
+    def merge(self, states, lengths):
+        return PhiMambaState.merge(list(states), list(lengths))
 
     def bytes_per_token(self) -> int:
         cfg = self.model.config

@@ -31,6 +31,9 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+PREFIX_REUSE = ("tree", "batch", "none")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Every flag of ``harness.eval`` except the task's own options (``task_args``, see ``evals``), defined
@@ -67,8 +70,12 @@ class RunConfig:
                                           "HotpotQA)")
     tool_timeout: float = _f(1.0, "seconds before a regex search is stopped, > 0")
     tool_max_chars: int = _f(300, "cap on one tool result's length")
-    prefix_reuse: bool = _f(True, "prefill the shared few-shot prefix once and copy it into each batch "
-                                  "(outputs are identical either way)")
+    prefix_reuse: str = _f("tree", "tree: every prefix prompts share is prefilled once (a prefix tree over all "
+                                   "pending prompts, states kept at its branch points); batch: only the prefix all "
+                                   "prompts share; none (also --no-prefix-reuse): every prompt prefilled whole. "
+                                   "Outputs are identical in all three", choices=list(PREFIX_REUSE))
+    prefix_memory: str = _f("auto", "memory the prefix tree's snapshots may hold, e.g. 4GiB (auto: a quarter of "
+                                    "free memory); a snapshot that does not fit is recomputed, never an out-of-memory")
     cuda_graphs: bool = _f(False, "Phi-Mamba and the hybrid on CUDA: replay each decode step from a CUDA graph "
                                   "(one per batch and context bucket; checked against the eager step by "
                                   "harness.doctor)")
@@ -77,6 +84,10 @@ class RunConfig:
     overwrite: bool = _f(False, "start over in --output even if it holds a run (of other settings, or this one): "
                                 "its files are moved to OUTPUT/replaced-TIMESTAMP/, never deleted")
     template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
+
+    def __post_init__(self):
+        if isinstance(self.prefix_reuse, bool):  # the flag's former on/off form (run.json of 0.2 runs, scripts)
+            object.__setattr__(self, "prefix_reuse", "tree" if self.prefix_reuse else "none")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,6 +109,15 @@ class RunConfig:
             bad("--tool-timeout", self.tool_timeout, "use a positive, finite number of seconds, e.g. 1.0")
         if self.max_tool_calls is not None and self.max_tool_calls < 1:
             bad("--max-tool-calls", self.max_tool_calls, "use 1 or more (leave out --retrieval for no tool)")
+        if self.prefix_reuse not in PREFIX_REUSE:
+            bad("--prefix-reuse", self.prefix_reuse, f"use one of {', '.join(PREFIX_REUSE)}")
+        if self.prefix_memory != "auto":
+            from harness.backends.prefix_tree import parse_bytes
+
+            try:
+                parse_bytes(self.prefix_memory)
+            except ValueError as e:
+                bad("--prefix-memory", self.prefix_memory, str(e).split("; ", 1)[-1])
         if self.audit < 0:
             bad("--audit", self.audit, "use 0 (no audit) or a number of rows")
         if self.tool_max_chars < 4:
@@ -131,7 +151,7 @@ class RunConfig:
     def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None,
                  selects: tuple[str, ...] = ()) -> dict[str, Any]:
         """What determines a sample's generation, as content: the key of the resume hash. Limits, ids, batch
-        size, prefix reuse and the task options in ``selects`` (HotpotQA's positions) are left out: they choose
+        size, prefix reuse (and its memory) and the task options in ``selects`` (HotpotQA's positions) are left out: they choose
         which rows exist, not what a row holds."""
         from harness.backends.base import resolve_dtype
         from harness.models import UnknownModelError, resolve_model

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
 from harness.backends.generation import GenRequest, common_prefix
+from harness.backends.prefix_tree import PrefixStates, PrefixTree, default_budget, parse_bytes
 from harness.engine import hub, lm_eval_format
 from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.engine.identity import awaits_download, describe_changes, model_identity
@@ -128,22 +129,34 @@ def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> li
     return rows[:limit] if limit is not None else rows
 
 
-def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int) -> list[list[int]]:
-    """Longest first (an out-of-memory shows at once); ``auto`` fills each batch up to a token budget."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int,
+                 order: Sequence[int] | None = None) -> list[list[int]]:
+    """Consecutive runs of ``order`` (default: longest first, so an out-of-memory shows at once; the prefix tree
+    gives its depth-first order); ``auto`` fills each batch up to a token budget."""
+    order = list(order) if order is not None else sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if batch_size != "auto":
         bs = int(batch_size)
         return [order[i:i + bs] for i in range(0, len(order), bs)]
-    batches, cur = [], []
+    batches, cur, longest = [], [], 0
     for i in order:
-        width = lengths[cur[0]] + max_new if cur else lengths[i] + max_new
+        width = max(longest, lengths[i]) + max_new
         if cur and (len(cur) + 1) * width > token_budget:
             batches.append(cur)
-            cur = []
+            cur, longest = [], 0
         cur.append(i)
+        longest = max(longest, lengths[i])
     if cur:
         batches.append(cur)
     return batches
+
+
+def rank_share(todo: list[Instance], prompts: dict[str, str], rank: int, world: int) -> list[Instance]:
+    """This rank's part of what is left: a fixed split (any number of ranks can resume any run) into contiguous
+    runs of the prompts in text order, so prompts that share a prefix (one question's positions, one book's
+    depths) mostly land on one rank and its prefix tree. Instance order within the share."""
+    ranked = sorted(range(len(todo)), key=lambda i: prompts[todo[i].key])
+    mine = set(ranked[len(ranked) * rank // world:len(ranked) * (rank + 1) // world])
+    return [ins for i, ins in enumerate(todo) if i in mine]
 
 
 def _check_unique(instances: list[Instance], source: str | None) -> None:
@@ -284,7 +297,7 @@ class EvalRun:
             records = self.collect()
             timings = {"load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
                        "total_s": round(time.perf_counter() - self.t0, 3), "new_tokens": new_tokens,
-                       "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None}
+                       "tokens_per_s": round(new_tokens / gen_s, 2) if gen_s > 0 else None, **self.prefill_stats}
             return self.report(records, {"generated": n_todo, "resumed": len(self.instances) - n_todo,
                                          "stale_regenerated": n_stale}, timings)
         finally:
@@ -317,7 +330,7 @@ class EvalRun:
                  len(self.rows), len({i.condition for i in self.instances}), self.task.condition, len(self.instances),
                  len(self.instances) - len(todo), cfg.output)
         n_todo = len(todo)
-        todo = todo[self.rank::self.world]  # a fixed split of what is left, so any number of ranks can resume any run
+        todo = rank_share(todo, self.prompts, self.rank, self.world)
         if self.world > 1:
             log.info("rank %d of %d: %d instances", self.rank, self.world, len(todo))
         return todo, n_todo, len(stale)
@@ -346,6 +359,7 @@ class EvalRun:
     def generate(self, todo: list[Instance]) -> tuple[float, int]:
         """Generate and score ``todo`` batch by batch, each batch's rows written as soon as it is done. A prompt
         that does not fit the model's context is recorded as skipped, never truncated."""
+        self.prefill_stats: dict[str, Any] = {}
         if not todo:
             return 0.0, 0
         cfg, backend = self.cfg, self.backend
@@ -360,17 +374,17 @@ class EvalRun:
                         "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
             self.samples.write(self._record(todo[i], prompts[i], len(prompt_ids[i]), None, None,
                                             skipped="prompt_too_long") for i in too_long)
-        shared = common_prefix([prompt_ids[i] for i in fits]) if cfg.prefix_reuse and len(fits) > 1 else []
-        if len(shared) < MIN_SHARED_PREFIX:
-            shared = []
-        log.info("shared prompt prefix: %d tokens%s", len(shared),
-                 " (prefilled once, copied into each batch)" if shared else "")
+        fit_ids = [prompt_ids[i] for i in fits]
+        mode, tree, shared = self._prefix_plan(fit_ids)
         bs = cfg.batch_size if cfg.batch_size == "auto" else int(cfg.batch_size)
-        batches = plan_batches([len(prompt_ids[i]) for i in fits], bs, backend.token_budget(), cfg.max_new_tokens)
+        batches = plan_batches([len(ids) for ids in fit_ids], bs, backend.token_budget(), cfg.max_new_tokens,
+                               order=tree.order() if tree is not None else None)
         if batches:
             sizes = [len(b) for b in batches]
             log.info("%d batches of %d-%d prompts (batch size %s)", len(batches), min(sizes), max(sizes),
                      cfg.batch_size)
+        stats = backend.__dict__.setdefault("stats", {})
+        prefilled = stats.get("prefill_tokens", 0)
         gen_s, new_tokens = 0.0, 0
         bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample",
                    disable=not (self.progress and self.rank == 0))
@@ -382,7 +396,10 @@ class EvalRun:
             reqs = [GenRequest(prompts[i], cfg.max_new_tokens, self.stop, tool, prompt_ids=prompt_ids[i])
                     for i, tool in zip(idx, tools)]
             t = time.perf_counter()
-            outs = backend.generate(reqs, shared_prefix=shared or None)
+            if tree is not None:
+                outs = backend.generate(reqs, started=[tree.start(j) for j in batch])
+            else:
+                outs = backend.generate(reqs, shared_prefix=shared or None)
             gen_s += time.perf_counter() - t
             new_tokens += sum(o.new_tokens for o in outs)
             self.samples.write(
@@ -393,7 +410,38 @@ class EvalRun:
                 for i, o, tool in zip(idx, outs, tools))
             bar.update(len(idx))
         bar.close()
+        # what prefill cost, against the least it could (results.json timings; README "Prefix reuse")
+        self.prefill_stats = {"prefix_reuse": mode, "prompt_tokens": sum(map(len, fit_ids)),
+                              "prefill_tokens": stats.get("prefill_tokens", 0) - prefilled,
+                              "tree_tokens": PrefixTree(fit_ids).tree_tokens}
+        if tree is not None:
+            self.prefill_stats.update(prefix_memory_bytes=tree.budget, prefix_snapshot_peak_bytes=tree.peak,
+                                      prefix_snapshots_recomputed=tree.skipped)
         return gen_s, new_tokens
+
+    def _prefix_plan(self, fit_ids: list[list[int]]) -> tuple[str, PrefixStates | None, list[int]]:
+        """The prefix reuse this backend can do of the one asked for: (mode, the tree's states, the prefix every
+        prompt shares). A backend that cannot merge rows prefilled apart (vLLM, families that run alone or take
+        one token per cached step) falls back to ``batch``, which itself does nothing where reuse is not exact."""
+        cfg, backend = self.cfg, self.backend
+        mode = cfg.prefix_reuse
+        if mode == "tree" and not getattr(backend, "tree_reuse_pays", lambda: False)():
+            log.info("prefix reuse: the %s backend cannot prefill through a prefix tree here (%s); only the prefix "
+                     "every prompt shares is reused", backend.name, backend.describe().get("family", backend.name))
+            mode = "batch"
+        if mode == "tree":
+            budget = (default_budget(backend.device) if cfg.prefix_memory == "auto"
+                      else parse_bytes(cfg.prefix_memory))
+            tree = PrefixStates(backend, fit_ids, budget)
+            log.info("prefix tree: %d prompt tokens, %d distinct (snapshots within %.2f GiB)",
+                     sum(map(len, fit_ids)), tree.tree.tree_tokens, budget / 2 ** 30)
+            return mode, tree, []
+        shared = common_prefix(fit_ids) if mode == "batch" and len(fit_ids) > 1 else []
+        if len(shared) < MIN_SHARED_PREFIX:
+            shared = []
+        log.info("shared prompt prefix: %d tokens%s", len(shared),
+                 " (prefilled once, copied into each batch)" if shared else "")
+        return mode, None, shared
 
     def _record(self, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None,
                 skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:

@@ -386,9 +386,41 @@ class PhiMambaState:
         return self
 
     def repeat(self, n: int) -> "PhiMambaState":
-        """A new state with this (one-row) state copied into ``n`` rows."""
-        return PhiMambaState([{k: v.repeat_interleave(n, dim=0) if torch.is_tensor(v) else v for k, v in s.items()}
-                              for s in self.layers], self.pos.repeat_interleave(n, dim=0))
+        """A new state with this (one-row) state copied into ``n`` rows (KV buffers without their spare room, so a
+        kept copy holds what ``nbytes`` says)."""
+        def rows(s: dict, k: str, v):
+            if not torch.is_tensor(v):
+                return v
+            return (v[:, :, :s["len"]] if k in ("k", "v") else v).repeat_interleave(n, dim=0)
+
+        return PhiMambaState([{k: rows(s, k, v) for k, v in s.items()} for s in self.layers],
+                             self.pos.repeat_interleave(n, dim=0))
+
+    @staticmethod
+    def merge(states: list["PhiMambaState"], lengths: list[int]) -> "PhiMambaState":
+        """One batch from one-row states of ``lengths`` tokens: each KV cache right-aligned in a buffer as long as
+        the longest (its left pads hidden by the attention mask), recurrent state stacked. Consumes ``states``
+        layer by layer, so the rows and the batch are not held twice over."""
+        width = max(lengths)
+        layers = []
+        for i in range(len(states[0].layers)):
+            per_row = [s.layers[i] for s in states]
+            for s in states:
+                s.layers[i] = None
+            if "len" in per_row[0]:
+                kv = {}
+                for name in ("k", "v"):
+                    first = per_row[0][name]
+                    buf = first.new_zeros(len(per_row), first.shape[1], width, first.shape[3])
+                    for r, (s, n) in enumerate(zip(per_row, lengths)):
+                        if s["len"] != n:
+                            raise ValueError(f"a state of {s['len']} cached tokens given as {n}")
+                        buf[r, :, width - n:] = s[name][0, :, :n]
+                    kv[name] = buf
+                layers.append({**kv, "len": width})
+            else:
+                layers.append({k: torch.cat([s[k] for s in per_row]) for k in per_row[0]})
+        return PhiMambaState(layers, torch.cat([s.pos for s in states]))
 
     def nbytes(self) -> int:
         """Bytes of state in use: the recurrent state, and the filled part of each KV buffer."""

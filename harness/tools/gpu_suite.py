@@ -56,10 +56,15 @@ def divergences(backend, prompts: list[str], ref: list[list[int]], other: list[l
     return rows
 
 
+PARITY = "batched == no prefix reuse == prefix tree == alone"
+
+
 def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
-    """Greedy generations: a batch with the shared prefix reused == the batch without it == each prompt alone.
-    Exact, or (where kernels round differently by batch shape) every divergence a near-tie of the logits."""
+    """Greedy generations: a batch with the shared prefix reused == the batch without it == the prefix tree's
+    (each prompt prefilled alone after its snapshot, rows merged) == each prompt alone. Exact, or (where kernels
+    round differently by batch shape) every divergence a near-tie of the logits."""
     from harness.backends.generation import GenRequest, common_prefix
+    from harness.backends.prefix_tree import generate_through_tree
     from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
@@ -67,13 +72,15 @@ def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: li
     shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
     batched = [r.token_ids for r in backend.generate(reqs, shared_prefix=shared)]
     no_prefix = [r.token_ids for r in backend.generate(reqs)]
+    tree = dict(x for idx, outs in generate_through_tree(backend, reqs, len(reqs)) for x in zip(idx, outs))
+    tree = [tree[i].token_ids for i in range(len(reqs))]
     alone = [backend.generate([r])[0].token_ids for r in reqs]
-    same = sum(a == b == c for a, b, c in zip(batched, no_prefix, alone))
+    same = sum(a == b == c == d for a, b, c, d in zip(batched, no_prefix, tree, alone))
     distinct = len({tuple(t) for t in alone})
-    div = divergences(backend, prompts, alone, batched) + divergences(backend, prompts, alone, no_prefix)
+    div = sum((divergences(backend, prompts, alone, x) for x in (batched, no_prefix, tree)), [])
     worst = max((abs(d["gap"]) / max(d["spread"], 1e-12) for d in div), default=0.0)
     # an equality of identical outputs proves nothing: the generations must differ between prompts
-    return {"name": f"{arch} {dtype}: batched == no prefix reuse == alone", "same": f"{same}/{len(reqs)}",
+    return {"name": f"{arch} {dtype}: {PARITY}", "same": f"{same}/{len(reqs)}",
             "distinct_generations": distinct, "shared_prefix_tokens": len(shared),
             "divergences": [f"row {d['row']} step {d['step']}: gap {d['gap']:.3g} (spread {d['spread']:.3g})"
                             for d in div],
@@ -373,7 +380,7 @@ def _models_part(step, report: dict, parts, device: str, size: str, tmp: Path, t
         path = _model(tmp, arch, size, tok)
         if "parity" in parts:
             for dtype in dtypes:
-                step(report["checks"], f"{arch} {dtype}: batched == no prefix reuse == alone", generation_parity,
+                step(report["checks"], f"{arch} {dtype}: {PARITY}", generation_parity,
                      path, arch, device, dtype, prompts[:8], new)
             if cuda and arch != "phi":
                 step(report["checks"], f"{arch}: CUDA graphs in the generation loop", graphs_parity, path, arch,

@@ -1,0 +1,228 @@
+"""Every shared prompt prefix of a run computed once: a radix tree over the token ids of all pending prompts,
+with the model state snapshotted at its branch points.
+
+A position sweep's prompts share far more than the few-shot exemplars: with the gold paragraph at slot p, the
+distractors before it are the same text as in every prompt whose gold comes later; a needle's phone book is
+the same up to the question. ``PrefixStates`` hands out each prompt's prefilled state in an order that walks
+the tree depth first: the state at a branch point (KV rows for attention layers, conv and SSM state for
+recurrent ones, both for hybrids) is kept while prompts below it are pending and freed when the last of them
+has started; each prompt then computes only the tokens below its deepest kept snapshot. A snapshot that does
+not fit the memory budget is not kept: the prompts below it recompute those tokens (never an out-of-memory).
+
+Written here because no library does this for recurrent state: vLLM's prefix caching shares attention KV in
+fixed blocks (for Mamba hybrids block-aligned or off), lm-eval shares nothing, and transformers' caches have no
+notion of a tree. A recurrent snapshot costs O(1) memory, whatever its depth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from harness.backends.generation import GenRequest, GenResult, Prefix
+
+
+@dataclass(eq=False)
+class Node:
+    """A run of tokens every prompt below shares; ``depth`` counts the tokens from the root to its end."""
+
+    ids: list[int]
+    depth: int
+    parent: "Node | None"
+    children: dict[int, "Node"] = field(default_factory=dict)
+    ends: list[int] = field(default_factory=list)  # prompts that end exactly here
+    pending: int = 0  # prompts in this subtree whose state has not been handed out yet
+    snapshot: Prefix | None = None
+    snapshot_bytes: int = 0
+
+
+class PrefixTree:
+    """A radix tree over token sequences (edges hold runs of tokens, a node branches or ends a sequence)."""
+
+    def __init__(self, seqs: Sequence[Sequence[int]]):
+        self.seqs = [list(s) for s in seqs]
+        self.root = Node([], 0, None)
+        self.end_node: list[Node] = []
+        for i, s in enumerate(self.seqs):
+            self.end_node.append(self._insert(i, s))
+
+    def _insert(self, i: int, s: list[int]) -> Node:
+        node, at = self.root, 0
+        while True:
+            node.pending += 1
+            if at == len(s):
+                node.ends.append(i)
+                return node
+            child = node.children.get(s[at])
+            if child is None:
+                leaf = Node(s[at:], len(s), node, pending=1, ends=[i])
+                node.children[s[at]] = leaf
+                return leaf
+            k = 0
+            while k < len(child.ids) and at + k < len(s) and child.ids[k] == s[at + k]:
+                k += 1
+            if k < len(child.ids):  # split the edge where the new sequence leaves it
+                mid = Node(child.ids[:k], at + k, node, pending=child.pending)
+                child.ids, child.parent = child.ids[k:], mid
+                mid.children[child.ids[0]] = child
+                node.children[s[at]] = mid
+                child = mid
+            node, at = child, at + k
+
+    def nodes(self):
+        todo = [self.root]
+        while todo:
+            n = todo.pop()
+            yield n
+            todo.extend(n.children.values())
+
+    @property
+    def tree_tokens(self) -> int:
+        """The distinct tokens of all sequences: the least any prefill of them can compute."""
+        return sum(len(n.ids) for n in self.nodes())
+
+    def order(self) -> list[int]:
+        """Sequence indices depth first (children in the order they first appeared): a subtree's sequences are
+        consecutive, so its snapshot can be freed once they have started."""
+        out, todo = [], [self.root]
+        while todo:
+            n = todo.pop()
+            out += n.ends
+            todo.extend(reversed(list(n.children.values())))
+        return out
+
+    def path(self, i: int) -> list[Node]:
+        """The nodes from the root's first child down to where sequence ``i`` ends."""
+        out, n = [], self.end_node[i]
+        while n is not self.root:
+            out.append(n)
+            n = n.parent
+        return out[::-1]
+
+
+class PrefixStates:
+    """Each prompt's prefilled one-row state (a ``Prefix`` whose ids are the whole prompt), computed through the
+    tree's snapshots. Call ``start`` once per prompt, in ``order()`` for the snapshots to pay."""
+
+    def __init__(self, backend, seqs: Sequence[Sequence[int]], budget_bytes: int):
+        self.backend, self.budget = backend, budget_bytes
+        self.tree = PrefixTree(seqs)
+        self.used = self.peak = 0
+        self.skipped = 0  # times a branch point's state did not fit the budget (its tokens recomputed below it)
+
+    def order(self) -> list[int]:
+        return self.tree.order()
+
+    @torch.inference_mode()
+    def start(self, i: int) -> Prefix:
+        path = self.tree.path(i)
+        base = max((k for k, n in enumerate(path) if n.snapshot is not None), default=-1)
+        held = path[base] if base >= 0 else None
+        cur = held.snapshot if held is not None else None
+        todo: list[int] = []
+        for node in path[base + 1:]:
+            todo += node.ids
+            if node.pending >= 2:  # a branch point prompts below still need
+                if self._fits(node.depth):
+                    cur = self._feed(cur, todo)
+                    self._keep(node, cur)
+                    todo = []
+                    if held is not None and held.pending == node.pending:  # all it served now start deeper
+                        self._free(held)
+                    held = node
+                else:
+                    self.skipped += 1
+        if todo:
+            row = self._feed(cur, todo)
+        else:  # the prompt ends at a kept snapshot (a duplicate, or a prefix of another prompt)
+            row = Prefix(list(cur.ids), self.backend.expand(cur.state, 1), cur.logits)
+        for node in path:
+            node.pending -= 1
+            if node.pending == 0:
+                self._free(node)
+        return row
+
+    def _free(self, node: Node) -> None:
+        if node.snapshot is not None:
+            self.used -= node.snapshot_bytes
+            node.snapshot = None
+
+    def _fits(self, depth: int) -> bool:
+        need = self.backend.state_bytes(depth) or 0
+        return self.used + need <= self.budget
+
+    def _keep(self, node: Node, snap: Prefix) -> None:
+        from harness.backends.base import state_nbytes
+
+        node.snapshot = snap
+        node.snapshot_bytes = state_nbytes(snap.state)
+        self.used += node.snapshot_bytes
+        self.peak = max(self.peak, self.used)
+        self._count("tree_snapshots", 1)
+
+    def _feed(self, cur: Prefix | None, ids: list[int]) -> Prefix:
+        """The state after ``ids`` following ``cur`` (a fresh copy; ``cur`` stays as it was), one row, unpadded."""
+        b = self.backend
+        t = torch.tensor([ids], device=b.device)
+        if cur is None:
+            logits, state = b.prefill(t, torch.ones_like(t))
+            full = list(ids)
+        else:
+            state = b.expand(cur.state, 1)
+            full = cur.ids + list(ids)
+            logits = b.step(state, t, torch.ones((1, len(full)), dtype=torch.long, device=b.device))
+        self._count("prefill_tokens", len(ids))
+        return Prefix(full, state, logits)
+
+    def _count(self, key: str, n: int) -> None:
+        """Counted in the backend's ``stats``, with the prefill of every other path."""
+        stats = self.backend.__dict__.setdefault("stats", {})
+        stats[key] = stats.get(key, 0) + n
+
+
+def generate_through_tree(backend, requests: Sequence[GenRequest], batch_size: int, budget: int | None = None
+                          ) -> Iterator[tuple[list[int], list[GenResult]]]:
+    """Every request prefilled through one prefix tree and decoded ``batch_size`` consecutive prompts of its
+    depth-first order at a time; yields (request indices, their results) batch by batch."""
+    ids = [list(r.prompt_ids) if r.prompt_ids is not None else backend.tokenizer(r.prompt)["input_ids"]
+           for r in requests]
+    requests = [dataclasses.replace(r, prompt_ids=i) for r, i in zip(requests, ids)]
+    states = PrefixStates(backend, ids, default_budget(backend.device) if budget is None else budget)
+    order = states.order()
+    for k in range(0, len(order), max(1, batch_size)):
+        idx = order[k:k + max(1, batch_size)]
+        yield idx, backend.generate([requests[i] for i in idx], started=[states.start(i) for i in idx])
+
+
+def default_budget(device: torch.device) -> int:
+    """Bytes snapshots may hold when ``--prefix-memory`` is auto: a quarter of the device's free memory (the
+    batches' own budget is half of it)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.25)
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        pages = 8 << 30
+    return int(pages * 0.25)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``4GiB``, ``512MB``, ``1e9`` → bytes; ValueError names the accepted forms."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value >= 0:
+        raise ValueError(f"{text!r} is not an amount of memory; use e.g. 4GiB, 512MiB, 2GB or auto")
+    return int(value * _UNITS[unit])

@@ -1,0 +1,174 @@
+"""The prefix tree (``--prefix-reuse tree``): every prefix prompts share is prefilled once, and generations are
+those of ``batch`` and ``none``, token for token, with tool calls, under a memory budget and on resume."""
+import json
+import random
+
+import pytest
+
+from harness.backends.generation import GenRequest, common_prefix
+from harness.backends.prefix_tree import PrefixTree, generate_through_tree, parse_bytes
+from harness.engine import run_eval
+from harness.engine.config import ConfigError, RunConfig
+from retrieval import RetrievalTool
+from tests.helpers import assert_varied
+from tests.test_retrieval import UNITS
+
+
+def _distinct_prefixes(seqs) -> int:
+    return len({tuple(s[:k]) for s in seqs for k in range(1, len(s) + 1)})
+
+
+def test_tree_holds_each_distinct_token_once_and_keeps_subtrees_consecutive():
+    rng = random.Random(0)
+    stem = [rng.randrange(5) for _ in range(30)]
+    seqs = [stem[:rng.randrange(1, 30)] + [rng.randrange(3) for _ in range(rng.randrange(0, 6))] for _ in range(60)]
+    seqs += [seqs[3], seqs[3][:2]]  # a duplicate, and a prompt that is a prefix of another
+    tree = PrefixTree(seqs)
+    assert tree.tree_tokens == _distinct_prefixes(seqs) < sum(map(len, seqs))
+    for i, s in enumerate(seqs):
+        assert [t for n in tree.path(i) for t in n.ids] == s
+    order = tree.order()
+    assert sorted(order) == list(range(len(seqs)))
+    where = {i: k for k, i in enumerate(order)}
+    for node in tree.nodes():  # every subtree's prompts are one run of the order (its snapshot can be freed)
+        below = [where[i] for i in range(len(seqs)) if node in tree.path(i) or node is tree.root]
+        assert max(below) - min(below) + 1 == len(below)
+
+
+def test_memory_amounts_parse_and_bad_ones_are_refused(tmp_path):
+    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512 MB") == 512 * 10 ** 6 and parse_bytes("1e3") == 1000
+    for bad in ("lots", "-1GiB", "4 parsecs"):
+        with pytest.raises(ValueError, match="4GiB"):
+            parse_bytes(bad)
+    with pytest.raises(ConfigError, match="--prefix-memory 'lots'"):
+        RunConfig(model="x", prefix_memory="lots", device="cpu").validate()
+    assert RunConfig(model="x", prefix_reuse=False).prefix_reuse == "none"  # the former on/off flag
+
+
+def _sweep_prompts(n_slots=5):
+    """A position sweep in miniature: a shared header, then paragraphs with the odd one at every slot."""
+    head = "Answer from the paragraphs.\n" + "\n".join(UNITS[:2]) + "\n"
+    fill = [f"Note {k}: the river at mile {3 * k} is {['wide', 'slow', 'cold', 'deep', 'green'][k]}." for k in range(5)]
+    gold = UNITS[2]
+    prompts = []
+    for q, ask in enumerate(("When was Karvell founded?", "Where is Pellin?")):
+        for slot in range(n_slots):
+            body = fill[:slot] + [gold] + fill[slot:]
+            # the ending names the slot: tiny recurrent models answer from the last tokens, and must vary
+            prompts.append(head + "\n".join(body) + f"\nQuestion {q}: {ask} ({fill[slot][:12 + 3 * slot]})\nAnswer:")
+    return prompts
+
+
+def _requests(backend, prompts, tools=None):
+    ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
+    return [GenRequest(p, 14, tool=tools[k] if tools else None, prompt_ids=i)
+            for k, (p, i) in enumerate(zip(prompts, ids))]
+
+
+def _three_ways(backend, make_requests, batch=4):
+    """(none, batch, tree) generations of the same requests, each mode on fresh request objects."""
+    reqs = make_requests()
+    none = [r for k in range(0, len(reqs), batch) for r in backend.generate(reqs[k:k + batch])]
+    reqs = make_requests()
+    shared = common_prefix([r.prompt_ids for r in reqs])
+    batched = [r for k in range(0, len(reqs), batch) for r in backend.generate(reqs[k:k + batch], shared_prefix=shared)]
+    reqs = make_requests()
+    before = dict(getattr(backend, "stats", {}))
+    got = {}
+    for idx, outs in generate_through_tree(backend, reqs, batch):
+        got.update(zip(idx, outs))
+    computed = backend.stats["prefill_tokens"] - before.get("prefill_tokens", 0)
+    return none, batched, [got[i] for i in range(len(reqs))], computed
+
+
+@pytest.mark.parametrize("which", ["phi", "llama", "phi_mamba", "hybrid"])
+def test_tree_generations_equal_batch_and_none_with_tool_calls(which, request):
+    backend = request.getfixturevalue(f"{which}_backend")
+    assert backend.tree_reuse_pays()
+    prompts = _sweep_prompts()
+    free = [r.text for r in backend.generate(_requests(backend, prompts))]
+
+    def with_tools():  # call markers the model writes itself, so its tool is really called mid-generation
+        return _requests(backend, prompts, [RetrievalTool(UNITS, call_open=f[0:2], call_close=f[5:8]) for f in free])
+
+    none, batched, tree, computed = _three_ways(backend, with_tools)
+    assert_varied([r.token_ids for r in none])
+    assert sum(len(r.tool_spans) for r in none) >= 2
+    assert [r.token_ids for r in tree] == [r.token_ids for r in batched] == [r.token_ids for r in none]
+    assert [r.text for r in tree] == [r.text for r in none]
+    ids = [r.prompt_ids for r in _requests(backend, prompts)]
+    assert computed == PrefixTree(ids).tree_tokens < 0.7 * sum(map(len, ids))  # each shared token once
+
+
+def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
+    from harness.backends.prefix_tree import PrefixStates
+
+    prompts = _sweep_prompts()
+    ids = [r.prompt_ids for r in _requests(phi_backend, prompts)]
+    plain = [r.token_ids for r in phi_backend.generate(_requests(phi_backend, prompts))]
+    assert_varied(plain)
+    one = phi_backend.state_bytes(max(map(len, ids)))
+    computed = {}
+    for budget in (0, one, 1 << 30):
+        states = PrefixStates(phi_backend, ids, budget)
+        phi_backend.stats = {}
+        got = {}
+        order = states.order()
+        for k in range(0, len(order), 3):
+            idx = order[k:k + 3]
+            got.update(zip(idx, phi_backend.generate([_requests(phi_backend, prompts)[i] for i in idx],
+                                                     started=[states.start(i) for i in idx])))
+        assert [got[i].token_ids for i in range(len(ids))] == plain, f"budget {budget}"
+        assert states.peak <= budget and states.used == 0  # within the budget; everything freed at the end
+        computed[budget] = phi_backend.stats["prefill_tokens"]
+    assert computed[0] == sum(map(len, ids))  # nothing kept: every prompt whole
+    assert computed[1 << 30] == PrefixTree(ids).tree_tokens < computed[one] < computed[0]
+
+
+def _run(model, out, mode, limit, backend=None, **kw):
+    positions = ["0", "1", "2", "3", "last"]
+    cfg = RunConfig(model=model, data="fixture", task_args={"distractors": 4, "positions": positions}, limit=limit,
+                    max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size="3",
+                    prefix_reuse=mode, **kw)
+    res = run_eval(cfg, backend=backend, progress=False)
+    return res, {json.loads(l)["key"]: json.loads(l)["generation"] for l in open(out / "samples.jsonl")}
+
+
+def test_engine_modes_agree_record_their_prefill_and_resume_into_one_run(tiny_phi_dir, phi_backend, tmp_path):
+    results = {m: _run(tiny_phi_dir, tmp_path / m, m, 4, phi_backend) for m in ("tree", "batch", "none")}
+    gens = {m: g for m, (_, g) in results.items()}
+    assert_varied(gens["none"].values())
+    assert gens["tree"] == gens["batch"] == gens["none"]
+    t = {m: r["timings"] for m, (r, _) in results.items()}
+    assert {x["prefix_reuse"] for x in t.values()} == {"tree", "batch", "none"}
+    assert t["tree"]["prompt_tokens"] == t["batch"]["prompt_tokens"] == t["none"]["prompt_tokens"]
+    assert t["tree"]["prefill_tokens"] == t["tree"]["tree_tokens"] < t["batch"]["prefill_tokens"] < \
+        t["none"]["prefill_tokens"]
+    assert results["tree"][0]["config_hash"] == results["none"][0]["config_hash"]  # the mode is not a setting
+    # a run started in one mode resumes in another: finished rows are not in the tree, nothing is mixed
+    part, _ = _run(tiny_phi_dir, tmp_path / "resumed", "none", 2, phi_backend)
+    full, resumed = _run(tiny_phi_dir, tmp_path / "resumed", "tree", 4, phi_backend)
+    assert full["counts"]["resumed"] == part["counts"]["instances"] > 0
+    assert full["timings"]["prompt_tokens"] == t["tree"]["prompt_tokens"] - part["timings"]["prompt_tokens"]
+    assert resumed == gens["none"]
+
+
+def test_tree_mode_falls_back_where_rows_cannot_merge(tiny_phi_dir, phi_backend, tmp_path, caplog):
+    from tests.helpers import ScriptedBackend
+
+    scripted = ScriptedBackend(phi_backend, lambda prompt: None)  # the model's own logits; no merge of its own
+    with caplog.at_level("INFO", logger="harness"):
+        res, _ = _run(tiny_phi_dir, tmp_path / "f", "tree", 2, scripted)
+    assert res["timings"]["prefix_reuse"] == "batch" and "cannot prefill through a prefix tree" in caplog.text
+
+
+def test_ranks_split_into_runs_of_shared_prefixes():
+    from evals.base import Instance
+    from harness.engine.run import rank_share
+
+    todo = [Instance(id=f"q{q}", condition=str(p), question="", answer="") for p in range(5) for q in range(4)]
+    prompts = {i.key: f"shots {i.id} " + "d " * int(i.condition) + "gold" for i in todo}
+    shares = [rank_share(todo, prompts, r, 2) for r in range(2)]
+    assert sorted(i.key for s in shares for i in s) == sorted(i.key for i in todo)  # every instance once
+    assert [sorted({i.id for i in s}) for s in shares] == [["q0", "q1"], ["q2", "q3"]]  # a question on one rank
+    assert shares[0] == [i for i in todo if i.id in ("q0", "q1")]  # instance order kept
