@@ -86,6 +86,13 @@ class Backend(ABC):
     def merge(self, states: Sequence[Any], lengths: Sequence[int]) -> Any:
         raise NotImplementedError(f"the {self.name} backend cannot merge prefilled rows into a batch")
 
+    def extend(self, state: Any, ids: Sequence[int], past: int) -> torch.Tensor:
+        """Feed the next run of a prompt's tokens to a one-row state of ``past`` tokens, in place (the prefix
+        tree's prefill below a snapshot); logits [1, V] at the last token. A prefill, never a decode step:
+        backends override it to skip every other position's logits and any CUDA graph."""
+        t = torch.tensor([list(ids)], device=self.device)
+        return self.step(state, t, torch.ones((1, past + len(ids)), dtype=torch.long, device=self.device))
+
     def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None,
                  started: Sequence[Prefix] | None = None) -> list[GenResult]:
         """``shared_prefix``: token ids every prompt starts with (the few-shot exemplars). Its state is

@@ -135,6 +135,17 @@ class TransformersBackend(Backend):
         state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
         return logits_at_last_real(logits, block_mask).float()
 
+    def extend(self, state, ids, past):
+        """One call for the run of tokens (tree_reuse_pays admits only families where that is exact), keeping
+        the last position's logits only."""
+        n = len(ids)
+        t = torch.tensor([list(ids)], device=self.device)
+        pos = state["pos"][:, None] + torch.arange(1, n + 1, device=self.device)
+        mask = torch.ones((1, past + n), dtype=torch.long, device=self.device) if self.family.step_mask else None
+        logits, state["cache"] = self._forward(state["cache"], t, mask, pos, logits_to_keep=1)
+        state["pos"] = pos[:, -1]
+        return logits[:, -1].float()
+
     def block_logits(self, state, input_ids, attention_mask):
         """Every position's logits of a right-padded block (families whose blocks are masked in every layer)."""
         if not self.family.prefix_reuse:

@@ -51,6 +51,12 @@ class PhiMambaBackend(Backend):
         logits, state = self.model(input_ids, attention_mask, state)
         return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 
+    def extend(self, state, ids, past):
+        t = torch.tensor([list(ids)], device=self.device)
+        logits, _ = self.model(t, torch.ones((1, past + len(ids)), dtype=torch.long, device=self.device), state,
+                               logits_to_keep=1)  # eager: a graph-resident state could not be kept as a snapshot
+        return logits[:, -1]
+
     def block_logits(self, state, input_ids, attention_mask):
         return self.model(input_ids, attention_mask, state)[0].float()
 

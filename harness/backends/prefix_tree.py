@@ -173,7 +173,7 @@ class PrefixStates:
         else:
             state = b.expand(cur.state, 1)
             full = cur.ids + list(ids)
-            logits = b.step(state, t, torch.ones((1, len(full)), dtype=torch.long, device=b.device))
+            logits = b.extend(state, ids, len(cur.ids))
         self._count("prefill_tokens", len(ids))
         return Prefix(full, state, logits)
 
