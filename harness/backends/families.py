@@ -203,8 +203,8 @@ def mergeable(cache) -> bool:
 def merge_rows(caches: list, lengths: list[int]):
     """One cache holding the rows of ``caches`` (one row each, prefilled unpadded, ``lengths`` tokens): keys
     and values left-padded with zeros to the longest (the attention mask hides them, as it hides a left-padded
-    prefill's pads), recurrent state stacked; ``caches`` are consumed. Written here because transformers' caches can only select or
-    repeat rows, not join caches of different lengths."""
+    prefill's pads), recurrent state stacked; ``caches`` are consumed. Written here because transformers'
+    caches can only select or repeat rows, not join caches of different lengths."""
     import copy
 
     width = max(lengths)

@@ -211,7 +211,7 @@ def default_budget(device: torch.device) -> int:
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30}
+          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
 
 
 def parse_bytes(text: str) -> int:
