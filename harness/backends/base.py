@@ -41,6 +41,20 @@ def resolve_dtype(dtype: str, device: torch.device, family: str | None = None) -
     return DTYPES[dtype]
 
 
+def counters(backend) -> dict[str, int]:
+    """A backend's running counts (prefill tokens, prefix-tree snapshots, rows scored after a shared context),
+    created on first use; read by attribute, so a wrapper that forwards attributes counts with what it wraps."""
+    stats = getattr(backend, "stats", None)
+    if stats is None:
+        stats = backend.stats = {}
+    return stats
+
+
+def count(backend, key: str, n: int) -> None:
+    stats = counters(backend)
+    stats[key] = stats.get(key, 0) + n
+
+
 def state_nbytes(state: Any) -> int:
     """Bytes of a decoding state: what its ``nbytes()`` says (Phi-Mamba: the filled part of its KV buffers),
     else every distinct tensor reachable from it (a transformers cache's keys, values, conv and SSM states)."""
@@ -98,12 +112,10 @@ class Backend(ABC):
         """``shared_prefix``: token ids every prompt starts with (the few-shot exemplars). Its state is
         computed on the first call and copied into each later batch instead of being recomputed.
         ``started``: each request's prompt already prefilled through the prefix tree (``PrefixStates.start``)."""
-        if not hasattr(self, "stats"):
-            self.stats: dict[str, int] = {}
         use_prefix = shared_prefix and self.prefix_reuse_pays() and started is None
         prefix = self._prefix_state(list(shared_prefix)) if use_prefix else None
         return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context,
-                               prefix=prefix, started=started, stats=self.stats)
+                               prefix=prefix, started=started, stats=counters(self))
 
     # -- scoring -----------------------------------------------------------------------------------
     def sequence_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -161,8 +173,7 @@ class Backend(ABC):
             self._scoring_input(list(ctx), pairs[members[0]][1])  # the same checks as a row scored alone
             t = torch.tensor([list(ctx)], device=self.device)
             first, state = self.prefill(t, torch.ones_like(t))  # logits predicting each continuation's first token
-            self.stats = getattr(self, "stats", {})
-            self.stats["loglikelihood_shared_rows"] = self.stats.get("loglikelihood_shared_rows", 0) + len(members)
+            count(self, "loglikelihood_shared_rows", len(members))
             for start in range(0, len(members), max(1, batch_size)):
                 rows = members[start:start + max(1, batch_size)]
                 conts = [list(pairs[i][1]) for i in rows]
@@ -207,8 +218,8 @@ class Backend(ABC):
             t = torch.tensor([ids], device=self.device)
             logits, state = self.prefill(t, torch.ones_like(t))
             self._prefix = cached = Prefix(ids, state, logits)
-            self.stats["prefix_tokens"] = self.stats.get("prefix_tokens", 0) + len(ids)
-            self.stats["prefill_tokens"] = self.stats.get("prefill_tokens", 0) + len(ids)
+            count(self, "prefix_tokens", len(ids))
+            count(self, "prefill_tokens", len(ids))
         return cached
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from harness.backends.base import count, state_nbytes
 from harness.backends.generation import GenRequest, GenResult, Prefix
 
 
@@ -155,13 +156,11 @@ class PrefixStates:
         return self.used + need <= self.budget
 
     def _keep(self, node: Node, snap: Prefix) -> None:
-        from harness.backends.base import state_nbytes
-
         node.snapshot = snap
         node.snapshot_bytes = state_nbytes(snap.state)
         self.used += node.snapshot_bytes
         self.peak = max(self.peak, self.used)
-        self._count("tree_snapshots", 1)
+        count(self.backend, "tree_snapshots", 1)
 
     def _feed(self, cur: Prefix | None, ids: list[int]) -> Prefix:
         """The state after ``ids`` following ``cur`` (a fresh copy; ``cur`` stays as it was), one row, unpadded."""
@@ -174,13 +173,8 @@ class PrefixStates:
             state = b.expand(cur.state, 1)
             full = cur.ids + list(ids)
             logits = b.extend(state, ids, len(cur.ids))
-        self._count("prefill_tokens", len(ids))
+        count(self.backend, "prefill_tokens", len(ids))
         return Prefix(full, state, logits)
-
-    def _count(self, key: str, n: int) -> None:
-        """Counted in the backend's ``stats``, with the prefill of every other path."""
-        stats = self.backend.__dict__.setdefault("stats", {})
-        stats[key] = stats.get(key, 0) + n
 
 
 def generate_through_tree(backend, requests: Sequence[GenRequest], batch_size: int, budget: int | None = None

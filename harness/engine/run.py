@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
+from harness.backends.base import counters
 from harness.backends.generation import GenRequest, common_prefix
 from harness.backends.prefix_tree import PrefixStates, PrefixTree, default_budget, parse_bytes
 from harness.engine import hub, lm_eval_format
@@ -383,7 +384,7 @@ class EvalRun:
             sizes = [len(b) for b in batches]
             log.info("%d batches of %d-%d prompts (batch size %s)", len(batches), min(sizes), max(sizes),
                      cfg.batch_size)
-        stats = backend.__dict__.setdefault("stats", {})
+        stats = counters(backend)
         prefilled = stats.get("prefill_tokens", 0)
         gen_s, new_tokens = 0.0, 0
         bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample",
@@ -413,7 +414,7 @@ class EvalRun:
         # what prefill cost, against the least it could (results.json timings; README "Prefix reuse")
         self.prefill_stats = {"prefix_reuse": mode, "prompt_tokens": sum(map(len, fit_ids)),
                               "prefill_tokens": stats.get("prefill_tokens", 0) - prefilled,
-                              "tree_tokens": PrefixTree(fit_ids).tree_tokens}
+                              "tree_tokens": (tree.tree if tree is not None else PrefixTree(fit_ids)).tree_tokens}
         if tree is not None:
             self.prefill_stats.update(prefix_memory_bytes=tree.budget, prefix_snapshot_peak_bytes=tree.peak,
                                       prefix_snapshots_recomputed=tree.skipped)
