@@ -125,11 +125,11 @@ def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
     assert computed[1 << 30] == PrefixTree(ids).tree_tokens < computed[one] < computed[0]
 
 
-def _run(model, out, mode, limit, backend=None, **kw):
+def _run(model, out, mode, limit, backend=None, batch_size="3"):
     positions = ["0", "1", "2", "3", "last"]
     cfg = RunConfig(model=model, data="fixture", task_args={"distractors": 4, "positions": positions}, limit=limit,
-                    max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size="3",
-                    prefix_reuse=mode, **kw)
+                    max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size=batch_size,
+                    prefix_reuse=mode)
     res = run_eval(cfg, backend=backend, progress=False)
     return res, {json.loads(l)["key"]: json.loads(l)["generation"] for l in open(out / "samples.jsonl")}
 
@@ -147,7 +147,7 @@ def test_engine_modes_agree_record_their_prefill_and_resume_into_one_run(tiny_ph
     assert results["tree"][0]["config_hash"] == results["none"][0]["config_hash"]  # the mode is not a setting
     # a run started in one mode resumes in another: finished rows are not in the tree, nothing is mixed
     part, _ = _run(tiny_phi_dir, tmp_path / "resumed", "none", 2, phi_backend)
-    full, resumed = _run(tiny_phi_dir, tmp_path / "resumed", "tree", 4, phi_backend)
+    full, resumed = _run(tiny_phi_dir, tmp_path / "resumed", "tree", 4, phi_backend, batch_size="auto")
     assert full["counts"]["resumed"] == part["counts"]["instances"] > 0
     assert full["timings"]["prompt_tokens"] == t["tree"]["prompt_tokens"] - part["timings"]["prompt_tokens"]
     assert resumed == gens["none"]
