@@ -98,6 +98,9 @@ class Needle(SyntheticTask):
                 while n < len(lines) and total + per_line[n] <= length:
                     total += per_line[n]
                     n += 1
+                if n == 0:
+                    raise OptionError(f"--task-arg lengths={length}: a phone-book entry takes {per_line[0]} tokens "
+                                      "of this tokenizer; give longer lengths")
                 text = "\n".join(lines[:n])
                 tokens = self._count(text)
                 for depth in o.depths:

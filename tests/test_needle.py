@@ -63,3 +63,12 @@ def test_sweep_through_the_engine_and_the_cli(tiny_phi_dir, phi_backend, tmp_pat
 def test_hotpotqa_flags_are_refused_for_other_tasks(tiny_phi_dir, tmp_path, capsys):
     rc = eval_main(["--model", tiny_phi_dir, "--task", "needle", "--distractors", "3", "--output", str(tmp_path)])
     assert rc == 2 and "--distractors is an option of hotpotqa, not of task 'needle'" in capsys.readouterr().err
+
+
+def test_a_length_too_short_for_one_entry_is_refused(tiny_tokenizer):
+    import pytest
+
+    from evals.base import OptionError
+
+    with pytest.raises(OptionError, match="lengths=16: a phone-book entry takes .* give longer lengths"):
+        _instances(tiny_tokenizer, lengths=[16, 64], samples=1)

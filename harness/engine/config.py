@@ -151,8 +151,8 @@ class RunConfig:
     def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None,
                  selects: tuple[str, ...] = ()) -> dict[str, Any]:
         """What determines a sample's generation, as content: the key of the resume hash. Limits, ids, batch
-        size, prefix reuse (and its memory) and the task options in ``selects`` (HotpotQA's positions) are left out: they choose
-        which rows exist, not what a row holds."""
+        size, prefix reuse (and its memory) and the task options in ``selects`` (HotpotQA's positions) are left
+        out: they choose which rows exist or how they are computed, not what a row holds."""
         from harness.backends.base import resolve_dtype
         from harness.models import UnknownModelError, resolve_model
 
