@@ -11,7 +11,7 @@ import torch
 
 from harness.backends.families import FAMILIES, family_of
 from harness.backends.generation import GenRequest, common_prefix, greedy_generate
-from harness.backends.prefix_tree import generate_through_tree
+from harness.backends.prefix_tree import tree_generate
 from harness.models.kernels import interpreting
 from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
 from tests.helpers import assert_varied
@@ -77,10 +77,7 @@ def _run(backend, requests, batch, reuse):
     if reuse == "tree":  # prefilled through the prefix tree where the family can merge rows, else as batch
         if not backend.tree_reuse_pays():
             return _run(backend, requests, batch, True)
-        got = {}
-        for idx, outs in generate_through_tree(backend, requests, batch):
-            got.update(zip(idx, outs))
-        return [got[i] for i in range(len(requests))]
+        return tree_generate(backend, requests, batch)
     shared = common_prefix([r.prompt_ids for r in requests]) if reuse else None
     out = []
     for i in range(0, len(requests), batch):

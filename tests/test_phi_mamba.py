@@ -266,7 +266,7 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
     what a run does to a state: a shared prefix copied into every row, rows prefilled through the prefix tree
     and merged, tool results fed as multi-token blocks, and rows leaving the batch at different lengths."""
     from harness.backends.generation import common_prefix
-    from harness.backends.prefix_tree import generate_through_tree
+    from harness.backends.prefix_tree import tree_generate
     from harness.models.decode_graphs import GraphedDecode
     from retrieval import RetrievalTool
     from tests.test_retrieval import UNITS
@@ -287,11 +287,11 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
     try:
         graphed = backend.generate(reqs(), shared_prefix=shared)
         buckets = sorted(rows for rows, _ in backend.graphs.graphs)
-        tree = dict(x for idx, outs in generate_through_tree(backend, reqs(), 5) for x in zip(idx, outs))
+        tree = tree_generate(backend, reqs(), 5)
     finally:
         backend.graphs = None
     assert_varied([r.token_ids for r in eager])
-    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager] == [tree[i].token_ids for i in range(5)]
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager] == [r.token_ids for r in tree]
     assert sum(len(r.tool_spans) for r in eager) >= 2
     assert len(buckets) >= 2  # the batch shrank through buckets
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from harness.backends.generation import GenRequest, common_prefix
-from harness.backends.prefix_tree import PrefixTree, generate_through_tree, parse_bytes
+from harness.backends.prefix_tree import PrefixTree, parse_bytes, tree_generate
 from harness.engine import run_eval
 from harness.engine.config import ConfigError, RunConfig
 from retrieval import RetrievalTool
@@ -74,11 +74,9 @@ def _three_ways(backend, make_requests, batch=4):
     batched = [r for k in range(0, len(reqs), batch) for r in backend.generate(reqs[k:k + batch], shared_prefix=shared)]
     reqs = make_requests()
     before = dict(getattr(backend, "stats", {}))
-    got = {}
-    for idx, outs in generate_through_tree(backend, reqs, batch):
-        got.update(zip(idx, outs))
+    tree = tree_generate(backend, reqs, batch)
     computed = backend.stats["prefill_tokens"] - before.get("prefill_tokens", 0)
-    return none, batched, [got[i] for i in range(len(reqs))], computed
+    return none, batched, tree, computed
 
 
 @pytest.mark.parametrize("which", ["phi", "llama", "phi_mamba", "hybrid"])

@@ -191,6 +191,15 @@ def generate_through_tree(backend, requests: Sequence[GenRequest], batch_size: i
         yield idx, backend.generate([requests[i] for i in idx], started=[states.start(i) for i in idx])
 
 
+def tree_generate(backend, requests: Sequence[GenRequest], batch_size: int, budget: int | None = None
+                  ) -> list[GenResult]:
+    """``generate_through_tree``'s results, in request order."""
+    out: dict[int, GenResult] = {}
+    for idx, results in generate_through_tree(backend, requests, batch_size, budget):
+        out.update(zip(idx, results))
+    return [out[i] for i in range(len(requests))]
+
+
 def default_budget(device: torch.device) -> int:
     """Bytes snapshots may hold when ``--prefix-memory`` is auto: a quarter of the device's free memory (the
     batches' own budget is half of it)."""

@@ -64,7 +64,7 @@ def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: li
     (each prompt prefilled alone after its snapshot, rows merged) == each prompt alone. Exact, or (where kernels
     round differently by batch shape) every divergence a near-tie of the logits."""
     from harness.backends.generation import GenRequest, common_prefix
-    from harness.backends.prefix_tree import generate_through_tree
+    from harness.backends.prefix_tree import tree_generate
     from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
@@ -72,8 +72,7 @@ def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: li
     shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
     batched = [r.token_ids for r in backend.generate(reqs, shared_prefix=shared)]
     no_prefix = [r.token_ids for r in backend.generate(reqs)]
-    tree = dict(x for idx, outs in generate_through_tree(backend, reqs, len(reqs)) for x in zip(idx, outs))
-    tree = [tree[i].token_ids for i in range(len(reqs))]
+    tree = [r.token_ids for r in tree_generate(backend, reqs, len(reqs))]
     alone = [backend.generate([r])[0].token_ids for r in reqs]
     same = sum(a == b == c == d for a, b, c, d in zip(batched, no_prefix, tree, alone))
     distinct = len({tuple(t) for t in alone})
