@@ -279,18 +279,6 @@ def test_d_model_and_layers_override_the_size_table():
         build_model("mamba", "smoke", 30, d_model=30)
 
 
-def test_refuses_the_slow_scan_on_cuda_unless_asked(monkeypatch):
-    from harness.training.trainer import check_kernels
-
-    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # absent: importing it raises ImportError
-    cfg = TrainConfig(arch="mamba").resolved()
-    with pytest.raises(ConfigError, match="--allow-slow-scan"):
-        check_kernels(cfg, torch.device("cuda"))
-    check_kernels(TrainConfig(arch="mamba", allow_slow_scan=True).resolved(), torch.device("cuda"))
-    check_kernels(cfg, torch.device("cpu"))  # the CPU path is the linear scan, never refused
-    check_kernels(TrainConfig(arch="transformer").resolved(), torch.device("cuda"))
-
-
 def test_cli_errors_are_one_line(capsys, tmp_path):
     assert main(["--batch-size", "0", "--output", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err

@@ -16,7 +16,6 @@ LlamaDecoderLayer.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -25,9 +24,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFo
                           MambaForCausalLM, PretrainedConfig, PreTrainedModel)
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.mamba.modeling_mamba import MambaModel
+from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
 from harness.models.masks import block_attention_mask
+from harness.models.selective_scan import selective_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
 SIZES = {
@@ -60,67 +60,53 @@ def _mamba_config(vocab, d, layers) -> MambaConfig:
                        tie_word_embeddings=True, pad_token_id=4, bos_token_id=11, eos_token_id=4)
 
 
-def selective_scan_linear(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                          return_last_state=False, **_):
-    """Mamba-1's selective scan, step by step, with a backward pass linear in length.
+class ScanMixer(MambaMixer):
+    """transformers' Mamba mixer (same parameters, same checkpoints) whose cache-free pass over whole sequences,
+    the trainer's forward and backward and its teacher-forced evaluation, runs the parallel ``selective_scan``
+    instead of the library's per-token loop. Decoding with a cache, and a GPU where mamba-ssm's fused kernels
+    run, keep the library's own path. Owned here because transformers takes no argument for its scan; a trained
+    model saves and loads as a plain ``MambaForCausalLM``. ``scan`` is the function that runs (the benchmark sets
+    the step-by-step reference to compare)."""
 
-    transformers' reference path (used when the CUDA kernels are absent) indexes ``discrete_A[:, :, t]`` at
-    every step, and autograd gives each slice a full-size gradient, so its backward is quadratic in length
-    (300 tokens: 37 s per backward on 2 CPU cores). ``unbind`` splits once and its backward is one stack.
-    Same arguments and results as ``transformers.models.mamba.modeling_mamba.mamba_selective_scan``."""
-    import torch.nn.functional as F
+    scan = staticmethod(selective_scan)
 
-    dtype = hidden_states.dtype
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(dt.dtype)[..., None]
-    if delta_softplus:
-        dt = F.softplus(dt)
-    # hidden_states, dt: [b, d, l]; A: [d, n]; B, C: [b, n, l] (the kernel's layout). Work time-major and
-    # contiguous: elementwise ops on strided per-step slices are ~40x slower on CPU.
-    dt_t = dt.permute(2, 0, 1).float()  # l b d
-    dA = torch.exp(dt_t[..., None] * A.float()).unbind(0)  # l x [b, d, n]
-    dBu = ((dt_t * hidden_states.permute(2, 0, 1).float())[..., None] * B.permute(2, 0, 1).float()[:, :, None, :]).unbind(0)
-    Cs = C.permute(2, 0, 1).float().unbind(0)  # l x [b, n]
-    state = torch.zeros_like(dA[0])
-    ys = []
-    for a, bu, c in zip(dA, dBu, Cs):
-        state = a * state + bu
-        ys.append(torch.einsum("bdn,bn->bd", state, c))
-    y = torch.stack(ys, dim=-1)
-    if D is not None:
-        y = y + hidden_states * D[:, None]
-    if z is not None:
-        y = y * F.silu(z)
-    y = y.to(dtype)
-    return (y, state) if return_last_state else y
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if cache_params is not None or mamba_kernels_run(hidden_states):
+            return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        length = hidden_states.shape[1]
+        projected = self.in_proj(_masked(hidden_states, attention_mask)).transpose(1, 2)
+        x, gate = projected.chunk(2, dim=1)
+        x = self.act(self.conv1d(x)[..., :length])  # conv1d pads both sides; the first L outputs are causal
+        x = _masked(x.transpose(1, 2), attention_mask)
+        dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
+                               dim=-1)
+        dt = self.dt_proj.weight @ dt.transpose(1, 2)
+        y = self.scan(x.transpose(1, 2), dt, -torch.exp(self.A_log.float()), B.transpose(1, 2),
+                           C.transpose(1, 2), D=self.D.float(), z=gate, delta_bias=self.dt_proj.bias.float(),
+                           delta_softplus=True)
+        return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype))
 
 
-@contextlib.contextmanager
-def linear_scan():
-    """Within this block, transformers' Mamba reference scan (what runs where no CUDA kernel can) is
-    ``selective_scan_linear``; on leaving it, the library's own is back. Written by hand because the library's
-    fallback is the slow part in training (see above) and transformers takes no argument for the scan: the swap
-    is scoped to the trainer's forward and backward passes, so no other model in the process (an evaluation, a
-    hub Mamba) ever runs it. A GPU with mamba-ssm keeps the kernel; an unknown scan signature is left alone."""
-    import inspect
-
-    from transformers.models.mamba import modeling_mamba as mm
-
-    current = getattr(mm, "mamba_selective_scan", None)
-    usable = current is not None and {"hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
-                                      "return_last_state"} <= set(inspect.signature(current).parameters)
-    if not usable or _mamba_kernels_run():
-        yield
-        return
-    mm.mamba_selective_scan = selective_scan_linear
-    try:
-        yield
-    finally:
-        mm.mamba_selective_scan = current
+def _masked(hidden_states, attention_mask):
+    """Padding positions zeroed, as transformers' mixer does before its projections and its scan."""
+    if attention_mask is None:
+        return hidden_states
+    return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
 
 
-def _mamba_kernels_run() -> bool:
-    if not torch.cuda.is_available():
+def own_scan_(backbone: MambaModel) -> None:
+    """Every mixer of a ``MambaModel`` made a ``ScanMixer``, weights kept (and the random stream untouched, so a
+    seed builds the same model as before)."""
+    for block in backbone.layers:
+        with torch.random.fork_rng(devices=[]):
+            mixer = ScanMixer(block.mixer.config, layer_idx=block.mixer.layer_idx)
+        mixer.load_state_dict(block.mixer.state_dict())
+        block.mixer = mixer.to(next(block.mixer.parameters()).device)
+
+
+def mamba_kernels_run(t: torch.Tensor) -> bool:
+    """Whether transformers' Mamba mixer would run mamba-ssm's fused CUDA kernels on this tensor."""
+    if not t.is_cuda:
         return False
     try:
         import mamba_ssm  # noqa: F401
@@ -227,12 +213,14 @@ def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192, d_m
     elif arch == "mamba":
         model = MambaForCausalLM(_mamba_config(vocab, *spec))
         mamba_ssm_init_(model.backbone)
+        own_scan_(model.backbone)
     else:
         d, n_layers, ffn = spec
         model = HybridForCausalLM(HybridConfig(vocab_size=vocab, hidden_size=d, mamba_layers=n_layers,
                                                attn_heads=HYBRID_ATTN_HEADS, attn_ffn=ffn,
                                                max_position_embeddings=max_positions))
         mamba_ssm_init_(model.backbone)
+        own_scan_(model.backbone)
         torch_default_init_(model.attn)
     freeze_sinusoidal_embedding(model)
     return model

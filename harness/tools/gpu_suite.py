@@ -138,7 +138,7 @@ def family_parity(device: str, tmp: Path, tok) -> dict:
 
 def trainer_parity(device: str) -> dict:
     """One training step of each architecture: the loss and every gradient on ``device`` against the CPU."""
-    from harness.models.istree import build_model, linear_scan
+    from harness.models.istree import build_model
     from harness.training.config import TrainConfig
     from harness.training.data import TrainTask, batch_from_tokens
     from harness.training.trainer import masked_loss
@@ -156,9 +156,8 @@ def trainer_parity(device: str) -> dict:
         for dev in ("cpu", device):
             m = model.to(dev)
             m.zero_grad()
-            with linear_scan():  # as the trainer runs it
-                loss = masked_loss(m(input_ids=ids.to(dev)).logits, ids.to(dev), mask.to(dev))
-                loss.backward()
+            loss = masked_loss(m(input_ids=ids.to(dev)).logits, ids.to(dev), mask.to(dev))
+            loss.backward()
             out[dev] = (loss.item(), [p.grad.detach().cpu().clone() for p in m.parameters() if p.grad is not None])
         (l0, g0), (l1, g1) = out["cpu"], out[device]
         worst[arch] = max([abs(l0 - l1)] + [((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()

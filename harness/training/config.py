@@ -59,8 +59,6 @@ class TrainConfig:
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
                         "(less padding; 1 = off, as the paper)")
     threads: int | None = _f(None, "CPU threads for torch (default: torch's)")
-    allow_slow_scan: bool = _f(False, "train Mamba or the hybrid on CUDA without mamba-ssm/causal-conv1d kernels "
-                                      "(a Python-loop scan, tens of times slower)")
     report_to: str = _f("auto", "experiment tracker through accelerate (auto: TensorBoard when installed)",
                         choices=list(TRACKERS))
     output: str | None = _f(None, "run directory (default runs/NAME; a grid's root with --grid)")

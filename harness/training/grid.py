@@ -215,7 +215,7 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3) -> dict:
     """Seconds per optimizer step and per sample of data generation, measured on a few real batches of the
     cell (one warm-up step first), and the forward-only seconds of one batch (for the evaluations)."""
-    from harness.models.istree import build_model, linear_scan
+    from harness.models.istree import build_model
 
     task = TrainTask(cell)
     vocab = {t: i for i, t in enumerate(task.vocab)}
@@ -234,7 +234,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
         ids, mask = batch_from_tokens(s, vocab, device)
-        with autocast, linear_scan():  # as the trainer runs it
+        with autocast:
             loss = masked_loss(model(input_ids=ids).logits, ids, mask)
             loss.backward()
         opt.step()
@@ -243,7 +243,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
         torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
     t1 = time.perf_counter()
-    with torch.no_grad(), autocast, linear_scan():
+    with torch.no_grad(), autocast:
         model(input_ids=ids)
     if cuda:
         torch.cuda.synchronize()

@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 
 from harness.engine.config import ConfigError
 from harness.engine.runlog import RunDirError, RunLock, write_atomic
-from harness.models.istree import linear_scan
 from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
 from harness.training.state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
@@ -68,22 +67,6 @@ def teacher_forced(model, batches, autocast) -> tuple[torch.Tensor, torch.Tensor
         loss += masked_loss(logits, ids, mask) * len(ids)
     model.train(was_training)
     return loss, right, count
-
-
-def check_kernels(cfg: TrainConfig, device: torch.device) -> None:
-    """On CUDA, Mamba without mamba-ssm and causal-conv1d falls back to a Python-loop scan: refuse unless asked."""
-    if device.type != "cuda" or cfg.arch == "transformer" or cfg.allow_slow_scan:
-        return
-    missing = []
-    for mod in ("mamba_ssm", "causal_conv1d"):
-        try:
-            __import__(mod)
-        except ImportError:
-            missing.append(mod.replace("_", "-"))
-    if missing:
-        raise ConfigError(f"--arch {cfg.arch} on CUDA without {' and '.join(missing)}: training would use a "
-                          "Python-loop scan, tens of times slower; pip install 'icr-harness[gpu]' or pass "
-                          "--allow-slow-scan")
 
 
 def _tracker(cfg: TrainConfig) -> str | None:
@@ -146,7 +129,6 @@ class Trainer:
         self.acc = acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=self.tracker,
                                      project_config=ProjectConfiguration(project_dir=str(self.out),
                                                                          logging_dir=str(self.out / "tracker")))
-        check_kernels(cfg, acc.device)
         if cfg.batch_size % acc.num_processes:
             raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must split evenly over "
                               f"{acc.num_processes} processes")
@@ -210,8 +192,7 @@ class Trainer:
                 self._track(row)
         try:
             if self.state.step < self.steps:
-                with linear_scan():  # Mamba's CPU scan with a linear-time backward (models.istree)
-                    self.train()
+                self.train()
             acc.wait_for_everyone()
             result = self.finish() if acc.is_main_process else None
         finally:

@@ -1,0 +1,127 @@
+"""The trainer's parallel Mamba scan against the step-by-step recurrence it replaced, side by side in one run.
+
+    python benchmarks/scan.py                 # CPU: the scan alone, then whole 0.5M Mamba training steps
+    python benchmarks/scan.py --batch 64      # on a GPU (CUDA is used when present)
+
+Part 1 times one scan's forward+backward (one layer's shape: 128 channels, 16 states) at 48, 455 and 1,845
+tokens, the IsTree n=16 direct, n=16 retrieval and n=64 retrieval lengths. Part 2 times whole training steps
+(forward, backward, AdamW) of the 0.5M Mamba on real IsTree batches (n=16 direct, n=32 and n=64 retrieval),
+each measurement in a fresh child process so that its peak memory (resident set on a CPU, allocated on a GPU)
+is its own. Both scans train the same weights to the same loss, checked in every row."""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+SCANS = ("parallel", "sequential")
+
+
+def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
+    from harness.models.selective_scan import selective_scan, sequential_scan
+
+    g = torch.Generator().manual_seed(0)
+    d, n = 128, 16
+    u, dt, z = (torch.randn(batch, d, length, generator=g).to(device).requires_grad_() for _ in range(3))
+    B, C = (torch.randn(batch, n, length, generator=g).to(device).requires_grad_() for _ in range(2))
+    A = -torch.arange(1, n + 1.0).expand(d, n).clone().to(device).requires_grad_()
+    out = {}
+    for name, fn in (("parallel", selective_scan), ("sequential", sequential_scan)):
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            t = time.perf_counter()
+            fn(u, dt, A, B, C, z=z, delta_softplus=True).square().sum().backward()
+            _sync(device)
+            best = min(best, time.perf_counter() - t)
+        out[name] = best
+    return out
+
+
+def train_step(scan: str, nodes: int, setup: str, batch: int, device: str, steps: int) -> dict:
+    """Seconds per training step of the 0.5M Mamba with ``scan``, and this process's peak memory."""
+    from harness.models import istree
+    from harness.models.selective_scan import sequential_scan
+    from harness.training.config import TrainConfig
+    from harness.training.data import TrainTask, batch_from_tokens
+    from harness.training.trainer import masked_loss
+
+    if scan == "sequential":
+        istree.ScanMixer.scan = staticmethod(sequential_scan)
+    task = TrainTask(TrainConfig(arch="mamba", nodes=nodes, setup=setup, report_to="none").resolved())
+    vocab = {t: i for i, t in enumerate(task.vocab)}
+    stream = task.stream(seed=0)
+    torch.manual_seed(0)
+    model = istree.build_model("mamba", "0.5M", len(task.vocab)).to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    times, losses, tokens = [], [], 0
+    for _ in range(steps + 1):
+        ids, mask = batch_from_tokens([next(stream) for _ in range(batch)], vocab, device)
+        tokens = ids.shape[1]
+        _sync(device)
+        t = time.perf_counter()
+        loss = masked_loss(model(input_ids=ids).logits, ids, mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"step_s": min(times[1:]), "peak_bytes": peak, "losses": losses, "tokens": tokens}
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=2, help="timed training steps per cell (after one warm-up)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed scans per length (the best is shown)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.child:
+        print(json.dumps(train_step(**json.loads(a.child), device=device)))
+        return
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}\n")
+    print("one scan, forward+backward (128 channels x 16 states)")
+    print(f"{'tokens':>7s} {'batch':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s}")
+    for length in (48, 455, 1845):
+        t = scan_only(length, a.batch, device, a.repeats)
+        print(f"{length:7d} {a.batch:6d} {t['parallel']:11.4f} {t['sequential']:13.4f} "
+              f"{t['sequential'] / t['parallel']:8.1f}x", flush=True)
+    print("\n0.5M Mamba training step (forward, backward, AdamW) on IsTree batches, each in its own process")
+    print(f"{'cell':15s} {'tokens':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s} "
+          f"{'parallel peak':>14s} {'sequential peak':>16s} {'memory':>7s}")
+    for nodes, setup in ((16, "direct"), (32, "retrieval"), (64, "retrieval")):
+        rows = {}
+        for scan in SCANS:
+            spec = json.dumps({"scan": scan, "nodes": nodes, "setup": setup, "batch": a.batch, "steps": a.steps})
+            res = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"error: the {scan} scan failed at n={nodes} {setup}: {res.stderr.strip()[-500:]}")
+            rows[scan] = json.loads(res.stdout.strip().splitlines()[-1])
+        p, s = rows["parallel"], rows["sequential"]
+        same = max(abs(x - y) / abs(y) for x, y in zip(p["losses"], s["losses"]))
+        if same > 1e-4:
+            sys.exit(f"error: the scans trained to different losses at n={nodes} {setup}: {p['losses']} vs "
+                     f"{s['losses']}")
+        print(f"{f'n={nodes} {setup}':15s} {p['tokens']:6d} {p['step_s']:11.2f} {s['step_s']:13.2f} "
+              f"{s['step_s'] / p['step_s']:8.1f}x {p['peak_bytes'] / 2**30:11.2f} GiB "
+              f"{s['peak_bytes'] / 2**30:12.2f} GiB {s['peak_bytes'] / p['peak_bytes']:6.1f}x", flush=True)
+    print(f"\n(losses of every step agree between the scans; batch {a.batch})")
+
+
+if __name__ == "__main__":
+    main()

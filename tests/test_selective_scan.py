@@ -1,0 +1,137 @@
+"""The trainer's parallel Mamba scan against the step-by-step recurrence and against transformers' own Mamba:
+outputs, the loss and every gradient in float32 at lengths that are and are not multiples of any chunk, bf16
+autocast within its tolerance, and cached decoding left on the library's path."""
+import pytest
+import torch
+from transformers import MambaForCausalLM
+
+from harness.models import selective_scan as ss
+from harness.models.istree import ScanMixer, build_model, freeze_sinusoidal_embedding, mamba_ssm_init_
+from harness.training.trainer import masked_loss
+
+
+def _inputs(b, d, n, length, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    A = -torch.exp(torch.rand(d, n, generator=g) * 3)  # decays from mild to strong, as trained models reach
+    args = [torch.randn(b, d, length, generator=g), torch.randn(b, d, length, generator=g) * 2, A,
+            torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g)]
+    extra = [torch.randn(d, generator=g), torch.randn(b, d, length, generator=g), torch.randn(d, generator=g)]
+    return [t.to(dtype).requires_grad_() for t in args + extra]
+
+
+def _run(scan, inputs, weight):
+    u, dt, A, B, C, D, z, bias = inputs
+    y = scan(u, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True)
+    loss = (y.float() * weight).sum()
+    return [y, loss, *torch.autograd.grad(loss, inputs)]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 17, 48, 127, 455, 1001, 2600])
+def test_parallel_scan_equals_the_sequential_recurrence(length):
+    inputs = _inputs(2, 6, 4, length, seed=length)
+    weight = torch.randn(2, 6, length, generator=torch.Generator().manual_seed(1))
+    fast, slow = _run(ss.selective_scan, inputs, weight), _run(ss.sequential_scan, inputs, weight)
+    assert slow[0].std() > 0.1 and all(g.abs().max() > 0 for g in slow[2:] if length > 1)  # compared values vary
+    worst = {name: _rel(a, b) for name, a, b in zip(["y", "loss", "du", "ddt", "dA", "dB", "dC", "dD", "dz", "dbias"],
+                                                    fast, slow)}
+    if length == 1:
+        worst.pop("dA")  # dL/dA is exactly 0 at one step (the state before it is zero): no relative error
+        assert fast[4].abs().max() == 0 and slow[4].abs().max() == 0
+    assert max(worst.values()) < 1e-5, worst
+
+
+def test_row_groups_and_chunks_do_not_change_the_result(monkeypatch):
+    """Rows scanned in groups (bounded memory) give what one group gives; chunk starts carry state exactly."""
+    inputs = _inputs(5, 4, 3, 61, seed=3)
+    weight = torch.randn(5, 4, 61, generator=torch.Generator().manual_seed(2))
+    whole = _run(ss.selective_scan, inputs, weight)
+    monkeypatch.setattr(ss, "GROUP_ELEMENTS", 4 * 3 * 64 * 2)  # two rows a group: 3 groups
+    grouped = _run(ss.selective_scan, inputs, weight)
+    assert all(_rel(a, b) < 1e-6 for a, b in zip(grouped, whole))
+
+
+def test_bf16_autocast_is_within_the_usual_tolerance():
+    inputs = _inputs(2, 8, 4, 300, seed=5)
+    weight = torch.randn(2, 8, 300, generator=torch.Generator().manual_seed(3))
+    ref = _run(ss.sequential_scan, inputs, weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = _run(ss.selective_scan, [t.detach().bfloat16().requires_grad_() for t in inputs], weight)
+    assert low[0].dtype == torch.bfloat16
+    assert _rel(low[1], ref[1]) < 2e-2 and _rel(low[0].float(), ref[0].float()) < 2e-2
+
+
+def _pair(arch, seed=0):
+    """A trainer model (its mixers are ScanMixers) and the same weights in transformers' own Mamba classes."""
+    torch.manual_seed(seed)
+    ours = build_model(arch, "smoke", 30)
+    assert all(isinstance(b.mixer, ScanMixer) for b in ours.backbone.layers)
+    if arch == "mamba":
+        plain = MambaForCausalLM(ours.config)
+    else:
+        plain = type(ours)(ours.config)
+    plain.load_state_dict(ours.state_dict())
+    freeze_sinusoidal_embedding(plain)  # trained as the trainer trains: the embedding frozen
+    assert not any(isinstance(b.mixer, ScanMixer) for b in plain.backbone.layers)
+    return ours, plain
+
+
+@pytest.mark.parametrize("arch", ["mamba", "hybrid"])
+def test_trainer_models_equal_transformers_mamba_in_loss_and_every_gradient(arch):
+    ours, plain = _pair(arch)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30, (3, 77), generator=g)
+    mask = (torch.rand(3, 77, generator=g) > 0.3).float()
+    results = []
+    for model in (ours, plain):
+        model.zero_grad()
+        loss = masked_loss(model(input_ids=ids).logits, ids, mask)
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
+    (l1, g1), (l2, g2) = results
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    assert _rel(l1, l2) < 1e-5
+    worst = max(_rel(g1[k], g2[k]) for k in g1)
+    assert worst < 1e-4, worst  # gradients through 3 layers (and attention) of float32 rounding
+
+
+def test_padding_mask_and_cached_decoding_match_transformers():
+    ours, plain = _pair("mamba", seed=1)
+    ids = torch.randint(0, 30, (2, 20), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0  # a left-padded row
+    with torch.no_grad():
+        a, b = ours(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
+    assert a.std() > 0 and _rel(a, b) < 1e-5
+    one = ids[:1, :8]
+    outs = [m.generate(one, max_new_tokens=12, do_sample=False, pad_token_id=4, output_scores=True,
+                       return_dict_in_generate=True) for m in (ours, plain)]
+    steps = [torch.cat(o.scores) for o in outs]  # the logits of every cached step
+    assert (steps[0][1:] - steps[0][:-1]).abs().max() > 1e-3  # the steps differ
+    assert torch.equal(outs[0].sequences, outs[1].sequences) and _rel(steps[0], steps[1]) < 1e-5
+
+
+def test_a_trained_mamba_saves_as_a_plain_transformers_model(tmp_path):
+    ours, _ = _pair("mamba")
+    ours.save_pretrained(tmp_path)
+    loaded = MambaForCausalLM.from_pretrained(tmp_path)
+    assert not any(isinstance(b.mixer, ScanMixer) for b in loaded.backbone.layers)
+    ids = torch.randint(0, 30, (1, 15), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert _rel(ours(input_ids=ids).logits, loaded(input_ids=ids).logits) < 1e-5
+
+
+def test_building_a_model_draws_the_same_random_numbers_as_before():
+    """Owning the mixer consumes no random numbers: a seed builds the weights it built before the change."""
+    torch.manual_seed(0)
+    ours = build_model("mamba", "smoke", 30)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    plain = MambaForCausalLM(ours.config)
+    mamba_ssm_init_(plain.backbone)
+    freeze_sinusoidal_embedding(plain)
+    assert torch.equal(torch.rand(1), after)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), plain.state_dict().values()))
