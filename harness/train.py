@@ -100,9 +100,8 @@ def main(argv=None) -> int:
     if res:
         live = (f"live greedy accuracy {100 * res['accuracy']:.1f}% ± {100 * res['accuracy_se']:.1f}; "
                 if "accuracy" in res else "")
-        print(f"\n{cfg.name}: teacher-forced EM {100 * res['teacher_forced_em']:.1f}% (best, at "
-              f"{res['best_samples']:,} samples); {live}{cfg.eval_samples} held-out samples; "
-              f"{res['trainable_parameters']:,} trainable parameters; loss {res['first_loss']:.3f} -> "
+        print(f"\n{cfg.name}: teacher-forced EM {100 * res['teacher_forced_em']:.1f}% ({res['reported']}); "
+              f"{live}{res['trainable_parameters']:,} trainable parameters; loss {res['first_loss']:.3f} -> "
               f"{res['final_loss']:.3f}; wrote {cfg.output}")
     return 0
 

@@ -1,5 +1,6 @@
-"""The trainer: the paper's initialisation and norms, its metric (teacher-forced exact match, best checkpoint
-kept), the global batch, data workers, grids and the command line."""
+"""The trainer: the paper's initialisation and norms, its metric and protocol (teacher-forced exact match, the
+last validation reported; a best checkpoint only chosen on a disjoint validation split), the global batch, data
+workers, grids and the command line."""
 import json
 import math
 import os
@@ -151,30 +152,71 @@ def run(tmp_path_factory):
     return cfg, train_one(cfg, progress=False)
 
 
-def test_best_checkpoint_is_kept_and_scored_by_the_papers_metric(run):
-    cfg, res = run
-    curve = [r for r in res["curve"] if "eval_em" in r]
-    assert [r["samples"] for r in curve] == [160, 320, 480, 640]
-    assert res["teacher_forced_em"] == max(r["eval_em"] for r in curve)
-    assert res["teacher_forced_em_final"] == curve[-1]["eval_em"]
-    assert res["best_samples"] == max(r["samples"] for r in curve if r["eval_em"] == res["teacher_forced_em"])
-    # the saved checkpoint is the best one: re-scoring it gives the kept number
+def _rescore(path, sequences, task):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.output).eval()
-    task = TrainTask(cfg)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
     vocab = {t: i for i, t in enumerate(task.vocab)}
-    loss, right, count = teacher_forced(model, [batch_from_tokens(task.heldout(), vocab, "cpu")], _no_autocast)
-    assert float(right / count) == pytest.approx(res["teacher_forced_em"])
-    # EM may tie between evaluations; the held-out loss tells the checkpoints apart
-    assert len({r["eval_loss"] for r in curve}) == len(curve)
-    kept = next(r for r in curve if r["samples"] == res["best_samples"])
-    assert float(loss / count) == pytest.approx(kept["eval_loss"], rel=1e-4)
+    loss, right, count = teacher_forced(model, [batch_from_tokens(sequences, vocab, "cpu")], _no_autocast)
+    return float(right / count), float(loss / count)
+
+
+def test_the_papers_protocol_reports_the_last_validation_of_the_final_weights(run):
+    cfg, res = run
+    assert cfg.checkpoint == "last"
+    curve = [r for r in res["curve"] if "eval_em" in r]
+    assert [r["samples"] for r in curve] == [160, 320, 480, 640]
+    assert res["teacher_forced_em"] == res["last_validation_em"] == curve[-1]["eval_em"]
+    assert res["checkpoint_samples"] == 640 and "best_validation_em" not in res
+    assert res["reported"].startswith("last validation (the paper's number)") and "test split" in res["reported"]
+    # the saved checkpoint is the final one: re-scoring it gives the reported number and the last row's loss
+    task = TrainTask(cfg)
+    em, loss = _rescore(cfg.output, task.heldout(), task)
+    assert em == pytest.approx(res["teacher_forced_em"])
+    assert len({r["eval_loss"] for r in curve}) == len(curve)  # checkpoints differ: the loss tells them apart
+    assert loss == pytest.approx(curve[-1]["eval_loss"], rel=1e-4)
     assert 0.0 <= res["accuracy"] <= 1.0 and "eval_seconds" in res  # the live evaluation ran too
     assert (Path(cfg.output) / "curves.png").stat().st_size > 5000
     logged = [json.loads(line) for line in open(Path(cfg.output) / "train_log.jsonl")]
     assert logged == res["curve"]
     assert logged[-1]["loss"] < logged[0]["loss"]
+
+
+def test_a_best_checkpoint_is_chosen_on_validation_and_reported_on_the_disjoint_test_split(tmp_path):
+    from harness.training.trainer import train_one
+
+    cfg = _tiny(tmp_path, nodes=6, checkpoint="best", samples=480, eval_every=80, live_eval=False)
+    task = TrainTask(cfg)
+    test, validation = task.heldout(), task.validation()
+    assert len(validation) > 0 and not {tuple(s) for s in test} & {tuple(s) for s in validation}
+    res = train_one(cfg, progress=False)
+    curve = [r for r in res["curve"] if "eval_em" in r]
+    best = max(r["eval_em"] for r in curve)
+    kept = max(r["samples"] for r in curve if r["eval_em"] == best)  # ties go to the later checkpoint
+    assert res["checkpoint_samples"] == kept and res["best_validation_em"] == best
+    assert res["last_validation_em"] == curve[-1]["eval_em"]
+    assert "chosen on the validation split" in res["reported"] and "disjoint" in res["validation"]
+    # the curve was measured on the validation split; the reported number on the test split, of the kept weights
+    row = next(r for r in curve if r["samples"] == kept)
+    val_em, val_loss = _rescore(cfg.output, validation, task)
+    test_em, test_loss = _rescore(cfg.output, test, task)
+    assert val_em == pytest.approx(row["eval_em"]) and val_loss == pytest.approx(row["eval_loss"], rel=1e-4)
+    assert test_em == pytest.approx(res["teacher_forced_em"]) and test_loss != pytest.approx(val_loss, rel=1e-4)
+
+
+def test_a_run_finished_before_the_protocol_is_not_taken_for_the_papers(run, tmp_path):
+    import dataclasses
+    import shutil
+
+    from harness.training.trainer import train_one
+
+    cfg, res = run
+    old = tmp_path / "old"
+    shutil.copytree(cfg.output, old)
+    earlier = {k: v for k, v in res.items() if k != "checkpoint"}
+    (old / "result.json").write_text(json.dumps(earlier))
+    with pytest.raises(ConfigError, match="checkpoint: 'best on the reported samples"):
+        train_one(dataclasses.replace(cfg, output=str(old)), progress=False)
 
 
 def test_a_finished_run_is_reused_only_with_its_own_settings(run):

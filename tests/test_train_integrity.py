@@ -147,12 +147,14 @@ def test_grid_cells_die_with_the_grid(tmp_path, sig):
 def test_a_non_finite_loss_stops_with_an_error_and_keeps_the_best_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     args = [*SMALL, "--report-to", "none", "--output", str(out), "--samples", "640", "--eval-every", "32",
-            "--warmup", "320"]
-    args[args.index("--lr") + 1] = "1000"  # ramps up over the warm-up: the first steps are fine, then it diverges
+            "--warmup", "64000"]
+    # ramps up over a long warm-up: the first steps are fine, then it diverges (a smaller peak, 1,000, only
+    # collapses the tiny Transformer to a constant output under torch 2.13)
+    args[args.index("--lr") + 1] = "1e12"
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: the ") and "became nan" in err and "at step " in err and "Traceback" not in err
-    assert "the best checkpoint (teacher-forced EM" in err
+    assert "the last checkpoint (teacher-forced EM" in err
     assert (out / "model.safetensors").exists() and not (out / "result.json").exists()
     assert all(torch.isfinite(t).all() for t in _weights(out).values())  # the kept checkpoint is from before
 

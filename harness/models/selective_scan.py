@@ -55,17 +55,18 @@ def chunked_scan(decay, inputs, steps: int, each, reverse: bool = False, out: to
     """Runs ``h_t = a_t * h_{t-1} + x_t`` (``h_{-1} = 0``; ``reverse``: ``h_t = a_t * h_{t+1} + x_t``) over time
     laid out as [T, C, ...] (step within a chunk, chunk: ``to_chunks``), calling ``each(i, h)`` with the states
     of step ``i`` of every chunk, in time order; returns the state entering every chunk (pass it back as
-    ``start`` to run the same scan again without its first two passes). ``decay(i)`` and ``inputs(i)`` give
-    a_t and x_t for step i of every chunk: made when needed and dropped after (``out``, if given, keeps every
-    state), so the [L, b, d, n] tensors of a whole layer need not exist (on a CPU every step's tensors stay in
-    cache). Three passes: each chunk's end state from zero and its decay product, for all chunks at once; the
-    exact state entering every chunk, one step per chunk; the recurrence inside every chunk from that state."""
+    ``start`` to run the same scan again without its first two passes). ``decay(i)`` gives a_t for step i of
+    every chunk and ``inputs(i)`` a pair whose (broadcast) product is x_t, added in place, so neither x nor,
+    unless ``out`` keeps every state, h exists for a whole layer (on a CPU each step's tensors stay in cache).
+    Three passes: each chunk's end state from zero and its decay product, for all chunks at once; the exact
+    state entering every chunk, one step per chunk; the recurrence inside every chunk from that state."""
     order = list(range(steps))[::-1] if reverse else list(range(steps))
     if start is None:
-        end, product = inputs(order[0]), decay(order[0]).clone()
+        end = torch.mul(*inputs(order[0]))
+        product = decay(order[0]).clone()
         for i in order[1:]:
             a = decay(i)
-            end = torch.addcmul(inputs(i), a, end)
+            end.mul_(a).addcmul_(*inputs(i))
             product.mul_(a)
         chunks = list(range(end.shape[0]))[::-1] if reverse else list(range(end.shape[0]))
         start = torch.zeros_like(end)
@@ -74,7 +75,7 @@ def chunked_scan(decay, inputs, steps: int, each, reverse: bool = False, out: to
         del end, product
     state = start
     for i in order:
-        state = torch.addcmul(inputs(i), decay(i), state, out=None if out is None else out[i])
+        state = torch.mul(decay(i), state, out=None if out is None else out[i]).addcmul_(*inputs(i))
         each(i, state)
     return start
 
@@ -134,7 +135,7 @@ def _forward_rows(u, dt, B, C, length, A):
         torch.matmul(h, C[i].unsqueeze(-1), out=y[i].unsqueeze(-1))
 
     start = chunked_scan(lambda i: (dt[i].unsqueeze(-1) * A).exp_(),
-                         lambda i: dtu[i].unsqueeze(-1) * B[i].unsqueeze(-2), len(u), read)
+                         lambda i: (dtu[i].unsqueeze(-1), B[i].unsqueeze(-2)), len(u), read)
     return from_chunks(y)[..., :length], start
 
 
@@ -153,7 +154,7 @@ def _backward_rows(u, dt, B, C, dy, length, A, start):
     def keep(i, state):  # dL/dC from y = sum_n C h
         torch.matmul(dy[i].unsqueeze(-2), state, out=dC[i].unsqueeze(-2))
 
-    chunked_scan(a.__getitem__, lambda i: dtu[i].unsqueeze(-1) * B[i].unsqueeze(-2), steps, keep, out=h,
+    chunked_scan(a.__getitem__, lambda i: (dtu[i].unsqueeze(-1), B[i].unsqueeze(-2)), steps, keep, out=h,
                  start=start)
     # g_t = dL/dh_t = C_t dy_t + a_{t+1} g_{t+1}: the same scan backwards in time, each step's decay moved one
     # step back.
@@ -172,7 +173,7 @@ def _backward_rows(u, dt, B, C, dy, length, A, start):
         torch.mul(gB, dt[i], out=du[i])
 
     chunked_scan(ahead,
-                 lambda i: dy[i].unsqueeze(-1) * C[i].unsqueeze(-2), steps, grads, reverse=True)
+                 lambda i: (dy[i].unsqueeze(-1), C[i].unsqueeze(-2)), steps, grads, reverse=True)
     return tuple(from_chunks(g)[..., :length] for g in (du, ddt, dB, dC)) + (ga_dt.sum((0, 1)),)
 
 

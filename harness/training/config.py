@@ -22,7 +22,8 @@ USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
 RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
-                   "precision", "bucket")
+                   "precision", "bucket", "checkpoint")
+CHECKPOINTS = ("last", "best")
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,14 @@ class TrainConfig:
     warmup: int | None = _f(None, "warm-up samples (default 10,000)")
     seed: int = _f(42, "seeds the initialisation and the training streams")
     eval_every: int | None = _f(None, "samples between teacher-forced evaluations (default 100,000)")
-    eval_samples: int | None = _f(None, "held-out samples for both evaluations (default 5,000)")
+    eval_samples: int | None = _f(None, "held-out samples of the reported test split, and of the validation split "
+                                        "with --checkpoint best (default 5,000)")
     eval_batch_size: int | None = _f(None, "batch of the evaluations (default 256)")
     eval_max_new_tokens: int | None = _f(None, "live evaluation's generation budget (default: the task's)")
-    live_eval: bool = _f(True, "after training, evaluate the best checkpoint by greedy generation (the tool live "
+    checkpoint: str = _f("last", "the checkpoint kept and reported: last (the paper: the final weights, whose last "
+                                 "validation is the number) or best (chosen by teacher-forced EM on a validation "
+                                 "split, reported on the disjoint test split)", choices=list(CHECKPOINTS))
+    live_eval: bool = _f(True, "after training, evaluate the kept checkpoint by greedy generation (the tool live "
                                "for retrieval)")
     precision: str = _f("auto", "auto (bf16 autocast on CUDA, float32 elsewhere), fp32 or bf16",
                         choices=["auto", "fp32", "bf16"])

@@ -11,6 +11,10 @@ from harness.backends.generation import pad_batch
 from harness.hashing import digest
 from harness.training.config import TrainConfig
 
+# The validation split's ``eval_seed`` is the test split's plus this: far from the small seeds people pass to
+# evaluate on another held-out set.
+VALIDATION_SEED_OFFSET = 1_000_003
+
 
 class TrainTask:
     """The task a run trains on, built from the run's flags through the task's own training protocol
@@ -30,9 +34,20 @@ class TrainTask:
         return self.impl.stream(seed)
 
     def heldout(self) -> list[list[str]]:
-        """The live evaluation's held-out samples as whole training sequences (gold trace and tool results
-        included): what teacher-forced exact match is computed on."""
+        """The test split: the live evaluation's held-out samples as whole training sequences (gold trace and
+        tool results included), what the reported teacher-forced exact match is computed on."""
         return self.impl.heldout_sequences(self.impl.load())
+
+    def validation(self) -> list[list[str]]:
+        """The validation split, where ``--checkpoint best`` compares checkpoints: drawn as the test split is,
+        from its own seed, with every sequence that the test split also holds removed (tiny graphs repeat), so
+        the number reported on the test split never comes from a checkpoint chosen on the same samples."""
+        from evals import get_task
+
+        seed = self.impl.options.eval_seed + VALIDATION_SEED_OFFSET
+        impl = get_task(self.cfg.task, **{**self.eval_args, "eval_seed": seed})
+        test = {tuple(s) for s in self.heldout()}
+        return [s for s in impl.heldout_sequences(impl.load()) if tuple(s) not in test]
 
     def tokenizer(self):
         from evals.base import word_level_tokenizer

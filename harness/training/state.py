@@ -3,10 +3,10 @@
   .lock / .lock.json     one process trains into a directory at a time (``harness.engine.runlog.RunLock``)
   train_run.json         the settings that decide the run's numbers; a rerun with others is refused by name
   .training_state.pt     model, optimizer, scheduler, RNG, the step reached (the data stream's position),
-                         the curve and the best checkpoint so far: written atomically at every evaluation, so a
+                         the curve and the kept checkpoint so far: written atomically at every evaluation, so a
                          killed run continues where it stopped and ends with the weights and curve of one never
                          killed; removed once result.json is written
-  model.safetensors ...  the kept (best) checkpoint with its tokenizer and icr_task.json, replaced file by file
+  model.safetensors ...  the kept (last or best) checkpoint with its tokenizer and icr_task.json, replaced file by file
                          through renames: a crash or a full disk leaves the previous checkpoint whole
   train_log.jsonl        the curve, rewritten from the state on resume (a killed attempt's later rows go)
   tracker/               the tracker's curves; a killed attempt's are moved to .killed/ and the curve up to the
@@ -46,9 +46,9 @@ class Progress:
 
     step: int = 0  # the next optimizer step to run (the data stream's position)
     curve: list = dataclasses.field(default_factory=list)
-    best_em: float = -1.0
-    best_samples: int = 0
-    best_state: dict | None = None  # CPU copy of the best weights
+    best_em: float = -1.0  # validation EM of the kept checkpoint (the latest one with --checkpoint last)
+    best_samples: int = 0  # samples the kept checkpoint had seen (0: none kept yet)
+    best_state: dict | None = None  # CPU copy of the best weights (--checkpoint best only)
     first_loss: float | None = None
     train_s: float = 0.0
     data_s: float = 0.0

@@ -1,13 +1,16 @@
 """One training run, readable top to bottom: build the model, optimizer and data (``Trainer.__init__``), start
-or resume (``run``), the loop (``train``), the paper's metric on held-out samples (``evaluate``), and the best
-checkpoint evaluated live through the eval engine (``finish``).
+or resume (``run``), the loop (``train``), the paper's metric on held-out samples (``evaluate``), and the kept
+checkpoint reported and evaluated live through the eval engine (``finish``).
 
 Defaults follow the paper's code: AdamW (weight decay 0), cosine schedule with a 10,000-sample warm-up, a
 global batch of 64 (split over processes), lr 1e-3 for the Transformer and 3e-4 for Mamba and the hybrid,
 fresh samples every step, mamba-ssm's initialisation. Every ``--eval-every`` samples the model is scored by
 the paper's metric, teacher-forced exact match on held-out samples (every target token right, tool results
-given); the best checkpoint is kept, written with ``save_pretrained`` next to its tokenizer and task, and
-evaluated once more by live greedy generation through the eval engine (the retrieval tool live), so
+given). The reported number follows the paper: the last validation, on the test split, of the final weights
+(``--checkpoint last``). ``--checkpoint best`` instead validates on a separate validation split, keeps the
+best checkpoint there, and reports that checkpoint on the test split, never on the samples it was chosen on.
+The kept checkpoint is written with ``save_pretrained`` next to its tokenizer and task, and evaluated once
+more by live greedy generation through the eval engine on the test split (the retrieval tool live), so
 ``python -m harness.eval --model RUN_DIR --task istree`` reproduces that number.
 """
 from __future__ import annotations
@@ -79,7 +82,7 @@ def _tracker(cfg: TrainConfig) -> str | None:
 
 def train_one(cfg: TrainConfig, progress: bool = True, overwrite: bool = False) -> dict:
     """Train one model (or return the finished result; a killed run continues from its last evaluation), keep
-    the best checkpoint by teacher-forced exact match, evaluate it live, save it."""
+    the last (or best on validation) checkpoint, report it on the test split, evaluate it live, save it."""
     if cfg.output is None or any(getattr(cfg, k) is None for k in PAPER_DEFAULTS):
         cfg = cfg.resolved()
     if not overwrite:
@@ -105,6 +108,8 @@ def finished_result(cfg: TrainConfig) -> dict | None:
         earlier = json.loads(done.read_text())
     except ValueError as e:
         raise RunDirError(f"{done} is not valid JSON ({e}); move it away and rerun to finish the run") from None
+    # A run finished before the protocol was recorded kept its best checkpoint on the samples it reports.
+    earlier.setdefault("checkpoint", "best on the reported samples (before the checkpoint protocol)")
     changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)]
     if changed:
         raise ConfigError(f"{cfg.output} holds a finished run with other settings ("
@@ -151,13 +156,23 @@ class Trainer:
         steps = self.steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, steps, warm))
         self.workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
-        heldout = self.task.heldout()[acc.process_index::acc.num_processes]  # this process's share, batched once
-        self.eval_batches = [batch_from_tokens(heldout[i:i + cfg.eval_batch_size], self.vocab, "cpu")
-                             for i in range(0, len(heldout), cfg.eval_batch_size)]
-        self.n_heldout = len(heldout) * acc.num_processes
+        # The split the curve is validated on: the test split itself under the paper's protocol (nothing is chosen
+        # on it), a disjoint validation split where the best checkpoint is chosen.
+        validation = self.task.validation() if cfg.checkpoint == "best" else self.task.heldout()
+        if not validation:
+            raise ConfigError(f"--checkpoint best: every validation sample is also a test sample (IsTree graphs of "
+                              f"{cfg.nodes} nodes repeat); use --checkpoint last or a larger task")
+        self.eval_batches = self.batched(validation)
+        self.n_heldout = len(validation)
         self.every = max(1, cfg.eval_every // cfg.batch_size)
         self.log_every = max(1, min(self.every, self.steps // 100))
         self.state = Progress()
+
+    def batched(self, sequences: list[list[str]]) -> list:
+        """This process's share of held-out sequences, in evaluation batches, built once."""
+        mine = sequences[self.acc.process_index::self.acc.num_processes]
+        size = self.cfg.eval_batch_size
+        return [batch_from_tokens(mine[i:i + size], self.vocab, "cpu") for i in range(0, len(mine), size)]
 
     def autocast(self):
         return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -174,9 +189,10 @@ class Trainer:
             log.info("%s: resumed at step %d of %d (%s samples; attempt %d); the curve so far is kept", cfg.name,
                      resumed.step, self.steps, f"{resumed.step * cfg.batch_size:,}", resumed.attempts)
         log.info("%s: %s trainable parameters, %d steps of %d (%d per process x %d), lr %g, %s, %s, %d data workers, "
-                 "teacher-forced eval every %d steps on %d samples", cfg.name, f"{self.n_params:,}", self.steps,
+                 "teacher-forced eval every %d steps on %d %s samples", cfg.name, f"{self.n_params:,}", self.steps,
                  cfg.batch_size, self.per_process, acc.num_processes, cfg.lr, acc.device,
-                 "bf16 autocast" if self.bf16 else "float32", self.workers, self.every, self.n_heldout)
+                 "bf16 autocast" if self.bf16 else "float32", self.workers, self.every, self.n_heldout,
+                 "validation" if cfg.checkpoint == "best" else "test (= validation: the paper's protocol)")
         self.state_bytes = model_state_bytes(acc.unwrap_model(self.model), self.task, self.task.max_len)
         log.info("%s: a sequence of %d tokens (the task's longest) leaves %s bytes of model state", cfg.name,
                  self.task.max_len, f"{self.state_bytes:,}")
@@ -275,7 +291,8 @@ class Trainer:
         bar.close()
 
     def evaluate(self, row: dict) -> None:
-        """The paper's metric on the held-out set; a better (or equal, later) checkpoint is kept on disk."""
+        """The paper's metric on the validation split; the checkpoint kept on disk is the latest one
+        (``--checkpoint last``) or the best so far (``best``; ties go to the later, longer-trained one)."""
         acc, st = self.acc, self.state
         tf_loss, right, count = (acc.reduce(t, "sum") for t in teacher_forced(self.model, self.eval_batches,
                                                                               self.autocast))
@@ -284,19 +301,20 @@ class Trainer:
         if not math.isfinite(row["eval_loss"]):  # the update of this step broke the weights: never keep them
             self._diverged(f"the held-out loss became {row['eval_loss']} at step {row['step']} (evaluated after "
                            f"its update; sample {row['samples']:,})")
-        if row["eval_em"] >= st.best_em:  # ties go to the later, longer-trained checkpoint
+        if self.cfg.checkpoint == "last" or row["eval_em"] >= st.best_em:
             model = acc.unwrap_model(self.model)
             st.best_em, st.best_samples = row["eval_em"], row["samples"]
-            st.best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            if self.cfg.checkpoint == "best":  # the last weights are the model's own; only a best needs a copy
+                st.best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             if acc.is_main_process:
                 save_checkpoint(self.out, model, self.task.tokenizer(), self.task_meta())
         acc.wait_for_everyone()
 
     def _diverged(self, what: str) -> None:
         st = self.state
-        kept = (f"the best checkpoint (teacher-forced EM {100 * st.best_em:.1f}% at {st.best_samples:,} samples) "
-                f"and the training state of step {st.step} are kept in {self.out}" if st.best_state is not None
-                else f"no checkpoint was kept (the first evaluation is at step {self.every})")
+        kept = (f"the {self.cfg.checkpoint} checkpoint (teacher-forced EM {100 * st.best_em:.1f}% at "
+                f"{st.best_samples:,} samples) and the training state of step {st.step} are kept in {self.out}"
+                if st.best_samples else f"no checkpoint was kept (the first evaluation is at step {self.every})")
         raise TrainingError(f"{what}: non-finite, so training stopped; {kept}. Lower --lr (now {self.cfg.lr:g})"
                             f"{' or use --precision fp32' if self.bf16 else ''}, and rerun with --overwrite or "
                             "another --output.")
@@ -311,20 +329,33 @@ class Trainer:
 
     # -- finish -------------------------------------------------------------------------------------------
     def finish(self) -> dict:
-        """The best checkpoint (on disk since its evaluation) evaluated live; result.json written last."""
+        """The kept checkpoint (on disk since its evaluation) reported on the test split and evaluated live;
+        result.json written last. Which split and which checkpoint each number comes from is written beside it."""
         cfg, st, out = self.cfg, self.state, self.out
         model = self.acc.unwrap_model(self.model).eval()
-        final = {"em": st.curve[-1]["eval_em"], "loss": st.curve[-1]["loss"]}
-        model.load_state_dict(st.best_state)  # the kept checkpoint is the best one
+        last = st.curve[-1]
+        test = (f"test split ({self.task.eval_args['samples']:,} held-out samples, eval_seed "
+                f"{self.task.impl.options.eval_seed})")
+        if cfg.checkpoint == "best":
+            model.load_state_dict(st.best_state)
+            _, right, count = teacher_forced(model, self.batched(self.task.heldout()), self.autocast)
+            protocol = {"teacher_forced_em": int(right) / max(1, int(count)),
+                        "reported": f"best checkpoint (at {st.best_samples:,} samples, chosen on the validation "
+                                    f"split) on the {test}",
+                        "validation": f"validation split ({self.n_heldout:,} samples, disjoint from the test split)",
+                        "best_validation_em": st.best_em}
+        else:
+            protocol = {"teacher_forced_em": last["eval_em"],
+                        "reported": f"last validation (the paper's number): the final weights on the {test}",
+                        "validation": "the test split (nothing is chosen on it)"}
         tok = self.task.tokenizer()
         plot_curves(st.curve, out / "curves.png", cfg.name)
         result = {**dataclasses.asdict(cfg), "trainable_parameters": self.n_params, "steps": self.steps,
                   "processes": self.acc.num_processes, "device": str(self.acc.device),
                   "compute_dtype": "bfloat16" if self.bf16 else "float32", "data_workers": self.workers,
-                  "first_loss": st.first_loss, "final_loss": final["loss"],
-                  "teacher_forced_em": st.best_em, "best_samples": st.best_samples,
-                  "teacher_forced_em_final": final["em"], "attempts": st.attempts,
-                  "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
+                  "first_loss": st.first_loss, "final_loss": last["loss"], **protocol,
+                  "checkpoint_samples": st.best_samples, "last_validation_em": last["eval_em"],
+                  "attempts": st.attempts, "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
                   "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
                   "curve": st.curve}
@@ -337,7 +368,6 @@ class Trainer:
         write_atomic(out / "result.json", json.dumps(result, indent=2))
         drop_state(out)
         return result
-
 
 def model_state_bytes(model, task: TrainTask, tokens: int) -> int:
     """Bytes of decoding state (KV cache, conv and SSM state) the model holds after ``tokens`` tokens: the
