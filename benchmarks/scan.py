@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="timed training steps per cell (after one warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="timed scans per length (the best is shown)")
+    ap.add_argument("--lengths", default="48,455,1845", help="scan lengths of part 1")
+    ap.add_argument("--cells", default="16:direct,32:retrieval,64:retrieval", help="IsTree NODES:SETUP of part 2")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,14 +99,15 @@ def main():
           f"threads, torch {torch.__version__}\n")
     print("one scan, forward+backward (128 channels x 16 states)")
     print(f"{'tokens':>7s} {'batch':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s}")
-    for length in (48, 455, 1845):
+    for length in map(int, a.lengths.split(",")):
         t = scan_only(length, a.batch, device, a.repeats)
         print(f"{length:7d} {a.batch:6d} {t['parallel']:11.4f} {t['sequential']:13.4f} "
               f"{t['sequential'] / t['parallel']:8.1f}x", flush=True)
     print("\n0.5M Mamba training step (forward, backward, AdamW) on IsTree batches, each in its own process")
     print(f"{'cell':15s} {'tokens':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s} "
           f"{'parallel peak':>14s} {'sequential peak':>16s} {'memory':>7s}")
-    for nodes, setup in ((16, "direct"), (32, "retrieval"), (64, "retrieval")):
+    for nodes, setup in (c.split(":") for c in a.cells.split(",")):
+        nodes = int(nodes)
         rows = {}
         for scan in SCANS:
             spec = json.dumps({"scan": scan, "nodes": nodes, "setup": setup, "batch": a.batch, "steps": a.steps})

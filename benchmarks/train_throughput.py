@@ -1,19 +1,23 @@
 """Training throughput per architecture x setup x graph size on this machine, the share of a step that data
 generation would take inline, and the projected hours of the paper's 81-run grid.
 
-    python benchmarks/train_throughput.py                                  # CPU: 0.5M models, batch 8 measured
-    python benchmarks/train_throughput.py --sizes 0.5M,1M,2M --measure-batch 64 --steps 5   # on a GPU
+    python benchmarks/train_throughput.py --sizes 0.5M                     # CPU: 0.5M models, batch 8 measured
+    python benchmarks/train_throughput.py --measure-batch 64 --steps 5 --side-by-side 4   # on a GPU
 
 Each cell is measured side by side in one run with ``harness.training.grid.measure_cell`` (the planner's own
 measurement): one warm-up step, then ``--steps`` timed optimizer steps (forward, backward, AdamW) on real
 batches of the cell, and the time to generate those samples in Python. A step measured at ``--measure-batch``
 samples is scaled linearly to the paper's batch of 64. Sizes not measured are projected from the measured
 size by trainable parameters (stated in the output). Data generation runs in DataLoader workers during
-training, so its share is what workers must hide, not time added."""
+training, so its share is what workers must hide, not time added; "store share" is the same for batches read
+from a built token store (``--store``), which replaces generation while training. ``--side-by-side K`` then trains K copies
+of one cell at once in separate processes on the same device and prints their aggregate samples/s against
+one alone: what ``--cells-per-gpu K`` gains where one small cell cannot fill a GPU."""
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 
 import torch
@@ -25,20 +29,25 @@ from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measur
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="0.5M", help="sizes to measure (others are projected)")
+    ap.add_argument("--sizes", default="0.5M,2M", help="sizes to measure (others are projected from the measured "
+                                                        "size nearest in trainable parameters)")
     ap.add_argument("--nodes", default="16,32,64")
     ap.add_argument("--setups", default="direct,cot,retrieval")
     ap.add_argument("--archs", default=",".join(ARCH_ORDER))
     ap.add_argument("--measure-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--side-by-side", type=int, default=0, metavar="K", help="also measure K cells at once")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:
+        return _child(a)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes, archs = a.sizes.split(","), a.archs.split(",")
     paper = GRID_DEFAULTS["paper"]
     batch = 64
     print(f"device: {device_name(device)}; step measured at batch {a.measure_batch} over {a.steps} step(s), scaled to batch {batch}\n")
     print(f"{'setup':10s} {'n':>3s} {'size':5s} {'arch':12s} {'tok/sample':>10s} {'samples/s':>10s} "
-          f"{'vs transformer':>15s} {'data share':>11s} {'5M samples (h)':>15s}")
+          f"{'vs transformer':>15s} {'data share':>11s} {'store share':>12s} {'5M samples (h)':>15s}")
     hours: dict[tuple, float] = {}
     t_all = time.perf_counter()
     for setup in a.setups.split(","):
@@ -52,12 +61,15 @@ def main():
                     rate = batch / step64
                     base = base or rate
                     share = m["gen_s_per_sample"] * batch / (step64 + m["gen_s_per_sample"] * batch)
+                    read = _store_read_s(cell, a.measure_batch) if arch == archs[0] else read
+                    store_share = read * batch / (step64 + read * batch)
                     evals = paper["samples"] // paper["eval_every"] * paper["eval_samples"] / a.measure_batch \
                         * m["forward_s"]
                     h = (paper["samples"] / batch * step64 + evals) / 3600
                     hours[setup, n, size, arch] = h
                     print(f"{setup:10s} {n:3d} {size:5s} {arch:12s} {m['tokens']:10.0f} {rate:10.1f} "
-                          f"{rate / base:14.2f}x {100 * share:10.1f}% {h:15.2f}", flush=True)
+                          f"{rate / base:14.2f}x {100 * share:10.1f}% {100 * store_share:11.2f}% {h:15.2f}",
+                          flush=True)
     total, projected = 0.0, []
     for setup in a.setups.split(","):
         for n in map(int, a.nodes.split(",")):
@@ -66,15 +78,68 @@ def main():
                     if (setup, n, size, arch) in hours:
                         total += hours[setup, n, size, arch]
                         continue
-                    ref = sizes[0]
+                    ref = min(sizes, key=lambda m: abs(math.log(_params(arch, m, n) / _params(arch, size, n))))
                     ratio = _params(arch, size, n) / _params(arch, ref, n)
                     total += hours[setup, n, ref, arch] * ratio
                     projected.append(size)
-    how = (f"; sizes {', '.join(sorted(set(projected)))} projected from {sizes[0]} by trainable parameters"
-           if projected else "")
+    how = (f"; sizes {', '.join(sorted(set(projected)))} projected from the nearest measured size by trainable "
+           "parameters" if projected else "")
     print(f"\npaper grid ({len(a.setups.split(',')) * len(a.nodes.split(',')) * 3 * len(archs)} runs of 5M samples, "
           f"teacher-forced eval of 5,000 samples every 100k): about {total:.0f} hours on this device, one run at a "
           f"time{how}; live greedy evaluation not included. Measured in {time.perf_counter() - t_all:.0f} s.")
+    if a.side_by_side > 1:
+        side_by_side(a, sizes[0], total)
+
+
+def _store_read_s(cell, batch: int) -> float:
+    """Seconds per sample to make batches from a built token store (``--store``), the data path that replaces
+    generating samples in Python while training."""
+    import tempfile
+    from pathlib import Path
+
+    from harness.training.data import TrainTask
+    from harness.training.store import ensure_store
+
+    with tempfile.TemporaryDirectory() as d:
+        store = ensure_store(TrainTask(cell), 4 * batch, Path(d))
+        t = time.perf_counter()
+        for k in range(4):
+            store.batch(list(range(k * batch, (k + 1) * batch)))
+        return (time.perf_counter() - t) / (4 * batch)
+
+
+def side_by_side(a, size: str, hours: float) -> None:
+    """K copies of one small cell trained at once, each in its own process, against one alone."""
+    import json
+    import subprocess
+    import sys
+
+    cell = {"arch": "mamba", "size": size, "nodes": 16, "setup": "direct"}
+    spec = json.dumps({**cell, "batch": a.measure_batch, "steps": max(a.steps, 3)})
+    rates = {}
+    for k in (1, a.side_by_side):
+        procs = [subprocess.Popen([sys.executable, __file__, "--child", spec], stdout=subprocess.PIPE, text=True)
+                 for _ in range(k)]
+        outs = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs):
+            sys.exit("error: a side-by-side cell failed")
+        rates[k] = sum(json.loads(o.strip().splitlines()[-1])["samples_per_s"] for o in outs)
+    gain = rates[a.side_by_side] / rates[1]
+    print(f"\n{a.side_by_side} cells side by side ({size} mamba, n=16 direct): {rates[a.side_by_side]:.1f} samples/s "
+          f"together vs {rates[1]:.1f} for one alone ({gain:.2f}x); with --cells-per-gpu {a.side_by_side} the grid "
+          f"above would take about {hours / max(gain, 1e-9):.0f} hours if every cell gained as much")
+
+
+def _child(a) -> None:
+    import json
+
+    spec = json.loads(a.child)
+    batch, steps = spec.pop("batch"), spec.pop("steps")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # K processes share the cores as grid cells do
+    m = measure_cell(TrainConfig(**spec, report_to="none").resolved(), device, batch, steps)
+    print(json.dumps({"samples_per_s": batch / m["step_s"]}))
 
 
 @functools.cache

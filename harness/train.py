@@ -3,6 +3,7 @@
     python -m harness.train --task istree --arch mamba --size 0.5M --nodes 16 --setup retrieval --output runs/x
     python -m harness.train --grid smoke                       # CPU demo: 3 archs x 3 setups at n=4, ~6 min
     python -m harness.train --grid paper --plan                # the 81-run grid's GPU-hours, from measured steps
+    python -m harness.train --grid paper --launcher slurm      # one SLURM job per cell (submitit), one report
     accelerate launch -m harness.train --grid paper            # the 81-run grid, data parallel over GPUs
 
 The settings are ``harness.training.config.TrainConfig``; the loop is ``harness.training.trainer``; grids are
@@ -41,6 +42,14 @@ class TrainCliFlags:
                           choices=["paper", "smoke"])
     jobs: int | None = _f(None, "grid cells trained at once, each in its own process with its share of the CPU "
                                 "threads (default: one per CPU core without a GPU, 1 with one)")
+    cells_per_gpu: int = _f(1, "grid cells trained at once on each GPU (a 0.5M model leaves most of one idle; "
+                               "benchmarks/train_throughput.py measures what k cells side by side reach)")
+    launcher: str = _f("processes", "where a grid's cells run: processes on this machine, slurm (one job per cell "
+                                    "through submitit, requeued on preemption), or submitit-local (submitit's "
+                                    "local executor)", choices=["processes", "submitit-local", "slurm"])
+    slurm_partition: str | None = _f(None, "SLURM partition for --launcher slurm (default: the cluster's)")
+    timeout_min: int = _f(72 * 60, "a scheduler job's time limit in minutes; a cell stopped by it is requeued and "
+                                   "resumes from its last evaluation")
     plan: bool = _f(False, "measure a few steps of every grid cell and print the grid's estimated hours; train "
                            "nothing")
     task_arg: list[str] = dataclasses.field(default_factory=list, metadata={
@@ -80,7 +89,8 @@ def main(argv=None) -> int:
                     return 0
                 t0 = time.perf_counter()
                 grids.run_grid(flags.grid, cfg, root, jobs=flags.jobs, progress=flags.progress,
-                               overwrite=flags.overwrite)
+                               overwrite=flags.overwrite, launcher=flags.launcher, cells_per_gpu=flags.cells_per_gpu,
+                               partition=flags.slurm_partition, timeout_min=flags.timeout_min)
                 table = grids.write_grid_report(root)
                 print(f"\nIsTree grid '{flags.grid}' ({time.perf_counter() - t0:.0f} s)\n\n{table}\n\nwrote "
                       f"{root}/results.md, results.csv, istree_grid.png")

@@ -19,13 +19,15 @@ CASES = {
                           "1"], "True"),
     "prefix_tree.py": (["--models", "phi,hybrid-phi-mamba", "--questions", "1", "--samples", "1", "--hidden", "32",
                         "--layers", "1", "--lengths", "64,128", "--no-lm-eval"], "| True | True |"),
+    "scan.py": (["--lengths", "16,33", "--cells", "4:direct,4:retrieval", "--batch", "2", "--steps", "1",
+                 "--repeats", "1"], "losses of every step agree"),
     "retrieval_resume.py": (["--context", "120", "--calls", "2", "--new-tokens", "8", "--hidden", "32", "--layers",
                              "2", "--samples", "2"], "identical tokens: True"),
     "throughput.py": (["--questions", "2", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
                        "--hidden", "32", "--layers", "1"], "True"),
     "tool_timeouts.py": (["--rows", "3", "--timeout", "0.2"], "every row got [timeout]: True"),
-    "train_throughput.py": (["--nodes", "4", "--setups", "direct,retrieval", "--measure-batch", "2", "--steps", "1"],
-                            "paper grid"),
+    "train_throughput.py": (["--sizes", "0.5M", "--nodes", "4", "--setups", "direct,retrieval", "--measure-batch",
+                             "2", "--steps", "1", "--side-by-side", "2"], "cells side by side"),
 }
 
 

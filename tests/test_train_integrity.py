@@ -228,3 +228,48 @@ def test_the_live_evaluation_never_counts_rows_of_another_checkpoint(tmp_path):
         res = evaluate(model, tok, run, "istree", task.eval_args, batch_size=6)
         assert res["counts"]["generated"] == expect_generated and res["counts"]["resumed"] == 0
     assert len(list((run / "eval").glob("replaced-*"))) == 1  # the first checkpoint's rows, kept apart
+
+
+def test_a_scheduler_runs_cells_and_a_killed_cell_resumes_on_the_rerun(tmp_path):
+    """Cells through submitit's local executor (real job processes, the code path of --launcher slurm): one
+    cell's process is killed mid-training; the grid names it and keeps the other; the rerun resumes the killed
+    cell from its last evaluation and leaves the finished one alone."""
+    pytest.importorskip("submitit")
+    import threading
+
+    from harness.engine.config import ConfigError
+    from harness.training.launch import run_on_scheduler
+
+    def cell(arch, samples):
+        return TrainConfig(arch=arch, size="smoke", nodes=4, setup="direct", samples=samples, batch_size=32,
+                           warmup=64, lr=3e-3, eval_every=320, eval_samples=16, eval_batch_size=16, threads=1,
+                           report_to="none", live_eval=False, output=str(tmp_path / arch)).resolved()
+
+    cells = [cell("transformer", 640), cell("mamba", 9600)]
+    outcome = {}
+
+    def grid():
+        try:
+            outcome["results"] = run_on_scheduler("submitit-local", "t", cells, tmp_path, 2, 1, False, poll_s=0.2)
+        except ConfigError as e:
+            outcome["error"] = str(e)
+
+    runner = threading.Thread(target=grid)
+    runner.start()
+    victim = tmp_path / "mamba"
+    _wait_for(victim / ".training_state.pt", timeout=240)  # an evaluation is saved: mid-training
+    pid = json.loads((victim / ".lock.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=300)
+    assert not runner.is_alive()
+    assert "1 cell(s) failed" in outcome.get("error", "") and cells[1].name in outcome["error"]
+    assert (tmp_path / "transformer" / "result.json").exists() and not (victim / "result.json").exists()
+    first = json.loads((tmp_path / "transformer" / "result.json").read_text())
+    results = run_on_scheduler("submitit-local", "t", cells, tmp_path, 2, 1, False, poll_s=0.2)
+    by_arch = {r["arch"]: r for r in results}
+    assert by_arch["transformer"] == first  # finished: returned, not trained again
+    resumed = by_arch["mamba"]
+    assert resumed["attempts"] == 2  # resumed from the killed attempt's state, not started over
+    samples = [r["samples"] for r in resumed["curve"] if "eval_em" in r]
+    assert samples == list(range(320, 9601, 320))  # every evaluation once: nothing lost or doubled
+    assert list(tmp_path.glob("submitit/*/*.out"))  # the jobs ran through submitit, logs kept

@@ -22,7 +22,7 @@ USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
 RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
-                   "precision", "bucket", "checkpoint")
+                   "precision", "bucket", "checkpoint", "store")
 CHECKPOINTS = ("last", "best")
 
 
@@ -63,6 +63,12 @@ class TrainConfig:
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
                         "(less padding; 1 = off, as the paper)")
+    store: int | None = _f(None, "train on a fixed set of this many samples, generated once into a memory-mapped "
+                                 "token store shared by every run with the same data and visited in a seeded "
+                                 "order each epoch (the paper's code reuses 1,000,000); default: a fresh sample "
+                                 "every step")
+    store_dir: str | None = _f(None, "where token stores are kept (default: ~/.cache/icr-harness/stores, or "
+                                     "$ICR_CACHE/stores)")
     threads: int | None = _f(None, "CPU threads for torch (default: torch's)")
     report_to: str = _f("auto", "experiment tracker through accelerate (auto: TensorBoard when installed)",
                         choices=list(TRACKERS))
@@ -109,7 +115,7 @@ class TrainConfig:
         def flag(name):
             return f"--{name.replace('_', '-')}"
 
-        for name in ("samples", "batch_size", "eval_every", "eval_samples", "eval_batch_size", "bucket", "length",
+        for name in ("samples", "batch_size", "eval_every", "eval_samples", "eval_batch_size", "bucket", "length", "store",
                      "d_model", "layers", "threads", "eval_max_new_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

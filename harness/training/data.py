@@ -63,16 +63,20 @@ def batch_from_tokens(samples: list[list[str]], vocab: dict[str, int], device) -
 
 
 class TrainingBatches(torch.utils.data.IterableDataset):
-    """Endless pools of fresh batches (``bucket`` batches a pool). Pool ``k`` is drawn from a stream seeded by
-    (seed, process, k) alone, so the data depend on neither the number of DataLoader workers nor where a run was
-    resumed: ``start_pool`` skips to any position at no cost. Worker ``w`` of ``W`` draws pools start+w,
-    start+w+W, ...; the DataLoader takes its workers' items in turn, so pools arrive in order, generated off the
-    training loop's critical path."""
+    """Endless pools of batches (``bucket`` batches a pool): fresh samples, or samples of a token ``store``.
+    Pool ``k`` depends on (seed, process, k) alone, so the data depend on neither the number of DataLoader
+    workers nor where a run was resumed: ``start_pool`` skips to any position at no cost. Fresh batches come
+    from a stream seeded by (seed, process, batch); store batches are positions of one global sequence (every
+    process's batches in turn) that visits the store in a seeded order per epoch. Worker ``w`` of ``W`` draws
+    pools start+w, start+w+W, ...; the DataLoader takes its workers' items in turn, so pools arrive in order,
+    made off the training loop's critical path."""
 
-    def __init__(self, task: TrainTask, batch: int, seed: int, process: int, bucket: int = 1, start_pool: int = 0):
+    def __init__(self, task: TrainTask, batch: int, seed: int, process: int, bucket: int = 1, start_pool: int = 0,
+                 store=None, processes: int = 1):
         self.task, self.batch, self.seed, self.process, self.bucket = task, batch, seed, process, bucket
-        self.start_pool = start_pool
+        self.start_pool, self.store, self.processes = start_pool, store, processes
         self.vocab = {t: i for i, t in enumerate(task.vocab)}
+        self._orders: dict[int, object] = {}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -85,6 +89,8 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     def pool(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Batches ``index * bucket`` ... of fresh samples, each batch from its own seeded stream (bucketing
         regroups the same samples; it never changes them)."""
+        if self.store is not None:
+            return self._store_pool(index)
         samples = []
         for b in range(index * self.bucket, (index + 1) * self.bucket):
             stream = self.task.stream(seed=_batch_seed(self.seed, self.process, b))
@@ -94,6 +100,25 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         groups = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
         random.Random(f"bucket:{self.seed}:{self.process}:{index}").shuffle(groups)
         return [batch_from_tokens(g, self.vocab, "cpu") for g in groups]
+
+
+    def _store_pool(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        picks = []
+        for b in range(index * self.bucket, (index + 1) * self.bucket):
+            first = (b * self.processes + self.process) * self.batch
+            picks += [self._at(k) for k in range(first, first + self.batch)]
+        if self.bucket > 1:
+            picks.sort(key=lambda i: (self.store.lengths[i], i))
+        groups = [picks[i:i + self.batch] for i in range(0, len(picks), self.batch)]
+        random.Random(f"bucket:{self.seed}:{self.process}:{index}").shuffle(groups)
+        return [self.store.batch(g) for g in groups]
+
+    def _at(self, position: int) -> int:
+        """The store sample at ``position`` of the global sequence: epoch by epoch, each in its own order."""
+        epoch, k = divmod(position, len(self.store))
+        if epoch not in self._orders:
+            self._orders = {epoch: self.store.order(epoch, self.seed)}  # one epoch held at a time
+        return int(self._orders[epoch][k])
 
 
 def _batch_seed(seed: int, process: int, batch: int) -> int:

@@ -7,6 +7,7 @@ GPU, small models leave most of it idle; on a CPU, single-threaded processes bea
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -72,18 +73,28 @@ def _cost(cell: TrainConfig) -> float:
 
 
 def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, progress: bool = True,
-             overwrite: bool = False) -> list[dict]:
-    """Train every unfinished cell (``jobs`` at a time; default: one per core on a CPU, one on a GPU), then
-    write the grid's report. A cell that fails is named at the end; the others still train."""
+             overwrite: bool = False, launcher: str = "processes", cells_per_gpu: int = 1,
+             partition: str | None = None, timeout_min: int = 72 * 60) -> list[dict]:
+    """Train every unfinished cell (``jobs`` at a time; default: one per core on a CPU, ``cells_per_gpu`` on
+    each GPU), here or on a scheduler (``harness.training.launch``), then write the grid's report once. A cell
+    that fails is named at the end; the others still train."""
     cells = grid_cells(name, base, root)
-    jobs = default_jobs(len(cells)) if jobs is None else jobs
+    if cells_per_gpu < 1:
+        raise ConfigError(f"--cells-per-gpu {cells_per_gpu}: use 1 or more")
+    jobs = default_jobs(len(cells), cells_per_gpu) if jobs is None else jobs
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: use 1 or more")
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("--jobs > 1 runs cells in separate processes; under accelerate launch (data parallel) "
                           "use --jobs 1")
     root.mkdir(parents=True, exist_ok=True)
-    if jobs == 1:
+    ordered = sorted(cells, key=_cost, reverse=True)
+    if launcher != "processes":
+        from harness.training.launch import run_on_scheduler
+
+        results = run_on_scheduler(launcher, name, ordered, root, jobs, cell_threads(base, jobs), overwrite,
+                                   timeout_min=timeout_min, partition=partition)
+    elif jobs == 1:
         results = []
         for i, cell in enumerate(cells, 1):
             log.info("grid %s: cell %d/%d %s", name, i, len(cells), cell.name)
@@ -91,17 +102,19 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
     else:
         threads = cell_threads(base, jobs)
         log.info("grid %s: %d cells, %d at a time, %d CPU thread(s) each", name, len(cells), jobs, threads)
-        results = train_in_processes(name, sorted(cells, key=_cost, reverse=True), jobs, threads, progress,
-                                     overwrite, cost=_cost)
+        results = train_in_processes(name, ordered, jobs, threads, progress, overwrite, cost=_cost)
     write_grid_report(root)
     return results
 
 
-def default_jobs(cells: int) -> int:
-    """Cells at once: one per core on a CPU (single-threaded processes beat one process on all cores), one on a
-    GPU or under data parallelism."""
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return 1 if torch.cuda.is_available() or distributed else min(cells, os.cpu_count() or 1)
+def default_jobs(cells: int, cells_per_gpu: int = 1) -> int:
+    """Cells at once: one per core on a CPU (single-threaded processes beat one process on all cores),
+    ``cells_per_gpu`` on each GPU (a 0.5M model leaves most of one idle), one under data parallelism."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return 1
+    if torch.cuda.is_available():
+        return min(cells, torch.cuda.device_count() * cells_per_gpu)
+    return min(cells, os.cpu_count() or 1)
 
 
 def cell_threads(base: TrainConfig, jobs: int) -> int:
@@ -123,6 +136,8 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
 
     ctx = multiprocessing.get_context("spawn")
     pending, running, results, failed = list(cells), {}, [], []
+    gpus = torch.cuda.device_count()
+    free = list(range(jobs))  # slot k trains on GPU k mod the GPUs (several cells share one when jobs > GPUs)
     weight = {c.output: (cost or (lambda c: c.samples // c.batch_size))(c) for c in cells}
     total = sum(weight.values()) or 1.0
     shown = 0.0
@@ -130,14 +145,17 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
                bar_format="{l_bar}{bar}| {n:.0f}% [{elapsed}<{remaining}{postfix}]")
     try:
         while pending or running:
-            while pending and len(running) < jobs:
-                cell = pending.pop(0)
+            while pending and free:
+                cell, slot = pending.pop(0), free.pop(0)
+                gpu = slot % gpus if gpus else None
                 proc = ctx.Process(target=_cell_process, args=(cell, threads, os.getpid(), overwrite),
                                    name=f"cell {cell.name}")
-                proc.start()
-                running[proc.sentinel] = (proc, cell)
+                with _only_gpu(gpu):
+                    proc.start()
+                running[proc.sentinel] = (proc, cell, slot)
             for sentinel in wait(list(running), timeout=1.0):
-                proc, cell = running.pop(sentinel)
+                proc, cell, slot = running.pop(sentinel)
+                free.append(slot)
                 proc.join()
                 done = Path(cell.output) / "result.json"
                 if proc.exitcode == 0 and done.exists():
@@ -152,7 +170,7 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
                 bar.update(now - shown)
                 shown = now
     finally:
-        _stop(proc for proc, _ in running.values())
+        _stop(proc for proc, _, _ in running.values())
         bar.close()
     if failed:
         raise ConfigError(f"grid {name}: {len(failed)} cell(s) failed ({'; '.join(failed)}); their errors are printed "
@@ -191,6 +209,25 @@ def _stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+@contextlib.contextmanager
+def _only_gpu(gpu: int | None):
+    """A child started inside this block sees one GPU: the ``gpu``-th this process sees. Set in the environment
+    it inherits, because CUDA reads it once, when it starts, which an import in the child may already do."""
+    if gpu is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[gpu]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bool) -> None:

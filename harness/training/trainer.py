@@ -156,6 +156,13 @@ class Trainer:
         steps = self.steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, steps, warm))
         self.workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
+        self.store = None
+        if cfg.store:
+            from harness.engine.identity import cache_dir
+            from harness.training.store import ensure_store
+
+            self.store = ensure_store(self.task, cfg.store, Path(cfg.store_dir or cache_dir() / "stores"),
+                                      workers=self.workers)
         # The split the curve is validated on: the test split itself under the paper's protocol (nothing is chosen
         # on it), a disjoint validation split where the best checkpoint is chosen.
         validation = self.task.validation() if cfg.checkpoint == "best" else self.task.heldout()
@@ -193,6 +200,8 @@ class Trainer:
                  cfg.batch_size, self.per_process, acc.num_processes, cfg.lr, acc.device,
                  "bf16 autocast" if self.bf16 else "float32", self.workers, self.every, self.n_heldout,
                  "validation" if cfg.checkpoint == "best" else "test (= validation: the paper's protocol)")
+        log.info("%s: data: %s", cfg.name, f"the {len(self.store):,} samples of the token store {self.store.path}, "
+                 "reused in a seeded order each epoch" if self.store else "a fresh sample every step")
         self.state_bytes = model_state_bytes(acc.unwrap_model(self.model), self.task, self.task.max_len)
         log.info("%s: a sequence of %d tokens (the task's longest) leaves %s bytes of model state", cfg.name,
                  self.task.max_len, f"{self.state_bytes:,}")
@@ -224,7 +233,7 @@ class Trainer:
         start = self.state.step
         loader = torch.utils.data.DataLoader(
             TrainingBatches(self.task, self.per_process, cfg.seed, self.acc.process_index, cfg.bucket,
-                            start_pool=start // cfg.bucket),
+                            start_pool=start // cfg.bucket, store=self.store, processes=self.acc.num_processes),
             batch_size=None, num_workers=self.workers, pin_memory=cuda,
             prefetch_factor=4 if self.workers else None, persistent_workers=False)
         skip = start % cfg.bucket
@@ -355,6 +364,7 @@ class Trainer:
                   "compute_dtype": "bfloat16" if self.bf16 else "float32", "data_workers": self.workers,
                   "first_loss": st.first_loss, "final_loss": last["loss"], **protocol,
                   "checkpoint_samples": st.best_samples, "last_validation_em": last["eval_em"],
+                  "data": str(self.store.path) if self.store else "fresh samples every step",
                   "attempts": st.attempts, "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
                   "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
