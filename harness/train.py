@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         with stop_on_sigterm():
             if flags.grid:
                 if flags.plan:
-                    print(grids.plan_grid(flags.grid, cfg, root, jobs=flags.jobs))
+                    print(grids.plan_grid(flags.grid, cfg, root, jobs=flags.jobs, cells_per_gpu=flags.cells_per_gpu))
                     return 0
                 t0 = time.perf_counter()
                 grids.run_grid(flags.grid, cfg, root, jobs=flags.jobs, progress=flags.progress,

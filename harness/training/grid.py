@@ -289,7 +289,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
 
 
 def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | None = None, steps: int = 3,
-              progress: bool = True, jobs: int | None = None) -> str:
+              progress: bool = True, jobs: int | None = None, cells_per_gpu: int = 1) -> str:
     """A table of every cell's projected hours on this machine, from measured steps, and the grid's wall time
     as ``run_grid`` would run it (``jobs`` cells at once, each with its share of the CPU threads, longest
     first); nothing is trained.
@@ -301,7 +301,7 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cells = grid_cells(name, base, root)
-    jobs = default_jobs(len(cells)) if jobs is None else jobs
+    jobs = default_jobs(len(cells), cells_per_gpu) if jobs is None else jobs
     threads, before = cell_threads(base, jobs), torch.get_num_threads()
     inline_data = (base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)) == 0
     rows = []
