@@ -367,3 +367,26 @@ def test_grid_progress_counts_the_steps_each_cell_has_logged(tmp_path):
     assert cell_fraction(cell) == 0.4
     (tmp_path / "cell" / "result.json").write_text("{}")
     assert cell_fraction(cell) == 1.0
+
+
+def test_the_grid_table_says_which_checkpoint_each_number_comes_from(tmp_path):
+    """A finished cell of the paper's protocol and one finished before it (best checkpoint on the reported
+    samples): both in one report, each labelled for what it is."""
+    from harness.training.grid import write_grid_report
+
+    common = {"task": "istree", "setup": "direct", "nodes": 4, "size": "smoke", "trainable_parameters": 1000,
+              "samples": 6400, "final_loss": 0.5, "samples_per_second": 10.0, "train_seconds": 1.0,
+              "accuracy": 0.5, "accuracy_se": 0.1, "curve": []}
+    runs = {"transformer": {"teacher_forced_em": 0.75, "checkpoint": "last", "checkpoint_samples": 6400},
+            "mamba": {"teacher_forced_em": 0.5, "best_samples": 3200}}  # written before the protocol
+    for arch, fields in runs.items():
+        (tmp_path / arch).mkdir()
+        (tmp_path / arch / "result.json").write_text(json.dumps({**common, "arch": arch, **fields}))
+    table = write_grid_report(tmp_path)
+    rows = {line.split("|")[4].strip(): line for line in table.splitlines() if line.startswith("| direct")}
+    assert "| last " in rows["transformer"] and "6,400" in rows["transformer"] and "75.0" in rows["transformer"]
+    assert "best on the reported samples (old run)" in rows["mamba"] and "3,200" in rows["mamba"]
+    assert "TF EM (test)" in table and "the paper's protocol" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "istree_grid.png").stat().st_size > 5000
+    (tmp_path / "mamba" / "result.json").unlink()  # only runs of the protocol: no old row to label
+    assert "| last " in write_grid_report(tmp_path) and "old run" not in (tmp_path / "results.md").read_text()

@@ -376,8 +376,8 @@ def write_grid_report(root: Path) -> str:
         if col not in df:
             df[col] = None
     old = df["checkpoint"].isna()
-    df.loc[old, "checkpoint"] = "best on the reported samples (old run)"
-    df.loc[old, "checkpoint_samples"] = df.loc[old, "best_samples"]
+    df["checkpoint"] = df["checkpoint"].where(~old, "best on the reported samples (old run)")
+    df["checkpoint_samples"] = df["checkpoint_samples"].where(~old, df["best_samples"])
     df = df[["setup", "nodes", "size", "arch", "trainable_parameters", "teacher_forced_em", "checkpoint",
              "checkpoint_samples", "accuracy", "accuracy_se", "samples", "final_loss", "samples_per_second",
              "train_seconds"]]
@@ -433,6 +433,6 @@ def plot_grid(df, path: Path) -> None:
                 ax.axhline(50, color="grey", lw=0.6, ls=":")
             ax.set_title(f"{setup}, n={n}", fontsize=9)
             if c == 0:
-                ax.set_ylabel("teacher-forced EM (%)")
+                ax.set_ylabel("teacher-forced EM, test split (%)")
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     save(fig, path, dpi=130)
