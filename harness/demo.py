@@ -107,12 +107,13 @@ def findings(rows: list[dict]) -> str:
 
 def which(rows: list[dict]) -> str:
     """Which checkpoint and which samples the accuracies come from, as each cell's result.json says."""
-    kinds = sorted({r["reported"].split(" (")[0].split(":")[0] for r in rows})
-    return (f"Accuracy: greedy generation through the eval engine on {rows[0]['n']} held-out sequences (the test "
-            f"split), of each cell's {' / '.join(kinds)} checkpoint: the paper's protocol reports the final weights, "
-            "and no checkpoint was chosen on these sequences.") if kinds == ["last validation"] else (
-            "Accuracy: greedy generation through the eval engine on the test split, of each cell's kept checkpoint: "
-            + "; ".join(sorted({r["reported"] for r in rows})) + ".")
+    reported = sorted({r["reported"] for r in rows})
+    if all(r.startswith("last validation") for r in reported):
+        return (f"Accuracy: greedy generation through the eval engine on {rows[0]['n']} held-out sequences (the "
+                "test split) by each cell's final weights, the paper's protocol: no checkpoint was chosen on "
+                "these sequences.")
+    return ("Accuracy: greedy generation through the eval engine on the test split by each cell's kept "
+            f"checkpoint: {'; '.join(reported)}.")
 
 
 def table(rows: list[dict]) -> str:
