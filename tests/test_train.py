@@ -253,6 +253,13 @@ def test_global_batch_is_split_over_processes(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["processes"] == 2 and result["steps"] == 4 and result["batch_size"] == 16
     assert [r["samples"] for r in result["curve"] if "eval_em" in r] == [32, 64]
+    assert result["teacher_forced_samples"] == 10  # the whole test split, both processes' shares
+    best = tmp_path / "best"  # a best checkpoint is reported on the whole test split too (by the main process)
+    cmd[cmd.index("--master_port") + 1] = str(_free_port())
+    res = subprocess.run([*cmd[:-1], str(best), "--nodes", "6", "--checkpoint", "best"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert json.loads((best / "result.json").read_text())["teacher_forced_samples"] == 10
 
 
 def _free_port() -> int:

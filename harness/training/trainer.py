@@ -175,9 +175,9 @@ class Trainer:
         self.log_every = max(1, min(self.every, self.steps // 100))
         self.state = Progress()
 
-    def batched(self, sequences: list[list[str]]) -> list:
-        """This process's share of held-out sequences, in evaluation batches, built once."""
-        mine = sequences[self.acc.process_index::self.acc.num_processes]
+    def batched(self, sequences: list[list[str]], share: bool = True) -> list:
+        """Held-out sequences in evaluation batches: this process's share (``share``), or all of them."""
+        mine = sequences[self.acc.process_index::self.acc.num_processes] if share else sequences
         size = self.cfg.eval_batch_size
         return [batch_from_tokens(mine[i:i + size], self.vocab, "cpu") for i in range(0, len(mine), size)]
 
@@ -347,14 +347,15 @@ class Trainer:
                 f"{self.task.impl.options.eval_seed})")
         if cfg.checkpoint == "best":
             model.load_state_dict(st.best_state)
-            _, right, count = teacher_forced(model, self.batched(self.task.heldout()), self.autocast)
-            protocol = {"teacher_forced_em": int(right) / max(1, int(count)),
+            # finish runs on the main process alone: it scores the whole test split
+            _, right, count = teacher_forced(model, self.batched(self.task.heldout(), share=False), self.autocast)
+            protocol = {"teacher_forced_em": int(right) / max(1, int(count)), "teacher_forced_samples": int(count),
                         "reported": f"best checkpoint (at {st.best_samples:,} samples, chosen on the validation "
                                     f"split) on the {test}",
                         "validation": f"validation split ({self.n_heldout:,} samples, disjoint from the test split)",
                         "best_validation_em": st.best_em}
         else:
-            protocol = {"teacher_forced_em": last["eval_em"],
+            protocol = {"teacher_forced_em": last["eval_em"], "teacher_forced_samples": self.n_heldout,
                         "reported": f"last validation (the paper's number): the final weights on the {test}",
                         "validation": "the test split (nothing is chosen on it)"}
         tok = self.task.tokenizer()
