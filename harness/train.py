@@ -22,6 +22,7 @@ from harness.engine.config import ConfigError, _f, word_negative_flags
 from harness.tools.procs import stop_on_sigterm
 from harness.training import grid as grids
 from harness.training.config import USER_ERRORS, TrainConfig
+from harness.training.launch import LAUNCHERS
 from harness.training.trainer import train_one
 
 
@@ -46,7 +47,7 @@ class TrainCliFlags:
                                "benchmarks/train_throughput.py measures what k cells side by side reach)")
     launcher: str = _f("processes", "where a grid's cells run: processes on this machine, slurm (one job per cell "
                                     "through submitit, requeued on preemption), or submitit-local (submitit's "
-                                    "local executor)", choices=["processes", "submitit-local", "slurm"])
+                                    "local executor)", choices=list(LAUNCHERS))
     slurm_partition: str | None = _f(None, "SLURM partition for --launcher slurm (default: the cluster's)")
     timeout_min: int = _f(72 * 60, "a scheduler job's time limit in minutes; a cell stopped by it is requeued and "
                                    "resumes from its last evaluation")

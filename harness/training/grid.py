@@ -301,6 +301,8 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cells = grid_cells(name, base, root)
+    if cells_per_gpu < 1:
+        raise ConfigError(f"--cells-per-gpu {cells_per_gpu}: use 1 or more")
     jobs = default_jobs(len(cells), cells_per_gpu) if jobs is None else jobs
     threads, before = cell_threads(base, jobs), torch.get_num_threads()
     inline_data = (base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)) == 0

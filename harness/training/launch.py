@@ -11,6 +11,7 @@ cell has ended."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -46,6 +47,17 @@ class CellJob:
         return submitit.helpers.DelayedSubmission(CellJob(self.threads), cfg, False)
 
 
+def job_error(e: Exception) -> str:
+    """The job's own error message out of submitit's report of it (a traceback, then log paths)."""
+    lines = [line for line in str(e).splitlines()
+             if line.strip() and not line.startswith(("-", " ", "You can check", "Traceback"))]
+    for line in reversed(lines):
+        found = re.match(r"^[\w.]+(?:Error|Exception|Interrupt)\w*: (.*)", line)
+        if found:
+            return found.group(1)
+    return lines[-1] if lines else type(e).__name__
+
+
 def executor(launcher: str, folder: Path, name: str, jobs: int, threads: int, gpus: int, timeout_min: int,
              partition: str | None):
     """A submitit executor for the grid's cells (one GPU and ``threads`` CPUs a cell where the grid has GPUs)."""
@@ -76,8 +88,11 @@ def run_on_scheduler(launcher: str, name: str, cells: list[TrainConfig], root: P
 
     if launcher not in LAUNCHERS[1:]:
         raise ConfigError(f"--launcher {launcher}: choose {', '.join(LAUNCHERS)}")
-    todo = [c for c in cells if overwrite or finished_result(c) is None]
-    results = [finished_result(c) for c in cells if c not in todo]
+    if timeout_min < 1:
+        raise ConfigError(f"--timeout-min {timeout_min}: use 1 or more minutes")
+    finished = {c.output: None if overwrite else finished_result(c) for c in cells}
+    todo = [c for c in cells if finished[c.output] is None]
+    results = [r for r in finished.values() if r is not None]
     if not todo:
         return results
     gpus = 1 if torch.cuda.is_available() or launcher == "slurm" else 0
@@ -108,7 +123,7 @@ def run_on_scheduler(launcher: str, name: str, cells: list[TrainConfig], root: P
                 try:
                     results.append(handle.result())
                 except Exception as e:  # submitit re-raises the job's error here, with its log's path
-                    failed.append(f"{cell.name} ({str(e).strip().splitlines()[-1][:200]})")
+                    failed.append(f"{cell.name}: {job_error(e)[:300]}")
             time.sleep(poll_s)
     finally:
         for handle, _, _ in running:  # an interrupted grid leaves no cell training unseen; reruns resume them
