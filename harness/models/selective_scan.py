@@ -180,14 +180,17 @@ def _backward_rows(u, dt, B, C, dy, length, A, start):
     return tuple(from_chunks(g)[..., :length] for g in (du, ddt, dB, dC)) + (ga_dt.sum((0, 1)),)
 
 
+def _step_sizes(dt, delta_bias, delta_softplus):
+    """dt with mamba-ssm's bias and softplus applied (elementwise: left to autograd)."""
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    return F.softplus(dt.float()) if delta_softplus else dt
+
+
 def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """mamba-ssm's ``selective_scan_fn`` (no returned state), with the skip term ``D``, the gate ``z``, the
     bias and softplus of ``dt`` left to autograd (they are elementwise and sized like ``u``)."""
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(dt.dtype)[..., None]
-    if delta_softplus:
-        dt = F.softplus(dt.float())
-    y = SelectiveScan.apply(u, dt, A, B, C)
+    y = SelectiveScan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C)
     if D is not None:
         y = y + u * D[:, None]
     if z is not None:
@@ -198,11 +201,7 @@ def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softpl
 def sequential_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """The step-by-step reference (one step per token, autograd through every step; the trainer's scan until
     0.4.0): what the tests and the scan benchmark compare ``selective_scan`` against."""
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(dt.dtype)[..., None]
-    if delta_softplus:
-        dt = F.softplus(dt.float())
-    dt_t = dt.permute(2, 0, 1).float()  # l b d, contiguous steps
+    dt_t = _step_sizes(dt, delta_bias, delta_softplus).permute(2, 0, 1).float()  # l b d, contiguous steps
     a = torch.exp(dt_t[..., None] * A.float()).unbind(0)
     x = ((dt_t * u.permute(2, 0, 1).float())[..., None] * B.permute(2, 0, 1).float()[:, :, None, :]).unbind(0)
     state = torch.zeros_like(a[0])

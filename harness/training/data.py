@@ -87,31 +87,22 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             pool += workers
 
     def pool(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches ``index * bucket`` ... of fresh samples, each batch from its own seeded stream (bucketing
-        regroups the same samples; it never changes them)."""
-        if self.store is not None:
-            return self._store_pool(index)
-        samples = []
-        for b in range(index * self.bucket, (index + 1) * self.bucket):
-            stream = self.task.stream(seed=_batch_seed(self.seed, self.process, b))
-            samples += [next(stream) for _ in range(self.batch)]
+        """Batches ``index * bucket`` ... : fresh samples, each batch from its own seeded stream, or store samples
+        at their positions of the global sequence (bucketing regroups the same samples; it never changes them)."""
+        batches = range(index * self.bucket, (index + 1) * self.bucket)
+        if self.store is None:
+            streams = (self.task.stream(seed=_batch_seed(self.seed, self.process, b)) for b in batches)
+            samples = [next(stream) for stream in streams for _ in range(self.batch)]
+            length, make = len, lambda g: batch_from_tokens(g, self.vocab, "cpu")
+        else:
+            firsts = [(b * self.processes + self.process) * self.batch for b in batches]
+            samples = [self._at(k) for first in firsts for k in range(first, first + self.batch)]
+            length, make = self.store.lengths.__getitem__, self.store.batch
         if self.bucket > 1:  # sorted by length, then the batches in a seeded random order
-            samples.sort(key=len)
+            samples.sort(key=length)
         groups = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
         random.Random(f"bucket:{self.seed}:{self.process}:{index}").shuffle(groups)
-        return [batch_from_tokens(g, self.vocab, "cpu") for g in groups]
-
-
-    def _store_pool(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        picks = []
-        for b in range(index * self.bucket, (index + 1) * self.bucket):
-            first = (b * self.processes + self.process) * self.batch
-            picks += [self._at(k) for k in range(first, first + self.batch)]
-        if self.bucket > 1:
-            picks.sort(key=lambda i: (self.store.lengths[i], i))
-        groups = [picks[i:i + self.batch] for i in range(0, len(picks), self.batch)]
-        random.Random(f"bucket:{self.seed}:{self.process}:{index}").shuffle(groups)
-        return [self.store.batch(g) for g in groups]
+        return [make(g) for g in groups]
 
     def _at(self, position: int) -> int:
         """The store sample at ``position`` of the global sequence: epoch by epoch, each in its own order."""

@@ -14,6 +14,7 @@ lock: two cells that need the same store build it once, and a half-written store
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -105,20 +106,14 @@ def _build(task, key: dict, path: Path, workers: int) -> None:
             for shard in range(-(-count // SHARD))]
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
     try:
-        pool = None
-        if workers > 1:
-            import multiprocessing
-
-            pool = multiprocessing.get_context("spawn").Pool(workers)
-        shards = pool.imap(_draw_shard, jobs) if pool else map(_draw_shard, jobs)
-        lengths = []
-        with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "masks.bin", "wb") as masks:
-            for shard_tokens, shard_masks, shard_lengths in shards:  # in shard order, whatever the workers
-                shard_tokens.tofile(tokens)
-                shard_masks.tofile(masks)
-                lengths.append(shard_lengths)
-        if pool:
-            pool.close()
+        with _pool(workers) as pool:
+            shards = pool.imap(_draw_shard, jobs) if pool else map(_draw_shard, jobs)
+            lengths = []
+            with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "masks.bin", "wb") as masks:
+                for shard_tokens, shard_masks, shard_lengths in shards:  # in shard order, whatever the workers
+                    shard_tokens.tofile(tokens)
+                    shard_masks.tofile(masks)
+                    lengths.append(shard_lengths)
         offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
         np.save(tmp / "offsets.npy", offsets)
         meta = {**key, "vocab": vocab, "dtype": np.dtype(dtype).name, "tokens": int(offsets[-1])}
@@ -128,6 +123,15 @@ def _build(task, key: dict, path: Path, workers: int) -> None:
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pool(workers: int):
+    """Worker processes for a build (terminated however it ends), or none: drawn in this process."""
+    if workers <= 1:
+        return contextlib.nullcontext()
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").Pool(workers)
 
 
 def _draw_shard(job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
