@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     print(f"{len(pairs)} rows: {len(contexts)} contexts of {min(map(len, contexts))}-{max(map(len, contexts))} "
           f"tokens x {a.choices} choices; tokens computed: {full_tokens} each row alone, {shared_tokens} sharing "
           f"contexts ({full_tokens / shared_tokens:.2f}x fewer)\n")
-    print(f"| model | rows alone (s) | contexts shared (s) | speedup | shared rows | max score diff | same greedy |")
+    print("| model | rows alone (s) | contexts shared (s) | speedup | shared rows | max score diff | same greedy |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
         for arch in ("llama", "mamba", "phi-mamba"):

@@ -164,18 +164,35 @@ def make_options(options_cls: type, values: dict[str, Any], task: str = ""):
     """Build a task's Options from loose values (strings from the command line, or typed values), converting
     each to its field's type; an unknown key or a value that does not convert is an OptionError."""
     hints = typing.get_type_hints(options_cls)
-    known = {f.name for f in dataclasses.fields(options_cls)}
+    fields = {f.name: f for f in dataclasses.fields(options_cls)}
+    known = set(fields)
     out = {}
     for key, value in values.items():
         if key not in known:
             raise OptionError(f"--task-arg {key}={value}: task {task!r} has no option {key!r}; its options: "
                               f"{', '.join(sorted(known)) or 'none'}")
         out[key] = _convert(value, hints[key], f"--task-arg {key}={value}")
+        _check_value(key, value, out[key], fields[key])
     opts = options_cls(**out)
     check = getattr(opts, "check", None)
     if check is not None:
         check()
     return opts
+
+
+def _check_value(key: str, given: Any, value: Any, field: dataclasses.Field) -> None:
+    """What every option obeys unless its field says otherwise: numbers are not negative (``metadata["min"]``
+    sets another least value, None none) and a list names each value once (``metadata["repeats"]``)."""
+    least = field.metadata.get("min", 0)
+    items = value if isinstance(value, list) else [value]
+    if least is not None:
+        low = [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool) and v < least]
+        if low:
+            raise OptionError(f"--task-arg {key}={given}: {low[0]} is below {least}; give {least} or more")
+    if isinstance(value, list) and not field.metadata.get("repeats"):
+        seen = [v for i, v in enumerate(value) if v in value[:i]]
+        if seen:
+            raise OptionError(f"--task-arg {key}={given}: {seen[0]} is given twice; give each value once")
 
 
 def _convert(value: Any, typ, where: str):

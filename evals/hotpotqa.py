@@ -39,10 +39,20 @@ def load_rows(data: str | None, split: str = "validation") -> list[dict]:
     if not path.exists():
         raise DataError(f"HotpotQA data file {str(path)!r} does not exist. {_HOW_TO_GET}")
     text = read_utf8(path, "HotpotQA data file")
-    try:
-        rows = json.loads(text) if path.suffix != ".jsonl" else [json.loads(l) for l in text.splitlines() if l.strip()]
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e}); expected the official HotpotQA list of rows") from e
+    if path.suffix == ".jsonl":
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), 1):  # an error names the file's own line
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno}); each "
+                                    "line must be one HotpotQA row as a JSON object") from None
+    else:
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is not valid JSON ({e}); expected the official HotpotQA list of rows") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON list of rows (the official HotpotQA format), got {type(rows).__name__}")
     for i, row in enumerate(rows):
@@ -220,8 +230,19 @@ class HotpotQA(Task):
         distractors = self.options.distractors
         positions = ["oracle"] if distractors == 0 else self.options.positions
         pool = _paragraph_pool(pool_rows if pool_rows is not None else rows)
+        no_gold = [r["_id"] for r in rows if not r["supporting_facts"]]
+        if no_gold:
+            # no gold paragraph: its "position" would mean nothing, and it would join the position curve
+            log.warning("%d HotpotQA row(s) have no supporting facts (no gold paragraph), so no gold position; they "
+                        "are left out of this run (their paragraphs may still serve as distractors): %s%s",
+                        len(no_gold), ", ".join(no_gold[:5]), ", ..." if len(no_gold) > 5 else "")
+            if len(no_gold) == len(rows):
+                raise DataError("every selected HotpotQA row lacks supporting facts, so none has a gold paragraph "
+                                "to place; give rows with 'supporting_facts'")
         out = []
         for row in rows:
+            if not row["supporting_facts"]:
+                continue
             gold_titles = list(dict.fromkeys(t for t, _ in row["supporting_facts"]))
             by_title = {t: s for t, s in row["context"]}
             gold = [_para(t, by_title[t], True) for t in gold_titles]

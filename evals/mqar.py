@@ -31,8 +31,8 @@ class MQAROptions(SyntheticOptions):
 
     def check(self) -> None:
         super().check()
-        if self.length is not None:
-            self.pairs = self.length
+        if self.length is not None:  # resolved into pairs: a run records (and a report labels) pairs alone
+            self.pairs, self.length = self.length, None
         if not 1 <= self.queries <= self.pairs <= self.keys:
             raise OptionError(f"--task-arg: need 1 <= queries ({self.queries}) <= pairs ({self.pairs}) <= keys "
                               f"({self.keys})")
@@ -46,6 +46,13 @@ class MQAR(SyntheticTask):
     metrics = ("accuracy", "all_correct")
     condition = "pairs"
     default_template = "mqar"
+
+    @classmethod
+    def check_given(cls, given: dict) -> None:
+        if given.get("length") is not None and given.get("pairs") is not None \
+                and str(given["length"]) != str(given["pairs"]):
+            raise OptionError(f"--task-arg length={given['length']} and pairs={given['pairs']} disagree (length is "
+                              "the trainer's name for pairs); give one")
 
     def __init__(self, data=None, split=None, **options):
         super().__init__(data, split, **options)

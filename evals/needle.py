@@ -23,7 +23,10 @@ FIRST = ("Ada Bruno Clara Dmitri Elena Farid Greta Hugo Ines Jonas Kira Luca Min
          "Tova").split()
 LAST = ("Abbott Berg Costa Dahl Eriksen Fischer Garcia Holm Ito Jensen Kowal Lund Moreau Novak Okafor Petrov Quist "
         "Rossi Sato Varga").split()
+INITIALS = "ABCDEFGHIJKLMNOPRSTUVW"
 NUMBER = re.compile(r"\d{3}-\d{4}")
+PLAIN_NAMES = 6000  # entries drawn as "First I. Last" (of 8,800) before a second initial is added
+MAX_ENTRIES = 100_000  # half the names with two initials: drawing stays fast
 
 
 @dataclass
@@ -41,6 +44,9 @@ class NeedleOptions(SyntheticOptions):
         super().check()
         if not self.lengths or min(self.lengths) < 16:
             raise OptionError(f"--task-arg lengths={self.lengths}: give lengths of 16 tokens or more")
+        if max(self.lengths) // 4 + 16 > MAX_ENTRIES:
+            raise OptionError(f"--task-arg lengths={max(self.lengths)}: the phone book has {MAX_ENTRIES} distinct "
+                              f"names, enough for {4 * (MAX_ENTRIES - 16)} tokens; give shorter lengths")
         if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
             raise OptionError(f"--task-arg depths={self.depths}: give depths between 0 and 1")
         if not 2 <= self.length <= self.names:
@@ -69,11 +75,16 @@ class Needle(SyntheticTask):
     # text: pretrained models -------------------------------------------------------------------------
     @staticmethod
     def _book(seed: str, count: int) -> list[tuple[str, str]]:
-        """``count`` distinct (name, number) entries, the same first ones for any ``count``."""
+        """``count`` distinct (name, number) entries, the same first ones for any ``count``. The first
+        ``PLAIN_NAMES`` names are "First I. Last" (8,800 exist); later ones carry a second initial (193,600
+        more), so a book of any length a model can read (128k tokens: about 32,000 entries) is drawn in bounded
+        time, and every book up to ``PLAIN_NAMES`` entries is what it always was."""
         rng = random.Random(seed)
         seen, out = set(), []
         while len(out) < count:
-            name = f"{rng.choice(FIRST)} {rng.choice('ABCDEFGHIJKLMNOPRSTUVW')}. {rng.choice(LAST)}"
+            first, initial, last = rng.choice(FIRST), rng.choice(INITIALS), rng.choice(LAST)
+            name = f"{first} {initial}. {last}" if len(out) < PLAIN_NAMES else \
+                f"{first} {initial}. {rng.choice(INITIALS)}. {last}"
             if name not in seen:
                 seen.add(name)
                 out.append((name, f"{rng.randrange(200, 1000)}-{rng.randrange(10000):04d}"))

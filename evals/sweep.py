@@ -64,7 +64,11 @@ class TaskSweep(Task):
         self.key, self.data, self.split = key, data, split
         first = self.parts[0]
         self.name, self.Options = cls.name, cls.Options
-        self.options = dataclasses.replace(first.options, **{key: [getattr(p.options, key) for p in self.parts]})
+        swept = [getattr(p.options, key) for p in self.parts]
+        if len(set(swept)) < len(swept):
+            raise OptionError(f"--task-arg {key}={options[key]}: a value is given twice (as {', '.join(map(str, swept))}"
+                              "); give each once")
+        self.options = dataclasses.replace(first.options, **{key: swept})
         for attr in TASK_SETTINGS:  # every setting a task declares, so a new one needs no edit here
             setattr(self, attr, getattr(first, attr))
         self.default_max_new_tokens = max(p.default_max_new_tokens for p in self.parts)

@@ -188,10 +188,11 @@ def main(argv=None) -> int:
     root = Path(args.out)
     try:
         lengths = tuple(int(x) for x in args.lengths.split(","))
-        if min(lengths) < 2:
+        if min(lengths) < 2 or len(set(lengths)) < len(lengths):
             raise ValueError
     except ValueError:
-        print(f"error: --lengths {args.lengths!r}: use a comma list of lengths >= 2, e.g. 4,8,16", file=sys.stderr)
+        print(f"error: --lengths {args.lengths!r}: use a comma list of distinct lengths >= 2, e.g. 4,8,16",
+              file=sys.stderr)
         return 2
     for flag, value in (("--steps", args.steps), ("--jobs", args.jobs)):
         if value is not None and value < 1:

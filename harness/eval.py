@@ -119,11 +119,15 @@ def _task_args(pairs: list[str], model: str, task: str) -> dict:
         saved = json.loads(meta.read_text())
         if saved.get("task") == task:
             out.update(saved.get("args", {}))
+    given: dict = {}
     for pair in pairs:
         if "=" not in pair:
             raise ConfigError(f"--task-arg expects KEY=VALUE, got {pair!r}")
         k, v = pair.split("=", 1)
-        out[k] = v
+        if k in given:
+            raise ConfigError(f"--task-arg {k} is given twice ({given[k]} and {v}); give it once (a sweepable "
+                              f"option takes a comma list: {k}={given[k]},{v})")
+        given[k] = out[k] = v
     return out
 
 

@@ -47,8 +47,7 @@ def _icr_class():
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     from tqdm.auto import tqdm
 
-    from harness.backends.generation import GenRequest, common_prefix
-    from harness.backends.prefix_tree import generate_through_tree
+    from harness.backends.generation import GenRequest
     from harness.engine.run import load_backend
 
     class ICRLM(TemplateLM):
@@ -149,26 +148,14 @@ def _icr_class():
                                        prompt_ids=ids))
             texts: list[str | None] = [None] * len(gens)
             bar = tqdm(total=len(gens), desc="icr generate_until", disable=disable_tqdm)
-            for rows, results in self._batches(gens):
+            # the backend plans (prefix tree, shared prefix, batches), as lm-eval's hf model hands its Collator
+            for rows, results in self.backend_impl.generate_all(gens, batch_size=self.batch_size):
                 for i, res in zip(rows, results):
                     texts[i] = res.text
                     self.cache_hook.add_partial("generate_until", requests[i].args, res.text)
                 bar.update(len(rows))
             bar.close()
             return texts
-
-        def _batches(self, gens: list[GenRequest]):
-            """Through the prefix tree where the backend can (every shared prefix prefilled once), else longest
-            first with the prefix all share (e.g. the few-shot examples) prefilled once."""
-            impl = self.backend_impl
-            if len(gens) > 1 and getattr(impl, "tree_reuse_pays", lambda: False)():
-                yield from generate_through_tree(impl, gens, self.batch_size)
-                return
-            order = sorted(range(len(gens)), key=lambda i: -len(gens[i].prompt_ids))
-            shared = common_prefix([g.prompt_ids for g in gens]) if len(gens) > 1 else None
-            for start in range(0, len(order), self.batch_size):
-                rows = order[start:start + self.batch_size]
-                yield rows, impl.generate([gens[i] for i in rows], shared_prefix=shared)
 
     return ICRLM
 

@@ -21,15 +21,18 @@ from pathlib import Path
 import pandas as pd
 
 from evals import task_class
-from evals.base import instance_key
+from evals.base import DataError, instance_key
 from harness.engine.results import format_markdown
-from harness.engine.runlog import write_atomic
+from harness.engine.runlog import write_atomic, write_json
 from harness.engine.stats import summarize
 
 # Run settings that name a run in a legend when they differ between the runs of one report, in this order
 # (then the task's own options, each as the task labels it).
 LABEL_FIELDS = ("model", "retrieval", "template", "max_new_tokens", "data", "dtype", "backend", "seed", "stop",
-                "max_tool_calls", "tool_timeout")
+                "max_tool_calls", "tool_timeout", "tool_max_chars", "limit", "ids", "split", "tokenizer", "cuda_graphs")
+# Run flags that decide how rows are computed, never what they hold (outputs are identical across them).
+NOT_RESULT_DECIDING = ("output", "overwrite", "audit", "batch_size", "prefix_reuse", "prefix_memory", "device",
+                       "template_sha256")
 
 
 class ReportError(ValueError):
@@ -77,8 +80,13 @@ def oracle_subset(oracle_dirs: list[str], metric: str = "em") -> set[str]:
     keep: set[str] | None = None
     for d in oracle_dirs:
         _, samples = load_run(d)
-        if samples and metric not in next(s for s in samples if not s.get("skipped"))["scores"]:
-            raise ReportError(f"--subset-metric {metric!r}: {d} has no such metric")
+        scored = [s for s in samples if not s.get("skipped")]
+        if not scored:
+            raise ReportError(f"--subset: every row of {d} was skipped (e.g. prompt_too_long), so it answered no "
+                              "question; give oracle runs whose prompts fit the model, or drop --subset")
+        if metric not in scored[0]["scores"]:
+            raise ReportError(f"--subset-metric {metric!r}: {d} has no such metric (it has "
+                              f"{', '.join(scored[0]['scores'])})")
         good = {s["id"] for s in samples if not s.get("skipped") and s["scores"][metric] >= 1.0}
         keep = good if keep is None else keep & good
     return keep or set()
@@ -102,7 +110,9 @@ def run_labels(configs: list[dict], conditions: list[set] | None = None, task: t
 
     options = [f.name for f in dataclasses.fields(task.Options)] if task is not None else []
     run_flags = {f.name for f in dataclasses.fields(RunConfig)}
-    fields = list(LABEL_FIELDS) + options + sorted({k for c in configs for k in c} - run_flags - set(options))
+    # every setting that decides a result: the listed ones first, then the task's, then any other run flag
+    fields = list(dict.fromkeys(list(LABEL_FIELDS) + options + sorted(run_flags - set(NOT_RESULT_DECIDING))
+                                + sorted({k for c in configs for k in c} - run_flags - set(options))))
     differ = [k for k in fields if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
     shown = ["model", *[k for k in differ if k != "model"]]
     labels = [" ".join(value(c, k) for k in shown) for c in configs]
@@ -110,8 +120,20 @@ def run_labels(configs: list[dict], conditions: list[set] | None = None, task: t
     for lab in set(labels):
         same = [i for i, x in enumerate(labels) if x == lab]
         if sum(len(conditions[i]) for i in same) > len(set().union(*(conditions[i] for i in same))):
-            labels = [f"{lab} [{Path(configs[i]['output']).name}]" if i in same else x for i, x in enumerate(labels)]
+            where = _distinct_paths([str(configs[i].get("output", i)) for i in same])
+            labels = [f"{lab} [{where[same.index(i)]}]" if i in same else x for i, x in enumerate(labels)]
     return labels
+
+
+def _distinct_paths(paths: list[str]) -> list[str]:
+    """The shortest tails of ``paths`` that tell them apart (``a/run``, ``b/run``); the same path given twice is
+    numbered, so no two labels are ever one."""
+    parts = [Path(p.rstrip("/")).parts or (p,) for p in paths]
+    for n in range(1, max(map(len, parts)) + 1):
+        tails = ["/".join(p[-n:]) for p in parts]
+        if len(set(tails)) == len(tails):
+            return tails
+    return [f"{'/'.join(p)} #{k + 1}" for k, p in enumerate(parts)]
 
 
 def _short_model(model: str, all_models: list[str]) -> str:
@@ -155,6 +177,56 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
                          "condition_name": results["condition"], "condition": condition, "x": x, "series": series,
                          **m})
     return pd.DataFrame(rows)
+
+
+def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], keep_ids: set[str] | None = None
+                ) -> tuple[list, list[dict]]:
+    """Paired differences (``harness.reports.paired``) of each task's plotted metric: within each run, its first
+    condition on the plot's axis against its last; between runs, each later run against the first of its task,
+    per shared condition and over all of them (clustered by question); and runs that differ only in ``--seed``
+    pooled with their between-seed spread."""
+    from harness.reports.paired import paired, seed_spread
+
+    diffs, seeds = [], []
+    for task, g in df.groupby("task", sort=False):
+        metric = metrics[task]
+        dirs = list(dict.fromkeys(g["dir"]))
+        label = dict(zip(g["dir"], g["run"]))
+        rows = {}
+        for d in dirs:
+            results, samples = load_run(d)
+            rows[d] = [r for r in samples if keep_ids is None or r["id"] in keep_ids]
+        seed = 0
+        for d in dirs:  # first against last on the axis
+            order = g[g["dir"] == d].sort_values("x", na_position="last")["condition"].tolist()
+            if len(order) >= 2:
+                first, last = order[0], order[-1]
+                got = paired([r for r in rows[d] if r["condition"] == first],
+                             [r for r in rows[d] if r["condition"] == last], metric, key=lambda r: r["id"],
+                             cluster=lambda r: r["id"], a=first, b=last, condition=label[d], seed=seed)
+                if got is not None:
+                    diffs.append(got)
+        base = dirs[0]
+        for d in dirs[1:]:  # each run against the first, per condition and over all shared ones
+            shared = [c for c in dict.fromkeys(g[g["dir"] == d]["condition"]) if c in set(g[g["dir"] == base]["condition"])]
+            for c in shared + (["all"] if len(shared) > 1 else []):
+                pick = (lambda r: True) if c == "all" else (lambda r, c=c: r["condition"] == c)
+                got = paired([r for r in rows[d] if pick(r) and r["condition"] in shared],
+                             [r for r in rows[base] if pick(r) and r["condition"] in shared], metric,
+                             key=lambda r: (r["id"], r["condition"]), cluster=lambda r: r["id"],
+                             a=label[d], b=label[base], condition=c, seed=seed)
+                if got is not None:
+                    diffs.append(got)
+        settings = {d: json.dumps({k: v for k, v in _settings(load_run(d)[0]["config"]).items()
+                                   if k not in ("seed", "output")}, sort_keys=True, default=str) for d in dirs}
+        for same in {v: [d for d in dirs if settings[d] == v] for v in settings.values()}.values():
+            if len(same) > 1:
+                for c in dict.fromkeys(g["condition"]):
+                    vals = g[(g["dir"].isin(same)) & (g["condition"] == c)][metric].dropna().tolist()
+                    if len(vals) > 1:
+                        seeds.append({"task": task, "metric": metric, "condition": c,
+                                      "runs": [label[d] for d in same], **seed_spread(vals)})
+    return diffs, seeds
 
 
 def condition_axis(condition: str, statistic=None) -> tuple[float | None, str | None]:
@@ -309,7 +381,12 @@ def write_official_gold(run_dirs: list[str], out: Path) -> list[Path]:
         cfg = results["config"]
         if cfg.get("task") != "hotpotqa":
             raise ReportError(f"--official-gold: {d} is a {cfg.get('task')} run; only HotpotQA has an official script")
-        rows = HotpotQA(data=cfg.get("data"), split=cfg.get("split", "validation")).load()
+        try:
+            rows = HotpotQA(data=cfg.get("data"), split=cfg.get("split", "validation")).load()
+        except DataError as e:
+            raise ReportError(f"--official-gold: {d} was run with --data {cfg.get('data')!r}, which cannot be read "
+                              f"from here ({Path.cwd()}): {e}. Runs made now record the absolute path; for this "
+                              "one, run the report from the folder the evaluation ran in") from None
         want = (results.get("resolved") or {}).get("data_sha256")
         if want and content_sha256(rows) != want:
             raise ReportError(f"--official-gold: the data {cfg.get('data')!r} changed since {d} ran (content hash "
@@ -345,17 +422,17 @@ def main(argv=None) -> int:
         if df.empty or not (df["n"] > 0).any():
             raise ReportError("no scored samples in the runs given" + (" after --subset" if keep else ""))
         plotted = {task: _metric_of(g, a.metric) for task, g in df.groupby("task", sort=False)}
+        out = _report_dir(Path(a.out))
         gold_files = write_official_gold(a.runs, Path(a.official_gold)) if a.official_gold else []
-    except (ReportError, OSError) as e:
+    except (ReportError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))
     tables, pngs = [], []
     for task, g in df.groupby("task", sort=False):  # runs of different tasks never share a table or a figure
-        present = g.dropna(axis=1, how="all")  # another task's metric columns
-        metrics = tuple(c[:-3] for c in present.columns if c.endswith("_se") and c[:-3] in present.columns)
+        metrics = tuple(_metrics(g))
+        present = g.drop(columns=[c for c in g.columns if g[c].isna().all()  # another task's metric columns
+                                  and not (c.endswith("_se") and c[:-3] in metrics)])
         name = g["condition_name"].iloc[0]
         shown = present.rename(columns={"condition": name})
         audits = {run: a for run, a in zip(g["run"], g["audit"]) if a}
@@ -371,8 +448,18 @@ def main(argv=None) -> int:
             if column in g and g[column].notna().any():
                 pngs.append(plot_against(g, metric, column, out / f"{prefix}{metric}_vs_{name}.png"))
     header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
+    diffs, seeds = comparisons(a.runs, df, plotted, keep)
+    if diffs:
+        tables.append("## Paired differences (95% CI resampling questions; McNemar's exact test for 0/1 metrics)"
+                      "\n\n" + "\n".join(f"- {'**' if d.significant else ''}{d.line()}{'**' if d.significant else ''}"
+                                           for d in diffs))
+    if seeds:
+        tables.append("## Runs that differ only in --seed\n\n" + "\n".join(_seed_line(x) for x in seeds))
     table = header + "\n\n".join(tables)
     write_atomic(out / "report.md", table + "\n")
+    write_json(out / "comparisons.json", {"differences": [d.to_dict() for d in diffs], "seeds": seeds}, indent=2)
+    write_atomic(out / MANIFEST, "".join(f"{p.name}\n" for p in [out / "report.md", out / "report.csv",
+                                                                  out / "comparisons.json", *pngs]))
     print(table)
     print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {', '.join(map(str, pngs))}")
     for f in gold_files:
@@ -380,13 +467,45 @@ def main(argv=None) -> int:
     return 0
 
 
+def _seed_line(s: dict) -> str:
+    sd = "n/a" if s["sd_between_seeds"] is None else f"{100 * s['sd_between_seeds']:.1f}"
+    return (f"- {s['condition']}: {s['metric']} {100 * s['mean']:.1f} (sd between seeds {sd}, range "
+            f"{100 * s['min']:.1f}-{100 * s['max']:.1f}; {s['seeds']} seeds: {', '.join(s['runs'])})")
+
+
+def _metrics(df: pd.DataFrame) -> list[str]:
+    """The metrics one task's rows hold (a metric whose standard errors are all missing, one row per condition,
+    is still a metric)."""
+    return [c[:-3] for c in df.columns if c.endswith("_se") and c[:-3] in df.columns and df[c[:-3]].notna().any()]
+
+
 def _metric_of(df: pd.DataFrame, asked: str | None) -> str:
     """The metric drawn for one task's runs: ``--metric``, else em (HotpotQA) or the task's first metric."""
-    have = [c[:-3] for c in df.dropna(axis=1, how="all").columns if c.endswith("_se")]
+    have = _metrics(df)
     metric = asked or ("em" if "em" in have else have[0])
     if metric not in have:
         raise ReportError(f"--metric {metric!r}: the {df['task'].iloc[0]} runs have {', '.join(have)}")
     return metric
+
+
+MANIFEST = ".report-files"  # what the last report wrote into its folder: the next one replaces exactly these
+
+
+def _report_dir(out: Path) -> Path:
+    """``--out``, a folder: created, or emptied of the files the previous report wrote there (its figures
+    included; nothing else a user keeps there)."""
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out}: a file of that name exists; give a folder for the report")
+    bad = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if bad is not None:
+        raise ReportError(f"--out {out}: {bad} is a file, not a folder; give a folder for the report")
+    out.mkdir(parents=True, exist_ok=True)
+    listed = out / MANIFEST
+    old = listed.read_text().split() if listed.exists() else ["report.md", "report.csv"]
+    for name in old:
+        if "/" not in name:
+            (out / name).unlink(missing_ok=True)
+    return out
 
 
 def _slug(text: str) -> str:

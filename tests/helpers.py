@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.backends.base import Backend
+from harness.backends.base import StepBackend
 from retrieval.tool import RESULT_CLOSE
 
 
@@ -45,20 +45,44 @@ def assert_varied(values: Sequence, what: str = "generations") -> None:
     assert distinct * 2 >= len(values), f"only {distinct} distinct {what} among {len(values)}: the comparison is vacuous"
 
 
+class EachBatch:
+    """A real backend whose ``generate_all`` calls ``before(k)`` before it hands over its k-th batch (counted
+    in ``calls``): a kill or a disk change between batches, as a run meets them."""
+
+    def __init__(self, inner, before: Callable[[int], None]):
+        self.inner, self.before, self.calls = inner, before, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate_all(self, requests, **kw):
+        from harness.backends.base import Generation
+
+        gen = self.inner.generate_all(requests, **kw)
+
+        def batches():
+            for item in gen:
+                self.before(self.calls)
+                self.calls += 1
+                yield item
+
+        return Generation(gen.info, batches())
+
+
 class _Row:
     def __init__(self, fed: list[int]):
         self.fed = list(fed)
         self.prompt_len: int | None = None
 
 
-class ScriptedBackend(Backend):
+class ScriptedBackend(StepBackend):
     """``script_for(prompt_text)`` gives the segments the model writes: segment k is what it writes after the
     k-th tool result (a segment may run past a call's closing tag, as ``</search><result>`` does; the engine
     must cut it). After the last segment the model writes EOS. ``None`` for a text that is not a prompt."""
 
     name = "scripted"
 
-    def __init__(self, inner: Backend, script_for: Callable[[str], list[str]]):
+    def __init__(self, inner: StepBackend, script_for: Callable[[str], list[str]]):
         self.inner, self.script_for = inner, script_for
         self.tokenizer, self.device, self.max_context = inner.tokenizer, inner.device, inner.max_context
 
@@ -68,8 +92,8 @@ class ScriptedBackend(Backend):
     def token_budget(self):
         return self.inner.token_budget()
 
-    def prefix_reuse_pays(self):
-        return self.inner.prefix_reuse_pays()
+    def prefix_exact(self):
+        return self.inner.prefix_exact()
 
     # stepper ---------------------------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask):
@@ -160,7 +184,7 @@ class FakeVLLMEngine:
         return results
 
 
-def fake_vllm_backend(inner: Backend, report_eos: bool = True):
+def fake_vllm_backend(inner: StepBackend, report_eos: bool = True):
     """The real ``VLLMBackend.generate`` logic over a fake engine wrapping ``inner``'s model."""
     from harness.backends.vllm_backend import VLLMBackend
 

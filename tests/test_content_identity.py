@@ -16,7 +16,7 @@ from harness.engine import run_eval
 from harness.engine.identity import FileHashCache, model_identity
 from harness.engine.runlog import ResumeMismatchError, RunDirError
 from harness.eval import main as eval_main
-from tests.helpers import run_config
+from tests.helpers import EachBatch, run_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -169,28 +169,20 @@ def test_the_report_counts_only_rows_of_the_runs_settings(ckpt, tmp_path, phi_ba
         load_run(out)
 
 
-class _ReplacesItsDirectory:
+def _replaces_its_directory(backend, out: Path):
     """A real backend whose second batch finds its run directory replaced by another process's (moved away
     and recreated with a foreign row), as a second run that deleted and recreated --output would leave it."""
-
-    def __init__(self, backend, out: Path):
-        self.backend, self.out, self.calls = backend, out, 0
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
-
-    def generate(self, reqs, **kw):
-        self.calls += 1
-        if self.calls == 2:
-            os.rename(self.out, self.out.parent / "moved")
-            self.out.mkdir()
-            (self.out / "samples.jsonl").write_text(json.dumps({"key": "x@first", "config_hash": "other"}) + "\n")
-        return self.backend.generate(reqs, **kw)
+    def before(k):
+        if k == 1:
+            os.rename(out, out.parent / "moved")
+            out.mkdir()
+            (out / "samples.jsonl").write_text(json.dumps({"key": "x@first", "config_hash": "other"}) + "\n")
+    return EachBatch(backend, before)
 
 
 def test_a_directory_replaced_mid_run_fails_loudly_and_writes_no_results(ckpt, tmp_path, phi_backend):
     out = tmp_path / "run"
-    backend = _ReplacesItsDirectory(phi_backend, out)
+    backend = _replaces_its_directory(phi_backend, out)
     with pytest.raises(RunDirError, match="deleted, moved or replaced"):
         run_eval(_cfg(ckpt, out, limit=4, batch_size="2"), backend=backend, progress=False)
     assert backend.calls == 2

@@ -4,11 +4,11 @@ import pytest
 
 from harness.engine import load_backend, run_eval
 from harness.engine.prompting import PromptTemplate
-from harness.engine.run import plan_batches
+from harness.backends.planner import plan_batches
 from harness.engine.runlog import ResumeMismatchError
 from harness.eval import main as eval_main
 from harness.models import MODELS, UnknownModelError, resolve_model
-from tests.helpers import assert_varied, run_config
+from tests.helpers import EachBatch, assert_varied, run_config
 
 _cfg = run_config
 
@@ -49,20 +49,12 @@ def test_run_directory_contents(tiny_phi_dir, phi_backend, tmp_path):
     assert "| position" in (tmp_path / "table.md").read_text()
 
 
-class _Interrupting:
-    """Wraps a real backend and raises after ``n`` batches, as a kill mid-run would."""
-
-    def __init__(self, inner, n):
-        self.inner, self.n, self.calls = inner, n, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def generate(self, reqs, **kw):
-        if self.calls == self.n:
+def _interrupting(inner, n):
+    """A real backend that raises after ``n`` batches, as a kill mid-run would."""
+    def before(k):
+        if k == n:
             raise KeyboardInterrupt
-        self.calls += 1
-        return self.inner.generate(reqs, **kw)
+    return EachBatch(inner, before)
 
 
 def test_resume_after_interruption_regenerates_nothing_done(tiny_phi_dir, phi_backend, tmp_path):
@@ -70,7 +62,7 @@ def test_resume_after_interruption_regenerates_nothing_done(tiny_phi_dir, phi_ba
     run_eval(_cfg(tiny_phi_dir, full), backend=phi_backend, progress=False)
     part = tmp_path / "part"
     with pytest.raises(KeyboardInterrupt):
-        run_eval(_cfg(tiny_phi_dir, part), backend=_Interrupting(phi_backend, 2), progress=False)
+        run_eval(_cfg(tiny_phi_dir, part), backend=_interrupting(phi_backend, 2), progress=False)
     assert len(_gens(part)) == 8  # two batches of four were written before the kill
     with open(part / "samples.jsonl", "a") as fh:
         fh.write('{"key": "fx0005@last", "truncated')  # a write cut short by the kill

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from harness.backends.families import FAMILIES, family_of
-from harness.backends.generation import GenRequest, common_prefix, greedy_generate
-from harness.backends.prefix_tree import tree_generate
+from harness.backends.generation import GenRequest, greedy_generate
 from harness.models.kernels import interpreting
 from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
 from tests.helpers import assert_varied
@@ -74,15 +73,8 @@ def _fields(results):
 
 
 def _run(backend, requests, batch, reuse):
-    if reuse == "tree":  # prefilled through the prefix tree where the family can merge rows, else as batch
-        if not backend.tree_reuse_pays():
-            return _run(backend, requests, batch, True)
-        return tree_generate(backend, requests, batch)
-    shared = common_prefix([r.prompt_ids for r in requests]) if reuse else None
-    out = []
-    for i in range(0, len(requests), batch):
-        out += backend.generate(requests[i:i + batch], shared_prefix=shared)
-    return out
+    """Through the plan asked for (each falls back where it is not exact for the family, as a run's would)."""
+    return backend.generate(requests, batch_size=batch, prefix_reuse=reuse)
 
 
 def _fla_here() -> bool:
@@ -123,9 +115,38 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
     if with_tool:
         lengths = {e - s for r in ref for s, e in r.tool_spans}
         assert len(lengths) > 1, "the tool results must differ in length to make ragged blocks"
-    for batch, reuse in [(4, True), (1, True), (4, False), (6, True), (4, "tree")]:
+    for batch, reuse in [(4, "batch"), (1, "batch"), (4, "none"), (6, "batch"), (4, "tree-rows"), (4, "tree-block")]:
         got = _run(b, _requests(tok, tool_end), batch, reuse)
         assert _fields(got) == _fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
+
+
+SEGMENT_CUTS = ([774, 775], [300, 301, 302, 1000], [1, 2], [517], [1599])  # one-token segments, arbitrary depths
+
+
+@torch.inference_mode()
+def test_the_tree_runs_only_where_segments_equal_a_whole_prefill(family_backend):
+    """The prefix tree's premise at a sweep's length (1,600 tokens) and cuts (a one-token segment mid-prompt,
+    cuts at arbitrary depths, a one-token last segment): where the planner may use the tree, a prompt fed in
+    cached segments gives a whole prefill's logits; where a family is kept off it for its segments (Zamba2),
+    they measurably differ, and a run asking for the tree falls back and says why."""
+    b = family_backend
+    n = 1600
+    ids = torch.randint(5, len(b.tokenizer) - 1, (1, n), generator=torch.Generator().manual_seed(0))
+    whole, _ = b.prefill(ids, torch.ones_like(ids))
+    worst = 0.0
+    for cuts in SEGMENT_CUTS:
+        bounds = [0, *cuts, n]
+        seg = ids[:, :bounds[1]]
+        logits, state = b.prefill(seg, torch.ones_like(seg))
+        for a, z in zip(bounds[1:], bounds[2:]):
+            logits = b.extend(state, ids[0, a:z].tolist(), a)
+        worst = max(worst, float((logits - whole).abs().max() / whole.abs().max()))
+    if b.tree_unsupported() is None:
+        assert worst < 1e-5, f"{b.family.name}: segments move the logits by {worst:.2e} of their scale"
+    if not b.family.segments_exact:
+        assert worst > 1e-5, f"{b.family.name}: segments now equal a whole prefill; let the tree run it"
+        gen = b.generate_all(_requests(b.tokenizer)[:3], prefix_reuse="tree")
+        assert gen.info["prefix_reuse"] != "tree" and "segments" in gen.info["plan_reason"]
 
 
 def test_every_listed_family_is_in_the_matrix():
@@ -195,7 +216,7 @@ def _check_scores(backend, forward, name):
         assert max(abs(s - r) for (s, _), (r, _) in zip(got, ref)) < 1e-4, f"{name}: batch {batch}"
     # the choices were scored after one prefill of their shared context wherever that is exact
     shared = backend.stats.get("loglikelihood_shared_rows", 0)
-    assert shared == (3 * 6 if backend.prefix_reuse_pays() else 0), f"{name}: {shared} rows after a shared prefill"
+    assert shared == (3 * 6 if backend.prefix_exact() else 0), f"{name}: {shared} rows after a shared prefill"
 
 
 def test_loglikelihood_is_independent_of_batching(family_backend):

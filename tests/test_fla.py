@@ -36,7 +36,7 @@ for r in plain:
 end = max(sorted(counts), key=counts.get)  # a text the model writes, so the tool is called mid-generation
 ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in reqs(end)]
 same = {{f"batch {{n}}, prefix reuse {{reuse}}": _fields(_run(b, reqs(end), n, reuse)) == _fields(ref)
-        for n, reuse in [(3, True), (1, True), (3, False)]}}
+        for n, reuse in [(3, "batch"), (1, "batch"), (3, "none"), (3, "tree")]}}
 print("RESULT " + json.dumps({{"family": b.family.name, "padding": b.family.padding, "same": same,
                               "distinct": len({{r.text for r in plain}}),
                               "tool_lengths": sorted({{e - s for r in ref for s, e in r.tool_spans}})}}))

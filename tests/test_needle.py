@@ -72,3 +72,24 @@ def test_a_length_too_short_for_one_entry_is_refused(tiny_tokenizer):
 
     with pytest.raises(OptionError, match="lengths=16: a phone-book entry takes .* give longer lengths"):
         _instances(tiny_tokenizer, lengths=[16, 64], samples=1)
+
+
+def test_long_context_books_are_drawn_in_bounded_time_and_too_long_ones_refused(tiny_tokenizer):
+    """Past the 8,800 "First I. Last" names a book draws names with a second initial: a 36,000-token book (it
+    once spun forever) and longer are built, every name distinct; beyond the names there are, one error line."""
+    import pytest
+
+    from evals.base import OptionError
+    from evals.needle import PLAIN_NAMES, Needle
+
+    task, inst = _instances(tiny_tokenizer, lengths=[2000, 36000], depths=[0.0, 1.0], samples=1)
+    long = next(i for i in inst if i.condition == "36000@1")
+    names = [line.split(":")[0] for line in long.question.split("\n")]
+    assert len(set(names)) == len(names)  # (the book drawn held 36000 // 4 + 16 > 8,800 entries: it once spun)
+    assert 36000 - 20 <= long.meta["context_tokens"] <= 36001
+    assert long.question.startswith(next(i for i in inst if i.condition == "2000@0").question)  # still a prefix
+    book = Needle._book("needle-eval:x", 130_000 // 4)  # a 128k-token book's entries
+    assert len({n for n, _ in book}) == len(book) > PLAIN_NAMES
+    assert book[:100] == Needle._book("needle-eval:x", 100)  # the same first entries for any length
+    with pytest.raises(OptionError, match="lengths=1000000: the phone book has .* give shorter lengths"):
+        get_task("needle", lengths=[1_000_000])

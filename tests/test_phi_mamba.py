@@ -265,8 +265,6 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
     """The backend's decode loop with the static-buffer decoder (run eagerly) gives the eager tokens, through
     what a run does to a state: a shared prefix copied into every row, rows prefilled through the prefix tree
     and merged, tool results fed as multi-token blocks, and rows leaving the batch at different lengths."""
-    from harness.backends.generation import common_prefix
-    from harness.backends.prefix_tree import tree_generate
     from harness.models.decode_graphs import GraphedDecode
     from retrieval import RetrievalTool
     from tests.test_retrieval import UNITS
@@ -281,19 +279,45 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
         return [GenRequest(p, n, tool=RetrievalTool(UNITS, call_open=f.text[0:2], call_close=f.text[5:8]))
                 for p, n, f in zip(prompts, limits, free)]
 
-    shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
-    eager = backend.generate(reqs(), shared_prefix=shared)
+    eager = backend.generate(reqs(), prefix_reuse="batch")
     backend.graphs = GraphedDecode(backend.model, capture=False)
     try:
-        graphed = backend.generate(reqs(), shared_prefix=shared)
+        graphed = backend.generate(reqs(), prefix_reuse="batch")
         buckets = sorted(rows for rows, _ in backend.graphs.graphs)
-        tree = tree_generate(backend, reqs(), 5)
+        tree = backend.generate(reqs(), prefix_reuse="tree-rows")
+        tree_block = backend.generate(reqs(), prefix_reuse="tree-block")
     finally:
         backend.graphs = None
     assert_varied([r.token_ids for r in eager])
-    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager] == [r.token_ids for r in tree]
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager] == [r.token_ids for r in tree] == \
+        [r.token_ids for r in tree_block]
     assert sum(len(r.tool_spans) for r in eager) >= 2
     assert len(buckets) >= 2  # the batch shrank through buckets
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
+def test_one_graphed_backend_serves_batch_sizes_and_contexts_in_turn(which, request):
+    """One graphed decoder through batch 1, then a larger batch and longer prompts (its buffers grow, its graphs
+    are dropped), then batch 1 again: eager's tokens every time, and every new set of buffers captures into a
+    new memory pool (capturing into a dropped set's pool crashed PyTorch's allocator on an H200)."""
+    from harness.models.decode_graphs import GraphedDecode
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    prompts = _diverse_prompts(9, seed=5)
+    runs = [prompts[:1], prompts[1:9], [p * 3 for p in prompts[1:3]], prompts[8:9]]
+    eager = [[r.token_ids for r in backend.generate([GenRequest(p, 12) for p in run])] for run in runs]
+    backend.graphs = decoder = GraphedDecode(backend.model, capture=torch.cuda.is_available()
+                                             and backend.device.type == "cuda")
+    try:
+        pools = []
+        for run, want in zip(runs, eager):
+            assert [r.token_ids for r in backend.generate([GenRequest(p, 12) for p in run])] == want
+            pools.append(decoder.pools)
+    finally:
+        backend.graphs = None
+    assert_varied([t for run in eager for t in run])
+    assert pools[1] > pools[0] and pools[3] == pools[2]  # grown: a new pool; reused at batch 1: the same one
 
 
 def test_hybrid_places_attention_at_configured_layers(tiny_hybrid_dir):

@@ -33,14 +33,15 @@ def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
     shared = common_prefix(ids)
     assert len(shared) > 200  # the four exemplars
     reqs = [GenRequest(p, 12, prompt_ids=i) for p, i in zip(prompts, ids)]
-    plain = [r for k in range(0, 12, 4) for r in backend.generate(reqs[k:k + 4])]
-    before = dict(backend.stats)
-    reused = [r for k in range(0, 12, 4) for r in backend.generate(reqs[k:k + 4], shared_prefix=shared)]
-    assert_varied([r.token_ids for r in plain])
-    assert [r.token_ids for r in reused] == [r.token_ids for r in plain]
-    computed_plain = sum(4 * max(len(i) for i in ids[k:k + 4]) for k in range(0, 12, 4))
-    computed_reuse = backend.stats["prefill_tokens"] - before["prefill_tokens"]
-    assert computed_reuse < computed_plain - 2 * len(shared)  # the prefix was not recomputed per batch
+    plain = backend.generate_all(reqs, batch_size=4, prefix_reuse="none")
+    plain_results = plain.results(len(reqs))
+    reused = backend.generate_all(reqs, batch_size=4, prefix_reuse="batch")
+    reused_results = reused.results(len(reqs))
+    assert reused.info["prefix_reuse"] == "batch"
+    assert_varied([r.token_ids for r in plain_results])
+    assert [r.token_ids for r in reused_results] == [r.token_ids for r in plain_results]
+    # the prefix was not recomputed per batch
+    assert reused.info["prefill_tokens"] < plain.info["prefill_tokens"] - 2 * len(shared)
 
 
 def test_prefix_reuse_with_tool_calls(phi_backend):
@@ -54,9 +55,8 @@ def test_prefix_reuse_with_tool_calls(phi_backend):
         return [GenRequest(p, 20, tool=RetrievalTool(UNITS, call_open=f.text[0:2], call_close=f.text[5:8]))
                 for p, f in zip(prompts, free)]
 
-    ids = [phi_backend.tokenizer(p)["input_ids"] for p in prompts]
     a = phi_backend.generate(reqs())
-    b = phi_backend.generate(reqs(), shared_prefix=common_prefix(ids))
+    b = phi_backend.generate(reqs(), prefix_reuse="batch")
     assert_varied([r.token_ids for r in a])
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert sum(len(r.tool_spans) for r in a) >= 2

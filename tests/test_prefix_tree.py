@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from harness.backends.generation import GenRequest, common_prefix
-from harness.backends.prefix_tree import PrefixTree, parse_bytes, tree_generate
+from harness.backends.generation import GenRequest
+from harness.backends.prefix_tree import PrefixTree, parse_bytes
 from harness.engine import run_eval
 from harness.engine.config import ConfigError, RunConfig
 from retrieval import RetrievalTool
@@ -65,42 +65,40 @@ def _requests(backend, prompts, tools=None):
             for k, (p, i) in enumerate(zip(prompts, ids))]
 
 
-def _three_ways(backend, make_requests, batch=4):
-    """(none, batch, tree) generations of the same requests, each mode on fresh request objects."""
-    reqs = make_requests()
-    none = [r for k in range(0, len(reqs), batch) for r in backend.generate(reqs[k:k + batch])]
-    reqs = make_requests()
-    shared = common_prefix([r.prompt_ids for r in reqs])
-    batched = [r for k in range(0, len(reqs), batch) for r in backend.generate(reqs[k:k + batch], shared_prefix=shared)]
-    reqs = make_requests()
-    before = dict(getattr(backend, "stats", {}))
-    tree = tree_generate(backend, reqs, batch)
-    computed = backend.stats["prefill_tokens"] - before.get("prefill_tokens", 0)
-    return none, batched, tree, computed
+def _modes(backend, make_requests, batch=4):
+    """Each plan's generations of the same requests (fresh request objects each), and the tokens it prefilled."""
+    out = {}
+    for mode in ("none", "batch", "tree-rows", "tree-block"):
+        gen = backend.generate_all(make_requests(), batch_size=batch, prefix_reuse=mode)
+        results = gen.results(len(make_requests()))
+        assert gen.info["prefix_reuse"] == mode.split("-")[0] and gen.info.get("tree_prefill") in (None, mode[5:])
+        out[mode] = (results, gen.info["prefill_tokens"])
+    return out
 
 
 @pytest.mark.parametrize("which", ["phi", "llama", "phi_mamba", "hybrid"])
 def test_tree_generations_equal_batch_and_none_with_tool_calls(which, request):
     backend = request.getfixturevalue(f"{which}_backend")
-    assert backend.tree_reuse_pays()
+    assert backend.tree_unsupported() is None
     prompts = _sweep_prompts()
     free = [r.text for r in backend.generate(_requests(backend, prompts))]
 
     def with_tools():  # call markers the model writes itself, so its tool is really called mid-generation
         return _requests(backend, prompts, [RetrievalTool(UNITS, call_open=f[0:2], call_close=f[5:8]) for f in free])
 
-    none, batched, tree, computed = _three_ways(backend, with_tools)
+    got = _modes(backend, with_tools)
+    none = got["none"][0]
     assert_varied([r.token_ids for r in none])
     assert sum(len(r.tool_spans) for r in none) >= 2
-    assert [r.token_ids for r in tree] == [r.token_ids for r in batched] == [r.token_ids for r in none]
-    assert [r.text for r in tree] == [r.text for r in none]
+    for mode, (results, _) in got.items():
+        assert [r.token_ids for r in results] == [r.token_ids for r in none], mode
+        assert [r.text for r in results] == [r.text for r in none], mode
     ids = [r.prompt_ids for r in _requests(backend, prompts)]
-    assert computed == PrefixTree(ids).tree_tokens < 0.7 * sum(map(len, ids))  # each shared token once
+    assert got["tree-rows"][1] == PrefixTree(ids).tree_tokens < 0.7 * sum(map(len, ids))  # each shared token once
+    assert got["tree-rows"][1] < got["tree-block"][1] < got["batch"][1]  # the block pads, but reads the tree
 
 
 def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
-    from harness.backends.prefix_tree import PrefixStates
-
     prompts = _sweep_prompts()
     ids = [r.prompt_ids for r in _requests(phi_backend, prompts)]
     plain = [r.token_ids for r in phi_backend.generate(_requests(phi_backend, prompts))]
@@ -108,17 +106,15 @@ def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
     one = phi_backend.state_bytes(max(map(len, ids)))
     computed = {}
     for budget in (0, one, 1 << 30):
-        states = PrefixStates(phi_backend, ids, budget)
-        phi_backend.stats = {}
-        got = {}
-        order = states.order()
-        for k in range(0, len(order), 3):
-            idx = order[k:k + 3]
-            got.update(zip(idx, phi_backend.generate([_requests(phi_backend, prompts)[i] for i in idx],
-                                                     started=[states.start(i) for i in idx])))
-        assert [got[i].token_ids for i in range(len(ids))] == plain, f"budget {budget}"
-        assert states.peak <= budget and states.used == 0  # within the budget; everything freed at the end
-        computed[budget] = phi_backend.stats["prefill_tokens"]
+        for mode in ("tree-rows", "tree-block"):
+            gen = phi_backend.generate_all(_requests(phi_backend, prompts), batch_size=3, prefix_reuse=mode,
+                                           prefix_memory=budget)
+            got = gen.results(len(prompts))
+            assert [r.token_ids for r in got] == plain, f"budget {budget}, {mode}"
+            info = gen.info  # within the budget; everything freed at the end
+            assert info["prefix_snapshot_peak_bytes"] <= budget and info["prefix_snapshot_left_bytes"] == 0
+            if mode == "tree-rows":
+                computed[budget] = info["prefill_tokens"]
     assert computed[0] == sum(map(len, ids))  # nothing kept: every prompt whole
     assert computed[1 << 30] == PrefixTree(ids).tree_tokens < computed[one] < computed[0]
 
@@ -157,7 +153,10 @@ def test_tree_mode_falls_back_where_rows_cannot_merge(tiny_phi_dir, phi_backend,
     scripted = ScriptedBackend(phi_backend, lambda prompt: None)  # the model's own logits; no merge of its own
     with caplog.at_level("INFO", logger="harness"):
         res, _ = _run(tiny_phi_dir, tmp_path / "f", "tree", 2, scripted)
-    assert res["timings"]["prefix_reuse"] == "batch" and "cannot prefill through a prefix tree" in caplog.text
+    t = res["timings"]
+    assert t["prefix_reuse"] == "batch" and t["prefix_reuse_asked"] == "tree"
+    assert "tree is not possible here: the scripted backend cannot merge rows" in t["plan_reason"]
+    assert t["plan_reason"] in caplog.text
 
 
 def test_ranks_split_into_runs_of_shared_prefixes():

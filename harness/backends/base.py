@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from harness.backends.generation import GenRequest, GenResult, Prefix, greedy_generate, pad_batch
+from harness.backends.generation import GenRequest, GenResult, pad_batch
 
 log = logging.getLogger("harness")
 
@@ -77,13 +77,68 @@ def state_nbytes(state: Any) -> int:
     return total
 
 
+class Generation:
+    """What ``Backend.generate_all`` returns: iterate it for (request indices, their results), batch by batch, in
+    the order the backend computes them; ``info`` says what was chosen (the prefill plan, and why) and, once the
+    iteration has ended, what prefill cost (``results.json``'s timings)."""
+
+    def __init__(self, info: dict[str, Any], batches: Iterator[tuple[list[int], list[GenResult]]]):
+        self.info, self._batches = info, batches
+
+    def __iter__(self) -> Iterator[tuple[list[int], list[GenResult]]]:
+        return self._batches
+
+    def results(self, n: int) -> list[GenResult]:
+        """Every result, in request order (``n`` requests)."""
+        out: list[GenResult | None] = [None] * n
+        for idx, results in self:
+            for i, r in zip(idx, results):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+
 class Backend(ABC):
-    """Greedy generation over batches of prompts. Subclasses provide the stepper methods."""
+    """Request level: what the engine, the lm-eval adapter and the audit call. A backend that schedules its own
+    batches (vLLM) implements ``generate_all`` and ``describe``; ``StepBackend`` implements it for models the
+    harness steps itself."""
 
     name = "base"
     tokenizer: Any
     device: torch.device
     max_context: int | None = None
+
+    @abstractmethod
+    def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
+                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
+        """Greedy generations for every request. ``batch_size``: rows per batch, or ``auto`` (a token budget);
+        ``prefix_reuse``: auto | tree | batch | none (outputs are identical in all; where a mode is not exact or
+        not possible for this backend it falls back, and ``info`` says why)."""
+
+    def generate(self, requests: Sequence[GenRequest], batch_size: int | str | None = None,
+                 prefix_reuse: str = "none", prefix_memory: str | int = "auto") -> list[GenResult]:
+        """``generate_all``'s results in request order; by default one batch, every prompt prefilled whole."""
+        if not requests:
+            return []
+        gen = self.generate_all(requests, batch_size=len(requests) if batch_size is None else batch_size,
+                                prefix_reuse=prefix_reuse, prefix_memory=prefix_memory)
+        return gen.results(len(requests))
+
+    def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8,
+                      share_contexts: bool = True) -> list[tuple[float, bool]]:
+        raise NotImplementedError(f"the {self.name} backend does not score text (loglikelihood); use the "
+                                  "transformers or phi-mamba backend")
+
+    def state_bytes(self, tokens: int) -> int | None:
+        """Bytes of decoding state a sequence of ``tokens`` tokens holds; None where the backend keeps none of
+        its own (vLLM)."""
+        return None
+
+
+
+class StepBackend(Backend):
+    """A model the harness steps itself: prefill a batch, feed blocks, drop, copy and merge rows. Batching,
+    prefix reuse and the prefix tree are chosen for it in one place (``harness.backends.planner``); the decode
+    loop (stop strings, tools, limits) is ``greedy_generate``'s."""
 
     @abstractmethod
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
@@ -107,15 +162,29 @@ class Backend(ABC):
         t = torch.tensor([list(ids)], device=self.device)
         return self.step(state, t, torch.ones((1, past + len(ids)), dtype=torch.long, device=self.device))
 
-    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None,
-                 started: Sequence[Prefix] | None = None) -> list[GenResult]:
-        """``shared_prefix``: token ids every prompt starts with (the few-shot exemplars). Its state is
-        computed on the first call and copied into each later batch instead of being recomputed.
-        ``started``: each request's prompt already prefilled through the prefix tree (``PrefixStates.start``)."""
-        use_prefix = shared_prefix and self.prefix_reuse_pays() and started is None
-        prefix = self._prefix_state(list(shared_prefix)) if use_prefix else None
-        return greedy_generate(self, self.tokenizer, requests, device=self.device, max_context=self.max_context,
-                               prefix=prefix, started=started, stats=counters(self))
+    def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
+                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
+        from harness.backends.planner import generate_all
+
+        return generate_all(self, requests, batch_size, prefix_reuse, prefix_memory)
+
+    # -- what is exact here (the planner reads these; nothing else decides) ------------------------------
+    def batches_exact(self) -> bool:
+        """Whether prompts padded into one batch give what each gives alone (else every sample runs alone)."""
+        return True
+
+    def prefix_exact(self) -> bool:
+        """Whether a right-padded block fed after a copied state is exact in one call: the shared prefix's
+        reuse, and the prefix tree's batched prefill below its snapshots."""
+        return True
+
+    def tree_unsupported(self) -> str | None:
+        """Why prompts may not be prefilled through a prefix tree here (None: they may). The tree needs rows
+        prefilled apart to merge into a batch, and a prompt prefilled in segments (one-token segments and cuts
+        at any depth included) to equal it prefilled whole."""
+        if type(self).merge is StepBackend.merge:
+            return f"the {self.name} backend cannot merge rows prefilled apart"
+        return None
 
     # -- scoring -----------------------------------------------------------------------------------
     def sequence_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -158,7 +227,7 @@ class Backend(ABC):
 
     def _score_shared_contexts(self, pairs, out: list, batch_size: int) -> list[int]:
         """Score the pairs whose context another pair shares, one prefill per context; the indices left over."""
-        if not self.prefix_reuse_pays() or type(self).block_logits is Backend.block_logits:
+        if not self.prefix_exact() or type(self).block_logits is StepBackend.block_logits:
             return list(range(len(pairs)))
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (ctx, _) in enumerate(pairs):
@@ -201,26 +270,6 @@ class Backend(ABC):
                                  f"model's {self.max_context}-token context")
             seq = seq[-self.max_context:]
         return seq
-
-    def prefix_reuse_pays(self) -> bool:
-        """Whether feeding each row's suffix as one block after a copied prefix beats a full prefill."""
-        return True
-
-    def tree_reuse_pays(self) -> bool:
-        """Whether prompts may be prefilled through a prefix tree: a multi-token block after a copied one-row
-        state is exact in one call, and prefilled rows merge into a batch (``merge``)."""
-        return type(self).merge is not Backend.merge and self.prefix_reuse_pays()
-
-    @torch.inference_mode()
-    def _prefix_state(self, ids: list[int]) -> Prefix:
-        cached = getattr(self, "_prefix", None)
-        if cached is None or cached.ids != ids:
-            t = torch.tensor([ids], device=self.device)
-            logits, state = self.prefill(t, torch.ones_like(t))
-            self._prefix = cached = Prefix(ids, state, logits)
-            count(self, "prefix_tokens", len(ids))
-            count(self, "prefill_tokens", len(ids))
-        return cached
 
     @torch.inference_mode()
     def state_bytes(self, tokens: int) -> int | None:
@@ -272,8 +321,6 @@ class Backend(ABC):
         """Memory one cached token costs while decoding; a conservative default."""
         return 1 << 20
 
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "device": str(self.device)}
 
 
 def _score(logits: torch.Tensor, continuation: Sequence[int]) -> tuple[float, bool]:

@@ -39,6 +39,7 @@ class Family:
     module_state: bool = False  # the recurrent state lives in the model's modules: one sequence at a time
     max_context: bool = True  # config.max_position_embeddings limits the context
     own_cache: bool = False  # the model builds its own cache class at prefill (fla's), not a DynamicCache
+    segments_exact: bool = True  # a prompt fed in cached segments (one-token ones included) equals it fed whole
 
     @property
     def prefix_reuse(self) -> bool:
@@ -56,7 +57,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            max_context=False),
     Family("icr_hybrid", padding="restore", cache_arg="cache_params", cache_out="cache_params",
            block_steps=False),  # the trainer's Mamba + one attention layer (harness.models.istree)
-    Family("zamba2", padding="restore"),
+    # transformers' Zamba2 is not consistent between a one-token cached step and a chunk (a real checkpoint's
+    # last logit moved by up to 1.26 through the prefix tree): no tree for it
+    Family("zamba2", padding="restore", segments_exact=False),
     Family("jamba", padding="restore", block_steps=False),
     Family("bamba", padding="restore"),  # its cached steps need position_ids (the mask alone gives wrong logits)
     Family("falcon_h1", padding="restore"),
@@ -190,7 +193,7 @@ def recurrent_state(cache, clone: bool = False) -> list[torch.Tensor]:
 
 # Cache layers whose per-row tensors are all keys/values of the whole sequence or a fixed-size recurrent state:
 # rows prefilled apart can be merged into one batch (sliding-window, static and quantized layers cannot).
-MERGEABLE_LAYERS = ("DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer")
+MERGEABLE_LAYERS = ("DynamicLayer", "GrowingLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer")
 
 
 def mergeable(cache) -> bool:

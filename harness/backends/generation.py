@@ -189,12 +189,22 @@ def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
     return pad_batch(blocks, pad_id, device, "right")
 
 
+@dataclass
+class Started:
+    """A batch whose prompts are prefilled already (``harness.backends.planner`` chooses how): the logits at
+    each row's last prompt token [B, V], the decoding state, and the attention mask over everything fed so far."""
+
+    logits: torch.Tensor
+    state: Any
+    mask: torch.Tensor
+
+
 @torch.inference_mode()
 def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
-                    max_context: int | None = None, prefix: Prefix | None = None,
-                    started: Sequence[Prefix] | None = None, stats: dict | None = None) -> list[GenResult]:
+                    max_context: int | None = None, start: Started | None = None, stats: dict | None = None
+                    ) -> list[GenResult]:
     """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order.
-    ``started``: each row's prompt already prefilled (``harness.backends.prefix_tree``), merged into one batch.
+    ``start``: the batch already prefilled (else its prompts are prefilled here, left-padded).
 
     Each step feeds every active row a block: its chosen token, followed by a tool result when that token
     completed a call. Blocks are right-padded to the longest, so a whole result is absorbed in the same
@@ -204,28 +214,13 @@ def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest],
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     prompt_ids, rows = _new_rows(tokenizer, requests)
-    n = len(prefix.ids) if prefix is not None else 0
-    if started is not None:
-        if [s.ids for s in started] != prompt_ids:
-            raise ValueError("greedy_generate: a started state is not its request's prompt")
-        states = [s.state for s in started]
-        for s in started:  # a started row is used once: the batch state replaces it (memory is not held twice)
-            s.state = None
-        state = stepper.merge(states, [len(p) for p in prompt_ids])
-        del states
-        _, mask = left_pad(prompt_ids, pad_id, device)
-        logits = torch.cat([s.logits for s in started])
-    elif n and all(len(p) > n and p[:n] == prefix.ids for p in prompt_ids):
-        # Copy the prefix state into every row, then feed each row's own suffix as one right-padded block.
-        state = stepper.expand(prefix.state, len(rows))
-        ids, block_mask = right_pad([p[n:] for p in prompt_ids], pad_id, device)
-        mask = torch.cat([block_mask.new_ones((len(rows), n)), block_mask], dim=1)
-        logits = stepper.step(state, ids, mask)
-    else:
+    if start is None:
         ids, mask = left_pad(prompt_ids, pad_id, device)
         logits, state = stepper.prefill(ids, mask)
-    if stats is not None and started is None:  # a started row's prefill was counted where it ran
-        stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + ids.numel()
+        if stats is not None:
+            stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + ids.numel()
+    else:
+        logits, state, mask = start.logits, start.state, start.mask
     active = list(range(len(rows)))
     while True:
         choice = logits.argmax(dim=-1).tolist()

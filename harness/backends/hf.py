@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
-from harness.backends import fla_models
-from harness.backends.base import Backend, resolve_device, resolve_dtype
+from harness.backends import fla_models, growing_cache
+from harness.backends.base import StepBackend, resolve_device, resolve_dtype
 from harness.backends.families import family_of, map_rows, merge_rows, mergeable, recurrent_state, restore_rows
-from harness.backends.generation import GenRequest, GenResult, last_real_index, logits_at_last_real
+from harness.backends.generation import last_real_index, logits_at_last_real
 from harness.engine import hub
 
 log = logging.getLogger("harness")
@@ -40,7 +39,7 @@ def prepare_tokenizer(tok, source: str):
     return tok
 
 
-class TransformersBackend(Backend):
+class TransformersBackend(StepBackend):
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
     family's state (and so how freely it batches) comes from ``harness.backends.families``."""
 
@@ -61,38 +60,34 @@ class TransformersBackend(Backend):
         self.family = family_of(self.model)
         self.max_context = getattr(self.model.config, "max_position_embeddings", None) \
             if self.family.max_context else None
-        self._told_alone = False
 
-    # -- batching decisions ----------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenRequest], shared_prefix: Sequence[int] | None = None,
-                 started=None) -> list[GenResult]:
-        if self.family.padding != "alone":
-            return super().generate(requests, shared_prefix, started)
-        if not self._told_alone:
-            log.info("model family %r cannot keep padding out of its state: each sample runs alone and unpadded "
-                     "(exact; the batch size only groups the progress bar)", self.family.name)
-            self._told_alone = True
-        out: list[GenResult] = []
-        for r in requests:
-            out += super().generate([r])
-        return out
+    # -- what is exact here (harness.backends.planner decides with it) -----------------------------------
+    def batches_exact(self) -> bool:
+        return self.family.padding != "alone"
 
-    def prefix_reuse_pays(self) -> bool:
+    def prefix_exact(self) -> bool:
         return self.family.prefix_reuse
 
     @torch.inference_mode()
-    def tree_reuse_pays(self) -> bool:
+    def tree_unsupported(self) -> str | None:
         """The prefix tree feeds each row alone after a copied state (unpadded), then merges rows: exact for a
-        masked family, and for a restore family whose cached steps take a block in one call; the cache's layers
-        must be ones ``merge_rows`` knows."""
+        masked family, and for a restore family whose cached steps take a block in one call, where the family's
+        segments equal a whole prefill (``Family.segments_exact``) and its cache's layers are ones
+        ``merge_rows`` knows."""
         fam = self.family
-        if fam.padding == "alone" or fam.module_state or fam.own_cache or not (fam.padding == "masked" or
-                                                                               fam.block_steps):
-            return False
+        if fam.padding == "alone" or fam.module_state:
+            return f"{fam.name} runs each sample alone"
+        if fam.own_cache:
+            return f"{fam.name} builds its own cache class, which rows cannot be merged in"
+        if not (fam.padding == "masked" or fam.block_steps):
+            return f"{fam.name}'s cached steps take one token at a time"
+        if not fam.segments_exact:
+            return (f"{fam.name}: a prompt prefilled in segments is not the prompt prefilled whole (measured by "
+                    "tests/test_families.py)")
         if getattr(self, "_mergeable", None) is None:
             ids = torch.full((1, 2), self.tokenizer.eos_token_id, device=self.device)
             self._mergeable = mergeable(self.prefill(ids, torch.ones_like(ids))[1]["cache"])
-        return self._mergeable
+        return None if self._mergeable else f"{fam.name}'s cache layers cannot be merged across rows"
 
     def merge(self, states, lengths):
         return {"cache": merge_rows([s["cache"] for s in states], list(lengths)),
@@ -116,6 +111,7 @@ class TransformersBackend(Backend):
         cache = None
         if (self.family.cache_out is None or self.family.padding == "masked") and not self.family.own_cache:
             cache = DynamicCache(config=self.model.config)
+            growing_cache.install(cache)  # decode steps write in place instead of copying the cache
         logits, cache = self._forward(cache, input_ids, attention_mask, pos, logits_to_keep=1)
         return logits[:, -1].float(), {"cache": cache, "pos": pos[:, -1]}
 
@@ -136,7 +132,7 @@ class TransformersBackend(Backend):
         return logits_at_last_real(logits, block_mask).float()
 
     def extend(self, state, ids, past):
-        """One call for the run of tokens (tree_reuse_pays admits only families where that is exact), keeping
+        """One call for the run of tokens (``tree_unsupported`` admits only families where that is exact), keeping
         the last position's logits only."""
         n = len(ids)
         t = torch.tensor([list(ids)], device=self.device)

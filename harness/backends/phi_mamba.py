@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from harness.backends.base import Backend, resolve_device, resolve_dtype
+from harness.backends.base import StepBackend, resolve_device, resolve_dtype
 from harness.backends.generation import logits_at_last_real
 from harness.backends.hf import load_tokenizer
 from harness.models import kernels
@@ -15,7 +15,7 @@ from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState
 log = logging.getLogger("harness")
 
 
-class PhiMambaBackend(Backend):
+class PhiMambaBackend(StepBackend):
     name = "phi-mamba"
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",

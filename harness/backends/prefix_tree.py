@@ -15,15 +15,14 @@ notion of a tree. A recurrent snapshot costs O(1) memory, whatever its depth.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from harness.backends.base import count, state_nbytes
-from harness.backends.generation import GenRequest, GenResult, Prefix
+from harness.backends.generation import Prefix
 
 
 @dataclass(eq=False)
@@ -108,9 +107,9 @@ class PrefixStates:
     """Each prompt's prefilled one-row state (a ``Prefix`` whose ids are the whole prompt), computed through the
     tree's snapshots. Call ``start`` once per prompt, in ``order()`` for the snapshots to pay."""
 
-    def __init__(self, backend, seqs: Sequence[Sequence[int]], budget_bytes: int):
+    def __init__(self, backend, seqs: Sequence[Sequence[int]] | PrefixTree, budget_bytes: int):
         self.backend, self.budget = backend, budget_bytes
-        self.tree = PrefixTree(seqs)
+        self.tree = seqs if isinstance(seqs, PrefixTree) else PrefixTree(seqs)
         self.used = self.peak = 0
         self.skipped = 0  # times a branch point's state did not fit the budget (its tokens recomputed below it)
 
@@ -119,32 +118,68 @@ class PrefixStates:
 
     @torch.inference_mode()
     def start(self, i: int) -> Prefix:
+        """Prompt ``i``'s prefilled one-row state: its tokens below the deepest snapshot fed to a copy of it."""
+        held, todo = self._descend(i, strict=False)
+        if todo:
+            row = self._feed(held.snapshot if held is not None else None, todo)
+        else:  # the prompt ends at a kept snapshot (a duplicate, or a prefix of another prompt)
+            cur = held.snapshot
+            row = Prefix(list(cur.ids), self.backend.expand(cur.state, 1), cur.logits)
+        self._done(i)
+        return row
+
+    @torch.inference_mode()
+    def start_block(self, idx: Sequence[int]) -> tuple[list[Prefix], list[list[int]]] | None:
+        """For prompts prefilled together: each one's snapshot copied into a one-row state (a ``Prefix`` of the
+        snapshot's tokens) and the tokens below it, at least one, for the caller to feed as one right-padded
+        block. None, with nothing computed below the snapshots, where a prompt has no snapshot above its end
+        (it shares no branch point with another): those batches start row by row (``start``)."""
+        bases, below = [], []
+        for i in idx:  # each copy taken at once: a later prompt's descent may free a snapshot an earlier one used
+            held, todo = self._descend(i, strict=True)
+            if held is None:
+                return None
+            snap = held.snapshot
+            bases.append(Prefix(list(snap.ids), self.backend.expand(snap.state, 1), snap.logits))
+            below.append(todo)
+        for i in idx:
+            self._done(i)
+        return bases, below
+
+    def _descend(self, i: int, strict: bool) -> tuple[Node | None, list[int]]:
+        """Keep a snapshot at each branch point on prompt ``i``'s path that prompts below still need (within
+        the budget); return the deepest node holding one (``strict``: above the prompt's end) and the prompt's
+        tokens below it."""
         path = self.tree.path(i)
+        if strict:
+            path = [n for n in path if n.depth < len(self.tree.seqs[i])]
         base = max((k for k, n in enumerate(path) if n.snapshot is not None), default=-1)
         held = path[base] if base >= 0 else None
-        cur = held.snapshot if held is not None else None
         todo: list[int] = []
         for node in path[base + 1:]:
             todo += node.ids
             if node.pending >= 2:  # a branch point prompts below still need
                 if self._fits(node.depth):
-                    cur = self._feed(cur, todo)
-                    self._keep(node, cur)
+                    self._keep(node, self._feed(held.snapshot if held is not None else None, todo))
                     todo = []
                     if held is not None and held.pending == node.pending:  # all it served now start deeper
                         self._free(held)
                     held = node
                 else:
                     self.skipped += 1
-        if todo:
-            row = self._feed(cur, todo)
-        else:  # the prompt ends at a kept snapshot (a duplicate, or a prefix of another prompt)
-            row = Prefix(list(cur.ids), self.backend.expand(cur.state, 1), cur.logits)
-        for node in path:
+        return held, todo + self._below(i, path)
+
+    def _below(self, i: int, path: list[Node]) -> list[int]:
+        """The prompt's tokens after the last node of ``path`` (those a strict path left out)."""
+        end = path[-1].depth if path else 0
+        return self.tree.seqs[i][end:]
+
+    def _done(self, i: int) -> None:
+        """Prompt ``i`` has started: snapshots no pending prompt needs any more are freed."""
+        for node in self.tree.path(i):
             node.pending -= 1
             if node.pending == 0:
                 self._free(node)
-        return row
 
     def _free(self, node: Node) -> None:
         if node.snapshot is not None:
@@ -175,29 +210,6 @@ class PrefixStates:
             logits = b.extend(state, ids, len(cur.ids))
         count(self.backend, "prefill_tokens", len(ids))
         return Prefix(full, state, logits)
-
-
-def generate_through_tree(backend, requests: Sequence[GenRequest], batch_size: int, budget: int | None = None
-                          ) -> Iterator[tuple[list[int], list[GenResult]]]:
-    """Every request prefilled through one prefix tree and decoded ``batch_size`` consecutive prompts of its
-    depth-first order at a time; yields (request indices, their results) batch by batch."""
-    ids = [list(r.prompt_ids) if r.prompt_ids is not None else backend.tokenizer(r.prompt)["input_ids"]
-           for r in requests]
-    requests = [dataclasses.replace(r, prompt_ids=i) for r, i in zip(requests, ids)]
-    states = PrefixStates(backend, ids, default_budget(backend.device) if budget is None else budget)
-    order = states.order()
-    for k in range(0, len(order), max(1, batch_size)):
-        idx = order[k:k + max(1, batch_size)]
-        yield idx, backend.generate([requests[i] for i in idx], started=[states.start(i) for i in idx])
-
-
-def tree_generate(backend, requests: Sequence[GenRequest], batch_size: int, budget: int | None = None
-                  ) -> list[GenResult]:
-    """``generate_through_tree``'s results, in request order."""
-    out: dict[int, GenResult] = {}
-    for idx, results in generate_through_tree(backend, requests, batch_size, budget):
-        out.update(zip(idx, results))
-    return [out[i] for i in range(len(requests))]
 
 
 def default_budget(device: torch.device) -> int:

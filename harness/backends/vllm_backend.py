@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from harness.backends.base import Backend
-from harness.backends.generation import GenRequest, GenResult, chunked_generate
+from harness.backends.base import Backend, Generation
+from harness.backends.generation import GenRequest, chunked_generate
 
 log = logging.getLogger("harness")
 
@@ -40,26 +40,20 @@ class VLLMBackend(Backend):
         self.device = torch.device("cuda")
         log.info("vllm: %s, max_model_len %d, prefix caching on", path, self.max_context)
 
-    # vLLM owns batching and the KV cache: the stepper interface is not used.
-    def prefill(self, input_ids, attention_mask):
-        raise NotImplementedError("vLLM schedules its own prefill")
+    def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
+                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
+        """Every request handed to vLLM at once (its scheduler batches, its prefix cache reuses the shared
+        few-shot prefix and everything resubmitted after a tool call), through the shared state machine
+        (``chunked_generate``); ``batch_size`` and ``prefix_reuse`` are vLLM's to decide."""
+        info = {"prefix_reuse": "vllm prefix caching", "prefix_reuse_asked": prefix_reuse,
+                "plan_reason": "vLLM schedules its own batches and caches shared prefixes in blocks"}
 
-    def step(self, state, input_ids, attention_mask):
-        raise NotImplementedError("vLLM schedules its own decoding")
+        def everything():
+            if requests:
+                yield list(range(len(requests))), chunked_generate(self.continue_rows, self.tokenizer, requests,
+                                                                   max_context=self.max_context)
 
-    def select(self, state, keep):
-        raise NotImplementedError
-
-    def expand(self, state, n):
-        raise NotImplementedError
-
-    def token_budget(self) -> int:
-        return 1 << 30  # vLLM's scheduler batches by itself: hand it everything
-
-    def generate(self, requests: Sequence[GenRequest], shared_prefix=None) -> list[GenResult]:
-        """The shared state machine (``chunked_generate``) over vLLM runs; the prefix cache reuses the
-        shared few-shot prefix and everything resubmitted after a tool call."""
-        return chunked_generate(self.continue_rows, self.tokenizer, requests, max_context=self.max_context)
+        return Generation(info, everything())
 
     def continue_rows(self, seqs: list[list[int]], max_tokens: list[int], stops: list[list[str]]) -> list[list[int]]:
         from vllm import SamplingParams
@@ -72,3 +66,4 @@ class VLLMBackend(Backend):
 
     def describe(self):
         return {"backend": self.name, "device": "cuda", "max_context": self.max_context, "prefix_caching": True}
+

@@ -15,11 +15,11 @@ log = logging.getLogger("harness")
 
 def reference_backend(cfg, backend):
     """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy."""
-    if backend is not None and _dtype(backend) == "float32" and not cfg.cuda_graphs:
+    if backend is not None and _dtype(backend) == "float32" and getattr(backend, "graphs", None) is None:
         return backend
     from harness.engine.run import load_backend
 
-    return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs=False)
+    return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs="off")
 
 
 def _dtype(backend) -> str:

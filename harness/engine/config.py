@@ -16,8 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from harness.backends import BACKENDS
+from harness.backends.planner import PREFIX_REUSE
 from harness.hashing import digest, json_digest
 from harness.models.registry import MODELS
+
+
+GRAPH_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -29,9 +33,6 @@ def _f(default, help: str, **kw):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
-
-
-PREFIX_REUSE = ("tree", "batch", "none")
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,18 @@ class RunConfig:
                                           "HotpotQA)")
     tool_timeout: float = _f(1.0, "seconds before a regex search is stopped, > 0")
     tool_max_chars: int = _f(300, "cap on one tool result's length")
-    prefix_reuse: str = _f("tree", "tree: every prefix prompts share is prefilled once (a prefix tree over all "
-                                   "pending prompts, states kept at its branch points); batch: only the prefix all "
-                                   "prompts share; none (also --no-prefix-reuse): every prompt prefilled whole. "
-                                   "Outputs are identical in all three", choices=list(PREFIX_REUSE))
+    prefix_reuse: str = _f("auto", "auto: the fastest of the others on this device and model (a measured cost "
+                                   "model; the log and results.json say which ran and why); tree: every prefix "
+                                   "prompts share is prefilled once (a prefix tree over all pending prompts, states "
+                                   "kept at its branch points); batch: only the prefix all prompts share; none (also "
+                                   "--no-prefix-reuse): every prompt prefilled whole. Outputs are identical in all",
+                           choices=list(PREFIX_REUSE))
     prefix_memory: str = _f("auto", "memory the prefix tree's snapshots may hold, e.g. 4GiB (auto: a quarter of "
                                     "free memory); a snapshot that does not fit is recomputed, never an out-of-memory")
-    cuda_graphs: bool = _f(False, "Phi-Mamba and the hybrid on CUDA: replay each decode step from a CUDA graph "
-                                  "(one per batch and context bucket; checked against the eager step by "
-                                  "harness.doctor)")
+    cuda_graphs: str = _f("auto", "replay each decode step from a CUDA graph (one per batch and context "
+                                  "bucket; the GPU suite checks it against the eager step): auto, on wherever a "
+                                  "backend has graphs (Phi-Mamba and the hybrid on CUDA); on (also the bare "
+                                  "flag); off", choices=list(GRAPH_MODES), nargs="?", const="on")
     audit: int = _f(0, "after the run, generate N of its rows (drawn at random, seeded) again alone, unpadded, "
                        "without prefix reuse or CUDA graphs, in float32, and record in results.json how many agree")
     overwrite: bool = _f(False, "start over in --output even if it holds a run (of other settings, or this one): "
@@ -88,6 +92,8 @@ class RunConfig:
     def __post_init__(self):
         if isinstance(self.prefix_reuse, bool):  # the flag's former on/off form (run.json of 0.2 runs, scripts)
             object.__setattr__(self, "prefix_reuse", "tree" if self.prefix_reuse else "none")
+        if isinstance(self.cuda_graphs, bool):  # the flag's former on/off form
+            object.__setattr__(self, "cuda_graphs", "on" if self.cuda_graphs else "off")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,8 +130,10 @@ class RunConfig:
             bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             bad("--stop", self.stop, "stop strings must be non-empty")
-        if self.cuda_graphs and self.resolved_device().type != "cuda":
-            bad("--cuda-graphs", True, "CUDA graphs need a CUDA device; drop the flag on this machine")
+        if self.cuda_graphs not in GRAPH_MODES:
+            bad("--cuda-graphs", self.cuda_graphs, f"use one of {', '.join(GRAPH_MODES)}")
+        if self.cuda_graphs == "on" and self.resolved_device().type != "cuda":
+            bad("--cuda-graphs", "on", "CUDA graphs need a CUDA device; leave the flag out (auto) on this machine")
         self.resolved_device()
 
     def resolved_device(self):
@@ -177,8 +185,15 @@ class RunConfig:
                 "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
                 "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
                 # graphs pad a batch to its bucket: GEMMs of another shape may round differently
-                **({"cuda_graphs": True} if self.cuda_graphs else {}),
+                **({"cuda_graphs": True} if graphs_used(self.cuda_graphs, family, dev) else {}),
                 "tool_max_chars": self.tool_max_chars}
+
+
+def graphs_used(mode: str | bool, backend: str | None, device) -> bool:
+    """Whether a run decodes through CUDA graphs: ``on``, or ``auto`` where the backend has them (Phi-Mamba's,
+    on CUDA). One answer for the settings hash and for the backend that is loaded."""
+    mode = {True: "on", False: "off"}.get(mode, mode)
+    return mode == "on" or (mode == "auto" and backend == "phi-mamba" and str(device).startswith("cuda"))
 
 
 def word_negative_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

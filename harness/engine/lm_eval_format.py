@@ -14,7 +14,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from harness.engine.runlog import write_atomic
+from harness.engine.runlog import write_atomic, write_json
 
 FOLDER = "lm_eval"
 
@@ -74,5 +74,5 @@ def write(out: Path, results: dict, records: list[dict], metrics: tuple[str, ...
                 "target_hash": _sha(str(r.get("gold"))), **{m: (r.get("scores") or {}).get(m) for m in metrics},
             }, ensure_ascii=False, default=str))
         write_atomic(folder / f"samples_{name}_{stamp}.jsonl", "".join(line + "\n" for line in lines))
-    write_atomic(folder / f"results_{stamp}.json", json.dumps(payload, indent=2, default=str))
+    write_json(folder / f"results_{stamp}.json", payload, indent=2, default=str)
     return [f"{FOLDER}/"]

@@ -11,30 +11,26 @@ import time
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
-from harness.backends.base import counters
-from harness.backends.generation import GenRequest, common_prefix
-from harness.backends.prefix_tree import PrefixStates, PrefixTree, default_budget, parse_bytes
+from harness.backends.base import resolve_device
+from harness.backends.generation import GenRequest
 from harness.engine import hub, lm_eval_format
-from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
+from harness.engine.config import ConfigError, RunConfig, content_sha256, graphs_used, settings_hash
 from harness.engine.identity import awaits_download, describe_changes, model_identity
 from harness.engine.prompting import PromptTemplate
 from harness.engine.results import format_markdown, git_hash, metrics_table, versions
 from harness.engine.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, move_aside,
-                                   write_atomic, write_run_meta)
+                                   write_atomic, write_json, write_run_meta)
 from harness.engine.stats import summarize
 from harness.hashing import digest
 
 log = logging.getLogger("harness")
-
-MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
-
 
 def model_spec(model: str, tokenizer: str | None = None):
     """The registry's spec for a model name, with ``tokenizer`` (a hub id or local folder) overriding the
@@ -49,7 +45,7 @@ def model_spec(model: str, tokenizer: str | None = None):
 
 
 def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None, cuda_graphs: bool = False):
+                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto"):
     """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
     ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
     from harness.backends import backend_class
@@ -63,9 +59,9 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
     if spec.backend == "phi-mamba" and name != "phi-mamba":
         raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
     cls = backend_class(name)
-    if cuda_graphs and name != "phi-mamba":
+    if cuda_graphs in ("on", True) and name != "phi-mamba":
         raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
-    extra = {"cuda_graphs": True} if cuda_graphs else {}
+    extra = {"cuda_graphs": True} if graphs_used(cuda_graphs, name, resolve_device(device)) else {}
     hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))
     try:
         return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
@@ -128,27 +124,6 @@ def select_rows(rows: list[dict], ids_file: str | None, limit: int | None) -> li
         keep = set(wanted)
         rows = [r for r in rows if r["_id"] in keep]
     return rows[:limit] if limit is not None else rows
-
-
-def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int,
-                 order: Sequence[int] | None = None) -> list[list[int]]:
-    """Consecutive runs of ``order`` (default: longest first, so an out-of-memory shows at once; the prefix tree
-    gives its depth-first order); ``auto`` fills each batch up to a token budget."""
-    order = list(order) if order is not None else sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if batch_size != "auto":
-        bs = int(batch_size)
-        return [order[i:i + bs] for i in range(0, len(order), bs)]
-    batches, cur, longest = [], [], 0
-    for i in order:
-        width = max(longest, lengths[i]) + max_new
-        if cur and (len(cur) + 1) * width > token_budget:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, lengths[i])
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def rank_share(todo: list[Instance], prompts: dict[str, str], rank: int, world: int) -> list[Instance]:
@@ -218,7 +193,9 @@ class EvalRun:
         template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
         # Resolved once: the task's complete options, the template, the budget; run.json records this config.
         self.cfg = cfg = dataclasses.replace(cfg, task_args=dataclasses.asdict(task.options),
-                                             template=cfg.template or template.name, template_sha256=template.sha256,
+                                             template=_absolute(cfg.template) or template.name,
+                                             template_sha256=template.sha256, data=_absolute(cfg.data),
+                                             ids=_absolute(cfg.ids), output=_absolute(cfg.output, always=True),
                                              max_new_tokens=cfg.max_new_tokens or task.default_max_new_tokens)
         self.task, self.template_variables = task, template.variables
         self.stop = cfg.stop if cfg.stop is not None else task.stop
@@ -227,6 +204,9 @@ class EvalRun:
         self.tool_spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
                                   max_chars=cfg.tool_max_chars)
         all_rows = self._load_rows(spec, absent)
+        if not all_rows:
+            raise DataError(f"--data {cfg.data or cfg.task}: the data holds no rows; give a file with at least one "
+                            "question")
         self.rows = select_rows(all_rows, cfg.ids, cfg.limit)
         if not self.rows:
             raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
@@ -375,74 +355,32 @@ class EvalRun:
                         "and counted per position (never truncated)", len(too_long), limit, cfg.max_new_tokens)
             self.samples.write(self._record(todo[i], prompts[i], len(prompt_ids[i]), None, None,
                                             skipped="prompt_too_long") for i in too_long)
-        fit_ids = [prompt_ids[i] for i in fits]
-        mode, tree, shared = self._prefix_plan(fit_ids)
-        bs = cfg.batch_size if cfg.batch_size == "auto" else int(cfg.batch_size)
-        batches = plan_batches([len(ids) for ids in fit_ids], bs, backend.token_budget(), cfg.max_new_tokens,
-                               order=tree.order() if tree is not None else None)
-        if batches:
-            sizes = [len(b) for b in batches]
-            log.info("%d batches of %d-%d prompts (batch size %s)", len(batches), min(sizes), max(sizes),
-                     cfg.batch_size)
-        stats = counters(backend)
-        prefilled = stats.get("prefill_tokens", 0)
         gen_s, new_tokens = 0.0, 0
         bar = tqdm(total=len(todo), desc=f"{cfg.model} {cfg.task}", unit="sample",
                    disable=not (self.progress and self.rank == 0))
         bar.update(len(too_long))
         keep_stop = self.task.include_stop  # e.g. IsTree's verdict token is its stop string
-        for batch in batches:
-            idx = [fits[j] for j in batch]
-            tools = [self.task.make_tool(todo[i], self.tool_spec) for i in idx]
-            reqs = [GenRequest(prompts[i], cfg.max_new_tokens, self.stop, tool, prompt_ids=prompt_ids[i])
-                    for i, tool in zip(idx, tools)]
-            t = time.perf_counter()
-            if tree is not None:
-                outs = backend.generate(reqs, started=[tree.start(j) for j in batch])
-            else:
-                outs = backend.generate(reqs, shared_prefix=shared or None)
+        tools = [self.task.make_tool(todo[i], self.tool_spec) for i in fits]
+        reqs = [GenRequest(prompts[i], cfg.max_new_tokens, self.stop, tool, prompt_ids=prompt_ids[i])
+                for i, tool in zip(fits, tools)]
+        t = time.perf_counter()
+        generation = backend.generate_all(reqs, batch_size=cfg.batch_size, prefix_reuse=cfg.prefix_reuse,
+                                          prefix_memory=cfg.prefix_memory)
+        for batch, outs in generation:
             gen_s += time.perf_counter() - t
             new_tokens += sum(o.new_tokens for o in outs)
             self.samples.write(
-                self._record(todo[i], prompts[i], o.prompt_tokens, o,
-                             self.task.score(todo[i], o.text + (o.stop_string or "" if keep_stop else ""),
+                self._record(todo[fits[j]], prompts[fits[j]], o.prompt_tokens, o,
+                             self.task.score(todo[fits[j]], o.text + (o.stop_string or "" if keep_stop else ""),
                                              **self.score_kw),
-                             tool=tool, state_bytes=backend.state_bytes(o.prompt_tokens))
-                for i, o, tool in zip(idx, outs, tools))
-            bar.update(len(idx))
+                             tool=tools[j], state_bytes=backend.state_bytes(o.prompt_tokens))
+                for j, o in zip(batch, outs))
+            bar.update(len(batch))
+            t = time.perf_counter()
         bar.close()
-        # what prefill cost, against the least it could (results.json timings; README "Prefix reuse")
-        self.prefill_stats = {"prefix_reuse": mode, "prompt_tokens": sum(map(len, fit_ids)),
-                              "prefill_tokens": stats.get("prefill_tokens", 0) - prefilled,
-                              "tree_tokens": (tree.tree if tree is not None else PrefixTree(fit_ids)).tree_tokens}
-        if tree is not None:
-            self.prefill_stats.update(prefix_memory_bytes=tree.budget, prefix_snapshot_peak_bytes=tree.peak,
-                                      prefix_snapshots_recomputed=tree.skipped)
+        # what prefill cost, against the least it could, and which plan ran (results.json timings)
+        self.prefill_stats = dict(generation.info)
         return gen_s, new_tokens
-
-    def _prefix_plan(self, fit_ids: list[list[int]]) -> tuple[str, PrefixStates | None, list[int]]:
-        """The prefix reuse this backend can do of the one asked for: (mode, the tree's states, the prefix every
-        prompt shares). A backend that cannot merge rows prefilled apart (vLLM, families that run alone or take
-        one token per cached step) falls back to ``batch``, which itself does nothing where reuse is not exact."""
-        cfg, backend = self.cfg, self.backend
-        mode = cfg.prefix_reuse
-        if mode == "tree" and not getattr(backend, "tree_reuse_pays", lambda: False)():
-            log.info("prefix reuse: the %s backend cannot prefill through a prefix tree here (%s); only the prefix "
-                     "every prompt shares is reused", backend.name, backend.describe().get("family", backend.name))
-            mode = "batch"
-        if mode == "tree":
-            budget = (default_budget(backend.device) if cfg.prefix_memory == "auto"
-                      else parse_bytes(cfg.prefix_memory))
-            tree = PrefixStates(backend, fit_ids, budget)
-            log.info("prefix tree: %d prompt tokens, %d distinct (snapshots within %.2f GiB)",
-                     sum(map(len, fit_ids)), tree.tree.tree_tokens, budget / 2 ** 30)
-            return mode, tree, []
-        shared = common_prefix(fit_ids) if mode == "batch" and len(fit_ids) > 1 else []
-        if len(shared) < MIN_SHARED_PREFIX:
-            shared = []
-        log.info("shared prompt prefix: %d tokens%s", len(shared),
-                 " (prefilled once, copied into each batch)" if shared else "")
-        return mode, None, shared
 
     def _record(self, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None,
                 skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
@@ -500,8 +438,16 @@ class EvalRun:
         write_atomic(out / "table.csv", df.to_csv(index=False))
         write_atomic(out / "table.md", results["table"] + "\n")
         self.lock.verify()
-        write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
+        write_json(out / "results.json", results, indent=2, default=str)
         return results
+
+
+def _absolute(value: str | None, always: bool = False) -> str | None:
+    """A path flag as an absolute path, so run.json and results.json resolve from anywhere (a report run from
+    another folder); names that are not paths (a hub dataset, ``fixture``, a bundled template) stay as given."""
+    if value is None or not (always or Path(value).expanduser().exists()):
+        return value
+    return str(Path(value).expanduser().resolve())
 
 
 def _run_files(out: Path) -> set[str]:

@@ -35,12 +35,62 @@ def write_atomic(path: str | Path, text: str) -> Path:
     """Write to a temporary file beside ``path``, fsync, then rename over it: a kill leaves old or new, never half."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill signal turned exception: no temp file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def strict_json(obj, **kw) -> str:
+    """JSON every reader accepts: a NaN or infinite float (a standard error of one row, a diverged loss) is
+    written as null, never as the bare ``NaN`` that JavaScript, Go and jq refuse."""
+    import math
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), allow_nan=False, **kw)
+
+
+def write_json(path: str | Path, obj, **kw) -> Path:
+    """``obj`` as strict JSON (``strict_json``), written atomically."""
+    return write_atomic(path, strict_json(obj, **kw))
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Temp files ``write_atomic`` left in ``directory`` when its process died before it could clean up (SIGKILL,
+    power loss): those of processes no longer alive are removed."""
+    gone = []
+    for tmp in directory.glob(".*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            gone.append(tmp)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class RunLock:
@@ -75,6 +125,7 @@ class RunLock:
         if self.info.exists():
             log.warning("%s: took over the lock of a run that ended without releasing it (%s)", self.dir,
                         self._holder())
+        remove_stale_temps(self.dir)
         write_atomic(self.info, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                             "argv": sys.argv}))
@@ -215,12 +266,10 @@ class SampleLog:
             if rec is None:
                 bad.append((lineno, raw))
                 continue
-            if rec["key"] in self.records:
-                self.duplicates += 1
-            self.records[rec["key"]] = rec
+            self._add(rec, path, lineno)
         rec = _parse(tail) if tail else None
         if rec is not None:  # complete JSON, only its newline was lost: keep it
-            self.records[rec["key"]] = rec
+            self._add(rec, path, len(lines) + 1)
         if tail and own and rec is not None:  # repair our own file: restore the newline ...
             with open(path, "ab") as fh:
                 fh.write(b"\n")
@@ -233,6 +282,19 @@ class SampleLog:
             self.bad_lines[path] = bad
             nums = ", ".join(str(n) for n, _ in bad[:10]) + (", ..." if len(bad) > 10 else "")
             log.warning("%s: %d unreadable line(s) skipped (line %s); every other row is kept", path, len(bad), nums)
+
+    def _add(self, rec: dict, path: Path, lineno: int) -> None:
+        """A later row of a key replaces the earlier one (a stale row regenerated: another prompt or gold). The
+        same prompt and gold with another outcome is no regeneration: the row is named in a warning."""
+        old = self.records.get(rec["key"])
+        if old is not None:
+            self.duplicates += 1
+            same_input = all(old.get(k) == rec.get(k) for k in ("prompt_sha256", "gold", "config_hash"))
+            if same_input and old != rec:
+                log.warning("%s: row %r appears again at line %d with the same prompt and settings but another "
+                            "outcome (generation or scores); the later line is used. Remove the line that should "
+                            "not count, or rerun with --overwrite", path, rec["key"], lineno)
+        self.records[rec["key"]] = rec
 
     def __contains__(self, key: str) -> bool:
         return key in self.records
@@ -276,14 +338,15 @@ class SampleLog:
             self._load(f, own=False)
         foreign = {k: r for k, r in self.records.items() if r.get("config_hash") != config_hash}
         if self.bad_lines or foreign:
-            with open(self.dir / "samples.rejected.txt", "ab") as fh:
-                for f, bad in self.bad_lines.items():
-                    for n, raw in bad:
-                        fh.write(f"{f.name}:{n}: ".encode() + raw + b"\n")
-                for k, r in foreign.items():
-                    fh.write(f"settings hash {r.get('config_hash')}, not this run's {config_hash}: ".encode()
-                             + json.dumps(r, ensure_ascii=False).encode() + b"\n")
-                    del self.records[k]
+            rejected = self.dir / "samples.rejected.txt"
+            lines = [f"{f.name}:{n}: ".encode() + raw for f, bad in self.bad_lines.items() for n, raw in bad]
+            lines += [f"settings hash {r.get('config_hash')}, not this run's {config_hash}: ".encode()
+                      + json.dumps(r, ensure_ascii=False).encode() for r in foreign.values()]
+            have = set(rejected.read_bytes().split(b"\n")) if rejected.exists() else set()
+            with open(rejected, "ab") as fh:  # once each, however many merges failed before this one
+                fh.writelines(line + b"\n" for line in dict.fromkeys(lines) if line not in have)
+            for k in foreign:
+                del self.records[k]
             log.warning("%s: %d unreadable line(s) and %d row(s) of other settings moved to samples.rejected.txt",
                         self.dir, sum(map(len, self.bad_lines.values())), len(foreign))
         ordered = set(order)

@@ -134,7 +134,8 @@ class GraphedDecode:
         self.attn = list(model.config.attn_layers)
         self.buffers: _StaticBuffers | None = None
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every graph
+        self.pools = 0  # memory pools taken: one for every set of graphs over one set of buffers
+        self.pool = self._new_pool()
         self._owner = None  # weak reference to the state whose KV cache lives in the static buffers
 
     def __call__(self, state, ids, attention_mask) -> torch.Tensor:
@@ -196,8 +197,17 @@ class GraphedDecode:
             rows, capacity = max(rows, buf.rows), max(capacity, buf.capacity)
         self._release_owner()
         self.graphs.clear()
+        self.pool = self._new_pool()
         self.buffers = buf = None  # freed before the larger set is allocated
         self.buffers = _StaticBuffers(self.model, rows, capacity, self.device)
+
+    def _new_pool(self):
+        """A fresh memory pool for the graphs of a new set of buffers. Never the dropped graphs' pool: when the
+        last graph using a pool is destroyed PyTorch releases it, and capturing into its handle again fails in
+        the caching allocator (``INTERNAL ASSERT FAILED ... use_count > 0``: a graphed backend used at batch 1
+        and then at batch 64 in one process, on an H200)."""
+        self.pools += 1
+        return torch.cuda.graph_pool_handle() if self.capture else None
 
     def _resident(self, state, b: int) -> bool:
         """Whether ``state`` is already the static buffers' first ``b`` rows (left so by the previous step)."""

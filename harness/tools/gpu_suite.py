@@ -64,15 +64,14 @@ def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: li
     (each prompt prefilled alone after its snapshot, rows merged) == each prompt alone. Exact, or (where kernels
     round differently by batch shape) every divergence a near-tie of the logits."""
     from harness.backends.generation import GenRequest, common_prefix
-    from harness.backends.prefix_tree import tree_generate
     from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
     reqs = [GenRequest(p, new) for p in prompts]
     shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
-    batched = [r.token_ids for r in backend.generate(reqs, shared_prefix=shared)]
+    batched = [r.token_ids for r in backend.generate(reqs, prefix_reuse="batch")]
     no_prefix = [r.token_ids for r in backend.generate(reqs)]
-    tree = [r.token_ids for r in tree_generate(backend, reqs, len(reqs))]
+    tree = [r.token_ids for r in backend.generate(reqs, prefix_reuse="tree")]
     alone = [backend.generate([r])[0].token_ids for r in reqs]
     same = sum(a == b == c == d for a, b, c, d in zip(batched, no_prefix, tree, alone))
     distinct = len({tuple(t) for t in alone})
@@ -95,7 +94,7 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
     from harness.engine.run import load_backend
     from retrieval import RetrievalTool
 
-    eager = load_backend(path, "cuda", "float32")
+    eager = load_backend(path, "cuda", "float32", cuda_graphs="off")
     free = eager.generate([GenRequest(p, new) for p in prompts])
     units = [p[i:i + 120] for p in prompts[:2] for i in range(0, 600, 120)]
 
@@ -105,13 +104,21 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
                 for i, (p, f) in enumerate(zip(prompts, free))]
 
     a = eager.generate(requests())
+    # one backend through batch 1, then 64 rows (its buffers grow: new graphs, a new pool), then batch 1 again
+    turns = [prompts[:1], (prompts * (64 // len(prompts) + 1))[:64], prompts[1:2]]
+    eager_turns = [[r.token_ids for r in eager.generate([GenRequest(p, 8) for p in t])] for t in turns]
     del eager
-    graphed = load_backend(path, "cuda", "float32", cuda_graphs=True)
+    graphed = load_backend(path, "cuda", "float32", cuda_graphs="on")
     b = graphed.generate(requests())
     same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
-    return {"name": f"{arch}: CUDA-graph decode == eager in the generation loop (buckets, tool calls)",
-            "same": f"{same}/{len(a)}", "tool_spans": sum(len(x.tool_spans) for x in a),
-            "distinct_generations": len({tuple(x.token_ids) for x in a}), "ok": same == len(a)}
+    graphed_turns = [[r.token_ids for r in graphed.generate([GenRequest(p, 8) for p in t])] for t in turns]
+    turns_same = sum(x == y for e, g in zip(eager_turns, graphed_turns) for x, y in zip(e, g))
+    return {"name": f"{arch}: CUDA-graph decode == eager in the generation loop (buckets, tool calls, one backend "
+                    "at batch 1, 64, 1)",
+            "same": f"{same}/{len(a)}", "turns_same": f"{turns_same}/{sum(map(len, turns))}",
+            "tool_spans": sum(len(x.tool_spans) for x in a),
+            "distinct_generations": len({tuple(x.token_ids) for x in a}),
+            "ok": same == len(a) and turns_same == sum(map(len, turns))}
 
 
 def family_parity(device: str, tmp: Path, tok) -> dict:
@@ -169,17 +176,16 @@ def trainer_parity(device: str) -> dict:
 def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """Samples/s and tokens/s of the harness on the fixture prompts; for a transformers model also per-sample
     ``generate`` and ``generate`` on left-padded batches, with their texts checked against the harness's."""
-    from harness.backends.generation import GenRequest, common_prefix
+    from harness.backends.generation import GenRequest
     from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
-    shared = common_prefix(ids)
     reqs = [GenRequest(p, new) for p in prompts]
     sync()
     t = time.perf_counter()
-    outs = backend.generate(reqs, shared_prefix=shared)
+    outs = backend.generate(reqs, prefix_reuse="batch")
     sync()
     harness_s = time.perf_counter() - t
     row = {"model": arch, "dtype": dtype, "samples": len(prompts), "prompt_tokens": sum(map(len, ids)),
@@ -215,6 +221,41 @@ def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     return row
 
 
+PLANS = ("auto", "tree-rows", "tree-block", "batch", "none")
+
+
+def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> list[dict]:
+    """The all-slot sweep (gold at every slot) through each prefill plan and the default (``auto``, its cost
+    model measured inside the timing, as a run does): seconds, tokens prefilled, speed against ``batch``, and
+    whether its generations are ``none``'s."""
+    from harness.backends.generation import GenRequest
+    from harness.backends.prefix_tree import PrefixTree
+    from harness.engine.run import load_backend
+
+    backend = load_backend(path, device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
+    backend.generate([GenRequest(p, 2) for p in prompts[:2]])  # first-call costs out of the timings
+    runs = {}
+    for plan in PLANS:
+        backend.__dict__.pop("_prefill_costs", None)
+        sync()
+        t = time.perf_counter()
+        gen = backend.generate_all([GenRequest(p, new, prompt_ids=i) for p, i in zip(prompts, ids)],
+                                   batch_size="auto", prefix_reuse=plan)
+        out = [r.token_ids for r in gen.results(len(prompts))]
+        sync()
+        runs[plan] = (time.perf_counter() - t, gen.info, out)
+    base = runs["batch"][0]
+    ref = runs["none"][2]
+    tree_tokens = PrefixTree(ids).tree_tokens
+    return [{"model": arch, "dtype": dtype, "prompts": len(prompts), "plan": plan,
+             "ran": f"tree-{info['tree_prefill']}" if info.get("tree_prefill") else info["prefix_reuse"],
+             "seconds": round(sec, 2), "speedup_vs_batch": round(base / sec, 2),
+             "prefilled_over_tree": round(info["prefill_tokens"] / tree_tokens, 2), "same_as_none": out == ref}
+            for plan, (sec, info, out) in runs.items()]
+
+
 def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """``probe_auto_batch`` in a child process: a search that runs the GPU to its limit must not take the suite's
     CUDA context with it (an illegal address, unlike an out-of-memory error, leaves the context unusable)."""
@@ -233,7 +274,8 @@ def probe_auto_batch(path: str, arch: str, device: str, dtype: str, prompts: lis
     """The batch ``--batch-size auto`` packs from free GPU memory against the largest batch of the same prompts
     that really fits (doubling from the auto batch until CUDA runs out of memory, at most 1,024)."""
     from harness.backends.generation import GenRequest
-    from harness.engine.run import load_backend, plan_batches
+    from harness.backends.planner import plan_batches
+    from harness.engine.run import load_backend
 
     backend = load_backend(path, device, dtype)
     many = (prompts * (1024 // len(prompts) + 1))[:1024]
@@ -321,7 +363,8 @@ def run_suite(out: Path, size: str | None = None, parts: tuple[str, ...] = PARTS
     size = size or ("real" if cuda else "tiny")
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"environment": doctor.environment(), "device": device, "size": size, "parts": list(parts),
-                    "checks": [], "skipped": [], "throughput": [], "auto_batch": [], "decode": [], "trainer": []}
+                    "checks": [], "skipped": [], "throughput": [], "plans": [], "auto_batch": [], "decode": [],
+                    "trainer": []}
     if not cuda:
         report["skipped"].append("no CUDA here: every check ran at tiny sizes on CPU; CUDA graphs, the trainer on "
                                  "CUDA against CPU and --batch-size auto's memory budget need a GPU")
@@ -372,6 +415,8 @@ def _models_part(step, report: dict, parts, device: str, size: str, tmp: Path, t
     against ``generate`` and ``--batch-size auto`` against what fits (throughput)."""
     cuda = device == "cuda"
     prompts = fixture_prompts(10 if size == "real" else 2, 8 if size == "real" else 2)
+    slots = ",".join(str(k) for k in range(11 if size == "real" else 3))  # the gold pair at every slot
+    sweep = fixture_prompts(10 if size == "real" else 2, 12 if size == "real" else 2, positions=slots)
     new = 32 if size == "real" else 12
     dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
     for arch in PARITY_ARCHS:
@@ -385,6 +430,7 @@ def _models_part(step, report: dict, parts, device: str, size: str, tmp: Path, t
                      prompts[:8], new)
         if "throughput" in parts:
             step(report["throughput"], arch, throughput, path, arch, device, dtypes[-1], prompts, new)
+            step(report["plans"], f"{arch} prefill plans", plan_sweep, path, arch, device, dtypes[-1], sweep, new)
             if cuda:
                 step(report["auto_batch"], arch, auto_batch, path, arch, device, dtypes[-1], prompts, new)
 
@@ -446,10 +492,11 @@ def render(report: dict) -> str:
         lines.append(f"- **{'PASS' if c['ok'] else 'FAIL'}** {c['name']} ({detail})")
     lines += [f"- SKIP {s}" for s in report["skipped"]]
     for title, key in (("Throughput (fixture prompts, 4-shot)", "throughput"),
+                       ("Prefill plans on the all-slot sweep (auto: the default)", "plans"),
                        ("--batch-size auto against the largest batch that fits", "auto_batch"),
-                       ("Decode, batch 1, against the bandwidth bound", "decode"),
+                       ("Decode against the memory-bandwidth bound (of_bound: the share of it reached)", "decode"),
                        ("Trainer samples/s", "trainer")):
-        if report[key]:
+        if report.get(key):
             table = pd.DataFrame(report[key]).drop(columns=["traceback", "ok", "name"], errors="ignore")
             lines += ["", f"## {title}", "", table.fillna("n/a").to_markdown(index=False)]
             if key == "decode":
@@ -459,7 +506,8 @@ def render(report: dict) -> str:
                   report["trainer_projection"], "```"]
     failed = [c["name"] for c in report["checks"] if not c["ok"]]
     lines += ["", f"**{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}**"]
-    broken = [f"{key} {r.get('model', '')}: {r['error']}" for key in ("throughput", "auto_batch", "decode", "trainer")
-              for r in report[key] if "error" in r]
+    broken = [f"{key} {r.get('model', '')}: {r['error']}" for key in ("throughput", "plans", "auto_batch", "decode",
+                                                                        "trainer")
+              for r in report.get(key, []) if "error" in r]
     lines += [f"- measurement failed: {b}" for b in broken]
     return "\n".join(lines) + "\n"

@@ -360,12 +360,23 @@ PROTOCOL_NOTE = ("TF EM (test): teacher-forced exact match on the test split, th
                  "through the eval engine on the test split, the kept checkpoint.")
 
 
+def _read_result(path: Path) -> dict | None:
+    """A cell's result.json; one that does not parse (cut short by a full disk or an outside edit) is left out of
+    the report with a warning naming it, never a crash of the report of every other cell."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("%s is not a readable result (%s); that cell is left out of the grid's report. Move the file "
+                    "away and rerun the grid to redo the cell", path, e)
+        return None
+
+
 def write_grid_report(root: Path) -> str:
     """Collect every finished run under ``root`` into results.csv / results.md and the paper-style figure."""
     import pandas as pd
 
-    rows = [r for r in (json.loads(p.read_text()) for p in sorted(root.glob("*/result.json")))
-            if r.get("task") == "istree"]
+    rows = [r for r in (_read_result(p) for p in sorted(root.glob("*/result.json")))
+            if r is not None and r.get("task") == "istree"]
     if not rows:
         return ""
     df = pd.DataFrame(rows)

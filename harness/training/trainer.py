@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from harness.engine.config import ConfigError
-from harness.engine.runlog import RunDirError, RunLock, write_atomic
+from harness.engine.runlog import RunDirError, RunLock, write_json
 from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
 from harness.training.state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
@@ -376,7 +376,7 @@ class Trainer:
                                   cfg.eval_max_new_tokens, self.show)["metrics"])
             result.update(accuracy=live["accuracy"], accuracy_se=live["accuracy_se"],
                           eval_seconds=round(time.perf_counter() - t1, 2))
-        write_atomic(out / "result.json", json.dumps(result, indent=2))
+        write_json(out / "result.json", result, indent=2)
         drop_state(out)
         return result
 

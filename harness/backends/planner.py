@@ -1,0 +1,321 @@
+"""How a run's prompts are prefilled and batched: the one place that decides it.
+
+Three plans, the same outputs (``tests/test_prefix_tree.py``, ``tests/test_families.py``):
+
+    none   every prompt prefilled whole, in left-padded batches, longest first
+    batch  the prefix every prompt shares prefilled once and copied into each batch; each row's rest fed as one
+           right-padded block
+    tree   a prefix tree over all prompts (``harness.backends.prefix_tree``), the state kept at its branch points;
+           below its snapshot a prompt is prefilled either alone and unpadded ("rows": the fewest tokens, one
+           call per prompt) or with the rest of its batch as one right-padded block ("block": one call a batch)
+
+``auto`` takes the plan a cost model of this device and model predicts fastest. The model is measured, not
+guessed: three prefills of the backend (a short one for what a call costs whatever its size, one row and a
+small batch of the run's typical length for what a token costs alone and batched) price every possible plan's
+calls and tokens; decoding is the same work in every plan and left out. On a CPU one unpadded row is the
+cheapest way to compute a token (padded attention is not), so the tree's rows win; on a GPU a batch is, so the
+tree's blocks or ``batch`` win. What is possible at all comes from the backend (``batches_exact``,
+``prefix_exact``, ``tree_unsupported``); a plan asked for that is not possible falls back, and says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from harness.backends.base import Generation, StepBackend, counters
+from harness.backends.generation import (GenRequest, GenResult, Prefix, Started, common_prefix, greedy_generate,
+                                         left_pad, right_pad)
+from harness.backends.prefix_tree import PrefixStates, PrefixTree, default_budget, parse_bytes
+
+log = logging.getLogger("harness")
+
+PREFIX_REUSE = ("auto", "tree", "tree-rows", "tree-block", "batch", "none")  # tree-*: the tree's prefill forced
+MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
+CALIBRATION_TOKENS = 1024  # the longest prompt length the cost model is measured at
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds a prefill call takes: a fixed part, plus a part per token (pads included) that differs between
+    one unpadded row and a padded batch."""
+
+    call: float
+    row_token: float
+    batch_token: float
+    length: int
+    rows: int
+
+    def prefill(self, rows: int, width: int) -> float:
+        return self.call + rows * width * (self.row_token if rows == 1 else self.batch_token)
+
+    def describe(self) -> dict:
+        return {"call_ms": round(self.call * 1e3, 3), "token_us_alone": round(self.row_token * 1e6, 3),
+                "token_us_batched": round(self.batch_token * 1e6, 3), "measured_at": [self.rows, self.length]}
+
+
+@torch.inference_mode()
+def measure_costs(backend: StepBackend, length: int, rows: int) -> Costs:
+    """The cost model's rates, measured once per backend, length and rows (a few prefills of throwaway
+    tokens; nothing is counted as the run's work)."""
+    cache = backend.__dict__.setdefault("_prefill_costs", {})
+    if (length, rows) in cache:
+        return cache[(length, rows)]
+    vocab = max(3, len(backend.tokenizer) - 1)
+    sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda *_: None)
+
+    def timed(r: int, n: int) -> float:
+        ids = (torch.arange(r * n, device=backend.device) * 7919 % (vocab - 1) + 1).view(r, n)
+        mask = torch.ones_like(ids)
+        if r > 1:
+            mask[0, 0] = 0  # one pad, so the batch takes the masked path a real padded batch takes
+        sync(backend.device)
+        t = time.perf_counter()
+        backend.prefill(ids, mask)
+        sync(backend.device)
+        return time.perf_counter() - t
+
+    timed(1, 16)  # first-call costs (lazy initialisation, kernel selection) out of the measurement
+    call = min(timed(1, 16), timed(1, 16))
+    one, many = timed(1, length), timed(rows, length)
+    costs = Costs(call, max(one - call, 0.0) / length, max(many - call, 0.0) / (rows * length), length, rows)
+    cache[(length, rows)] = costs
+    return costs
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int,
+                 order: Sequence[int] | None = None) -> list[list[int]]:
+    """Consecutive runs of ``order`` (default: longest first, so an out-of-memory shows at once; the prefix tree
+    gives its depth-first order); ``auto`` fills each batch up to a token budget."""
+    order = list(order) if order is not None else sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if batch_size != "auto":
+        bs = int(batch_size)
+        return [order[i:i + bs] for i in range(0, len(order), bs)]
+    batches, cur, longest = [], [], 0
+    for i in order:
+        width = max(longest, lengths[i]) + max_new
+        if cur and (len(cur) + 1) * width > token_budget:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@dataclass
+class Plan:
+    mode: str  # tree | batch | none
+    asked: str
+    batches: list[list[int]]
+    reason: str = ""
+    tree_prefill: str | None = None  # rows | block (tree only)
+    shared: list[int] = field(default_factory=list)  # batch: the prefix every prompt shares
+    tree: PrefixTree | None = None
+    estimates: dict[str, float] = field(default_factory=dict)  # predicted prefill seconds of each candidate
+    costs: Costs | None = None
+
+    @property
+    def name(self) -> str:
+        return f"tree-{self.tree_prefill}" if self.mode == "tree" else self.mode
+
+    def info(self) -> dict:
+        out = {"prefix_reuse": self.mode, "prefix_reuse_asked": self.asked, "plan_reason": self.reason}
+        if self.tree_prefill:
+            out["tree_prefill"] = self.tree_prefill
+        if self.estimates:
+            out["plan_estimates_s"] = {k: round(v, 4) for k, v in self.estimates.items()}
+        if self.costs is not None:
+            out["prefill_costs"] = self.costs.describe()
+        return out
+
+
+def _tree_shape(tree: PrefixTree) -> tuple[int, int, list[int]]:
+    """(branch points, tokens above them, each prompt's tokens below its deepest branch point above its end):
+    what the tree's plans compute, budget permitting."""
+    branch = [n for n in tree.nodes() if n is not tree.root and n.pending >= 2]
+    below = []
+    for i, s in enumerate(tree.seqs):
+        depth = max((n.depth for n in tree.path(i) if n.pending >= 2 and n.depth < len(s)), default=0)
+        below.append(len(s) - depth)
+    return len(branch), sum(len(n.ids) for n in branch), below
+
+
+def _estimate(name: str, costs: Costs, lengths: list[int], batches: list[list[int]], shared: int,
+              tree: PrefixTree | None) -> float:
+    if name == "none":
+        return sum(costs.prefill(len(b), max(lengths[i] for i in b)) for b in batches)
+    if name == "batch":
+        return costs.prefill(1, shared) + sum(costs.prefill(len(b), max(lengths[i] for i in b) - shared)
+                                              for b in batches)
+    branches, above, below = _tree_shape(tree)
+    snapshots = branches * costs.call + above * costs.row_token
+    if name == "tree-rows":
+        return snapshots + sum(costs.prefill(1, below[i]) for b in batches for i in b)
+    return snapshots + sum(costs.prefill(len(b), max(below[i] for i in b)) for b in batches)
+
+
+def make_plan(backend: StepBackend, ids: list[list[int]], max_new: int, batch_size: int | str = "auto",
+              asked: str = "auto", costs: Costs | None = None) -> Plan:
+    """The plan for these prompts: ``asked`` where it is possible (else the next one down, tree → batch → none,
+    with the reason), the cheapest by the cost model where several are (``auto``, and the tree's two prefills)."""
+    if asked not in PREFIX_REUSE:
+        raise ValueError(f"prefix reuse {asked!r}: use one of {', '.join(PREFIX_REUSE)}")
+    n, lengths = len(ids), [len(x) for x in ids]
+    notes = []
+    if not backend.batches_exact():
+        batch_size = 1
+        notes.append(f"the {backend.describe().get('family', backend.name)} family cannot keep padding out of its "
+                     "state: each sample runs alone and unpadded (exact; the batch size only groups the progress)")
+    budget = backend.token_budget() if batch_size == "auto" else 0
+    why_not: dict[str, str] = {}
+    shared = common_prefix(ids) if n > 1 else []
+    if not backend.prefix_exact():
+        why_not["batch"] = "a block fed after a copied state is not exact for this model"
+    elif len(shared) < MIN_SHARED_PREFIX:
+        why_not["batch"] = f"the prompts share {len(shared)} leading tokens (reuse pays from {MIN_SHARED_PREFIX})"
+    tree_why = backend.tree_unsupported() or (None if n > 1 else "a single prompt has nothing to share")
+    if tree_why:
+        why_not["tree"] = tree_why
+    tree = PrefixTree(ids) if "tree" not in why_not else None
+    longest_first = plan_batches(lengths, batch_size, budget, max_new)
+    tree_batches = plan_batches(lengths, batch_size, budget, max_new, order=tree.order()) if tree else []
+    candidates = {"tree-rows": tree_batches, "tree-block": tree_batches, "batch": longest_first,
+                  "none": longest_first}
+    if "tree" in why_not:
+        del candidates["tree-rows"], candidates["tree-block"]
+    elif not backend.prefix_exact() or max(map(len, tree_batches)) < 2:
+        del candidates["tree-block"]
+    if "batch" in why_not:
+        del candidates["batch"]
+    if asked != "auto":
+        chain = ("tree", "batch", "none")
+        mode = asked.split("-")[0]
+        for fallback in chain[chain.index(mode):]:
+            if fallback == "none" or fallback not in why_not:
+                break
+            notes.append(f"{fallback} is not possible here: {why_not[fallback]}")
+        if fallback == "tree" and asked != "tree":  # the tree's prefill forced
+            if asked not in candidates:
+                notes.append("the tree's block prefill is not possible here (a block after a copied state is not "
+                             "exact, or every batch holds one prompt): rows")
+            candidates = {k: v for k, v in candidates.items() if k == asked} or {"tree-rows": tree_batches}
+        else:
+            candidates = {k: v for k, v in candidates.items() if k.split("-")[0] == fallback}
+    estimates: dict[str, float] = {}
+    if len(candidates) > 1:
+        if costs is None:
+            typical = sorted(lengths)[n // 2]
+            rows = min(max(map(len, next(iter(candidates.values())))), 4 if backend.device.type == "cuda" else 2)
+            costs = measure_costs(backend, min(typical, CALIBRATION_TOKENS), max(2, rows))
+        estimates = {k: _estimate(k, costs, lengths, b, len(shared), tree) for k, b in candidates.items()}
+        name = min(estimates, key=estimates.get)
+        notes.append("fastest by the measured cost model: " + ", ".join(
+            f"{k} {v:.3g} s" for k, v in sorted(estimates.items(), key=lambda kv: kv[1])))
+    else:
+        name = next(iter(candidates))
+        costs = None
+    mode = name.split("-")[0]
+    return Plan(mode=mode, asked=asked, batches=candidates[name], reason="; ".join(notes),
+                tree_prefill=name.split("-")[1] if mode == "tree" else None,
+                shared=list(shared) if mode == "batch" else [], tree=tree, estimates=estimates, costs=costs)
+
+
+def generate_all(backend: StepBackend, requests: Sequence[GenRequest], batch_size: int | str = "auto",
+                 prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
+    """Plan, then generate batch by batch (``Backend.generate_all``'s contract)."""
+    tok = backend.tokenizer
+    requests = [r if r.prompt_ids is not None else dataclasses.replace(r, prompt_ids=tok(r.prompt)["input_ids"])
+                for r in requests]
+    ids = [list(r.prompt_ids) for r in requests]
+    if not requests:
+        return Generation({"prefix_reuse": "none", "prefix_reuse_asked": prefix_reuse}, iter(()))
+    plan = make_plan(backend, ids, max(r.max_new_tokens for r in requests), batch_size, prefix_reuse)
+    sizes = [len(b) for b in plan.batches]
+    log.info("prefill plan: %s for %d prompts in %d batches of %d-%d%s", plan.name, len(ids), len(sizes), min(sizes),
+             max(sizes), f" ({plan.reason})" if plan.reason else "")
+    info = plan.info()
+    info.update(prompt_tokens=sum(map(len, ids)), tree_tokens=(plan.tree or PrefixTree(ids)).tree_tokens)
+    if plan.mode == "tree":
+        budget = default_budget(backend.device) if prefix_memory == "auto" else (
+            prefix_memory if isinstance(prefix_memory, int) else parse_bytes(prefix_memory))
+        info["prefix_memory_bytes"] = budget
+        log.info("prefix tree: %d prompt tokens, %d distinct (snapshots within %.2f GiB)", info["prompt_tokens"],
+                 info["tree_tokens"], budget / 2 ** 30)
+    return Generation(info, _run(backend, requests, plan, info))
+
+
+def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, info: dict
+         ) -> Iterator[tuple[list[int], list[GenResult]]]:
+    stats = counters(backend)
+    before = stats.get("prefill_tokens", 0)
+    states = PrefixStates(backend, plan.tree, info["prefix_memory_bytes"]) if plan.mode == "tree" else None
+    prefix = None
+    try:
+        for batch in plan.batches:
+            reqs = [requests[i] for i in batch]
+            if plan.mode == "batch" and prefix is None:
+                prefix = _prefill_prefix(backend, plan.shared, stats)
+            start = _prefill(backend, reqs, batch, plan, states, prefix, stats)
+            yield batch, greedy_generate(backend, backend.tokenizer, reqs, device=backend.device,
+                                         max_context=backend.max_context, start=start, stats=stats)
+    finally:
+        info["prefill_tokens"] = stats.get("prefill_tokens", 0) - before
+        if states is not None:
+            info.update(prefix_snapshot_peak_bytes=states.peak, prefix_snapshot_left_bytes=states.used,
+                        prefix_snapshots_recomputed=states.skipped)
+
+
+def _add(stats: dict, n: int) -> None:
+    stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + n
+
+
+@torch.inference_mode()
+def _prefill_prefix(backend: StepBackend, ids: list[int], stats: dict) -> Prefix:
+    t = torch.tensor([ids], device=backend.device)
+    logits, state = backend.prefill(t, torch.ones_like(t))
+    _add(stats, len(ids))
+    stats["prefix_tokens"] = stats.get("prefix_tokens", 0) + len(ids)
+    return Prefix(ids, state, logits)
+
+
+@torch.inference_mode()
+def _prefill(backend: StepBackend, reqs: list[GenRequest], batch: list[int], plan: Plan,
+             states: PrefixStates | None, prefix: Prefix | None, stats: dict) -> Started:
+    """One batch's prompts prefilled the way the plan says."""
+    pad = backend.tokenizer.pad_token_id if backend.tokenizer.pad_token_id is not None else \
+        backend.tokenizer.eos_token_id
+    ids = [list(r.prompt_ids) for r in reqs]
+    device = backend.device
+    if states is not None:
+        block = states.start_block(batch) if plan.tree_prefill == "block" else None
+        if block is None:  # each prompt alone below its snapshot (counted as it ran), the rows merged
+            rows = [states.start(i) for i in batch]
+            state = backend.merge([r.state for r in rows], [len(r.ids) for r in rows])
+            logits = torch.cat([r.logits for r in rows])
+            for r in rows:  # a started row is used once: the batch state replaces it
+                r.state = None
+            return Started(logits, state, left_pad(ids, pad, device)[1])
+        bases, below = block
+        state = backend.merge([b.state for b in bases], [len(b.ids) for b in bases])
+        past = left_pad([b.ids for b in bases], pad, device)[1]
+        block_ids, block_mask = right_pad(below, pad, device)
+        mask = torch.cat([past, block_mask], dim=1)
+        _add(stats, block_ids.numel())
+        return Started(backend.step(state, block_ids, mask), state, mask)
+    if prefix is not None:  # copy the prefix state into every row, then each row's rest as one block
+        n = len(prefix.ids)
+        state = backend.expand(prefix.state, len(reqs))
+        block_ids, block_mask = right_pad([p[n:] for p in ids], pad, device)
+        mask = torch.cat([block_mask.new_ones((len(reqs), n)), block_mask], dim=1)
+        _add(stats, block_ids.numel())
+        return Started(backend.step(state, block_ids, mask), state, mask)
+    block_ids, mask = left_pad(ids, pad, device)
+    logits, state = backend.prefill(block_ids, mask)
+    _add(stats, block_ids.numel())
+    return Started(logits, state, mask)

@@ -1,0 +1,37 @@
+"""``GrowingLayer``: transformers' ``DynamicLayer`` with spare capacity gives the concatenating cache's logits,
+through prefill, decode steps past its spare room, a dropped row and repeated rows."""
+import torch
+from transformers import DynamicCache
+
+from harness.backends import growing_cache
+from harness.backends.families import map_rows
+
+
+@torch.inference_mode()
+def test_growing_cache_gives_the_concatenating_caches_logits(phi_backend):
+    model = phi_backend.model
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 900, (3, 40), generator=gen)
+    steps = torch.randint(5, 900, (3, growing_cache.SPARE + 30), generator=gen)  # past the spare room: it grows
+    out = {}
+    for grow in (False, True):
+        cache = DynamicCache(config=model.config)
+        if grow:
+            growing_cache.install(cache)
+        logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+        rows = torch.arange(3)
+        for t in range(steps.shape[1]):
+            if t == 20:  # a row leaves the batch, then the rest are repeated (the shared-prefix copy)
+                rows = torch.tensor([0, 2])
+                map_rows(cache, lambda x: x.index_select(0, torch.tensor([0, 2])))
+            if t == 40:
+                rows = rows.repeat_interleave(2)
+                map_rows(cache, lambda x: x.repeat_interleave(2, dim=0))
+            logits.append(model(input_ids=steps[rows, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        out[grow] = logits
+        if grow:
+            assert type(cache.layers[0]).__name__ == "GrowingLayer"
+            assert cache.layers[0]._k.shape[-2] > cache.layers[0].keys.shape[-2]  # spare room, not a copy a step
+    assert len({int(x[0].argmax()) for x in out[False]}) > 1  # the logits move from step to step
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -1,0 +1,59 @@
+"""The prefill planner (``harness.backends.planner``): what it may choose comes from the backend, what it does
+choose from the cost model, and the choice, its reason and its estimates are reported."""
+import pytest
+
+from harness.backends.planner import Costs, make_plan, measure_costs
+from harness.backends.prefix_tree import PrefixTree
+from tests.test_prefix_tree import _sweep_prompts
+
+CPU_LIKE = Costs(call=1e-3, row_token=1e-4, batch_token=3e-4, length=256, rows=2)  # a row is the cheap token
+GPU_LIKE = Costs(call=5e-2, row_token=1e-4, batch_token=2e-6, length=256, rows=4)  # calls dear, batches cheap
+
+
+def _ids(backend):
+    return [backend.tokenizer(p)["input_ids"] for p in _sweep_prompts()]
+
+
+def test_auto_takes_the_plan_the_cost_model_prices_lowest(phi_backend):
+    ids = _ids(phi_backend)
+    cpu = make_plan(phi_backend, ids, 8, 4, "auto", costs=CPU_LIKE)
+    gpu = make_plan(phi_backend, ids, 8, 4, "auto", costs=GPU_LIKE)
+    assert set(cpu.estimates) == {"tree-rows", "tree-block", "batch", "none"}
+    for plan in (cpu, gpu):  # the cheapest estimate ran, and the reason lists them
+        assert plan.name == min(plan.estimates, key=plan.estimates.get)
+        assert "fastest by the measured cost model" in plan.reason
+    assert cpu.name == "tree-rows" and gpu.name != "tree-rows"
+    assert cpu.estimates["none"] > cpu.estimates["batch"]  # fewer tokens, at the same rates
+    info = cpu.info()
+    assert info["prefix_reuse"] == "tree" and info["tree_prefill"] == "rows" and info["prefix_reuse_asked"] == "auto"
+
+
+def test_a_plan_asked_for_is_kept_where_possible_and_falls_back_with_its_reason(phi_backend, hybrid_backend):
+    from tests.helpers import ScriptedBackend
+
+    ids = _ids(phi_backend)
+    assert make_plan(phi_backend, ids, 8, 4, "batch").name == "batch"
+    assert make_plan(phi_backend, ids, 8, 4, "tree-block").name == "tree-block"
+    assert make_plan(phi_backend, ids, 8, 1, "tree-block").name == "tree-rows"  # one prompt a batch: no block
+    scripted = ScriptedBackend(phi_backend, lambda prompt: None)  # cannot merge rows
+    plan = make_plan(scripted, ids, 8, 4, "tree")
+    assert plan.name == "batch" and "cannot merge rows" in plan.reason and not plan.estimates
+    one = make_plan(hybrid_backend, ids[:1], 8, 4, "auto")
+    assert one.name == "none" and not one.estimates  # nothing to choose: nothing measured
+    with pytest.raises(ValueError, match="prefix reuse 'sometimes'"):
+        make_plan(phi_backend, ids, 8, 4, "sometimes")
+
+
+def test_the_tree_plans_order_batches_depth_first(phi_backend):
+    ids = _ids(phi_backend)
+    plan = make_plan(phi_backend, ids, 8, 3, "tree-rows")
+    assert [i for b in plan.batches for i in b] == PrefixTree(ids).order()
+    assert max(map(len, plan.batches)) == 3
+
+
+def test_the_cost_model_is_measured_once_per_backend_and_shape(phi_backend):
+    phi_backend.__dict__.pop("_prefill_costs", None)
+    first = measure_costs(phi_backend, 64, 2)
+    assert first.call > 0 and first.row_token >= 0 and first.batch_token >= 0
+    assert measure_costs(phi_backend, 64, 2) is first
+    assert first.describe()["measured_at"] == [2, 64]
