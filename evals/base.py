@@ -172,11 +172,12 @@ def make_options(options_cls: type, values: dict[str, Any], task: str = ""):
             raise OptionError(f"--task-arg {key}={value}: task {task!r} has no option {key!r}; its options: "
                               f"{', '.join(sorted(known)) or 'none'}")
         out[key] = _convert(value, hints[key], f"--task-arg {key}={value}")
-        _check_value(key, value, out[key], fields[key])
     opts = options_cls(**out)
     check = getattr(opts, "check", None)
-    if check is not None:
+    if check is not None:  # the task's own checks first: their messages name its own flags (HotpotQA's --shots)
         check()
+    for key, value in values.items():
+        _check_value(key, value, out[key], fields[key])
     return opts
 
 

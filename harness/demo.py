@@ -80,6 +80,27 @@ def collect(cells: list[TrainConfig]) -> list[dict]:
     return rows
 
 
+def gaps(cells: list[TrainConfig]) -> str:
+    """Each attention model's lead over Mamba at the longest length, paired on the same held-out sequences
+    (``harness.reports.paired``): "significant" only where the interval and McNemar's test say so."""
+    from harness.report import load_run
+    from harness.reports.paired import paired
+
+    hi = max(c.length for c in cells)
+    at = {c.arch: c for c in cells if c.length == hi}
+    rows = {a: load_run(Path(c.output) / "eval")[1] for a, c in at.items()}
+    out = []
+    for arch in ("transformer", "hybrid"):
+        d = paired(rows[arch], rows["mamba"], "accuracy", key=lambda r: r["key"], cluster=lambda r: r["id"],
+                   a=arch, b="mamba", condition=f"L={hi}")
+        if d is not None:
+            verdict = "significant" if d.significant else "not significant"
+            out.append(f"{arch.capitalize()} − Mamba at L={hi}: {100 * d.diff:+.0f} pts, 95% CI "
+                       f"[{100 * d.ci_low:+.0f}, {100 * d.ci_high:+.0f}] over {d.pairs} paired sequences, McNemar "
+                       f"p = {d.mcnemar_p:.2g} ({verdict} at 5%).")
+    return " ".join(out)
+
+
 def findings(rows: list[dict]) -> str:
     """What this run's numbers say, in words, from the numbers (never a canned sentence)."""
     acc = {(r["arch"], r["length"]): r["accuracy"] for r in rows}
@@ -217,7 +238,8 @@ def main(argv=None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text, words = table(rows), f"{textwrap.fill(findings(rows), 110)}\n\n{textwrap.fill(which(rows), 110)}\n\n{LIMITS}"
+    words = "\n\n".join(textwrap.fill(w, 110) for w in (findings(rows), gaps(cells), which(rows)) if w)
+    text, words = table(rows), f"{words}\n\n{LIMITS}"
     plot(rows, root / "demo.png")
     write_atomic(root / "demo.md", f"{text}\n\n{words}\n")
     print(f"\nindex task, accuracy (± standard error) and the model's state at the end of its prompt, "

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.demo import collect, demo_cells, findings
+from harness.demo import collect, demo_cells, findings, gaps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +50,9 @@ def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
     rows = collect(demo_cells(out, (4, 6), steps=25))
     assert " ".join(findings(rows).split()) in " ".join(first.stdout.split())
     assert "What it does not show" in first.stdout
+    # the gaps at the longest length, paired on the same sequences, "significant" only where the test says so
+    assert "Transformer − Mamba at L=6" in first.stdout and "paired sequences, McNemar p =" in first.stdout
+    assert " ".join(gaps(demo_cells(out, (4, 6), steps=25)).split()) in " ".join(first.stdout.split())
     # state bytes: attention's cache grows with the context, Mamba's state does not
     sb = {(r["arch"], r["length"]): r["state_bytes"] for r in rows}
     assert sb["transformer", 6] > sb["transformer", 4] and sb["mamba", 6] == sb["mamba", 4]
