@@ -192,10 +192,11 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
         metric = metrics[task]
         dirs = list(dict.fromkeys(g["dir"]))
         label = dict(zip(g["dir"], g["run"]))
-        rows = {}
+        rows, configs = {}, {}
         for d in dirs:
             results, samples = load_run(d)
             rows[d] = [r for r in samples if keep_ids is None or r["id"] in keep_ids]
+            configs[d] = _settings(results["config"])
         seed = 0
         for d in dirs:  # first against last on the axis
             order = g[g["dir"] == d].sort_values("x", na_position="last")["condition"].tolist()
@@ -217,8 +218,8 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
                              a=label[d], b=label[base], condition=c, seed=seed)
                 if got is not None:
                     diffs.append(got)
-        settings = {d: json.dumps({k: v for k, v in _settings(load_run(d)[0]["config"]).items()
-                                   if k not in ("seed", "output")}, sort_keys=True, default=str) for d in dirs}
+        settings = {d: json.dumps({k: v for k, v in configs[d].items() if k not in ("seed", "output")},
+                                  sort_keys=True, default=str) for d in dirs}
         for same in {v: [d for d in dirs if settings[d] == v] for v in settings.values()}.values():
             if len(same) > 1:
                 for c in dict.fromkeys(g["condition"]):
