@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from harness.backends.base import Generation, StepBackend, counters
+from harness.backends.base import Generation, StepBackend, count, counters
 from harness.backends.generation import (GenRequest, GenResult, Prefix, Started, common_prefix, greedy_generate,
                                          left_pad, right_pad)
 from harness.backends.prefix_tree import PrefixStates, PrefixTree, default_budget, parse_bytes
@@ -147,13 +147,13 @@ def _tree_shape(tree: PrefixTree) -> tuple[int, int, list[int]]:
 
 
 def _estimate(name: str, costs: Costs, lengths: list[int], batches: list[list[int]], shared: int,
-              tree: PrefixTree | None) -> float:
+              shape: tuple[int, int, list[int]] | None) -> float:
     if name == "none":
         return sum(costs.prefill(len(b), max(lengths[i] for i in b)) for b in batches)
     if name == "batch":
         return costs.prefill(1, shared) + sum(costs.prefill(len(b), max(lengths[i] for i in b) - shared)
                                               for b in batches)
-    branches, above, below = _tree_shape(tree)
+    branches, above, below = shape
     snapshots = branches * costs.call + above * costs.row_token
     if name == "tree-rows":
         return snapshots + sum(costs.prefill(1, below[i]) for b in batches for i in b)
@@ -213,7 +213,8 @@ def make_plan(backend: StepBackend, ids: list[list[int]], max_new: int, batch_si
             typical = sorted(lengths)[n // 2]
             rows = min(max(map(len, next(iter(candidates.values())))), 4 if backend.device.type == "cuda" else 2)
             costs = measure_costs(backend, min(typical, CALIBRATION_TOKENS), max(2, rows))
-        estimates = {k: _estimate(k, costs, lengths, b, len(shared), tree) for k, b in candidates.items()}
+        shape = _tree_shape(tree) if tree is not None else None  # once for both tree prefills
+        estimates = {k: _estimate(k, costs, lengths, b, len(shared), shape) for k, b in candidates.items()}
         name = min(estimates, key=estimates.get)
         notes.append("fastest by the measured cost model: " + ", ".join(
             f"{k} {v:.3g} s" for k, v in sorted(estimates.items(), key=lambda kv: kv[1])))
@@ -260,8 +261,8 @@ def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, info: dic
         for batch in plan.batches:
             reqs = [requests[i] for i in batch]
             if plan.mode == "batch" and prefix is None:
-                prefix = _prefill_prefix(backend, plan.shared, stats)
-            start = _prefill(backend, reqs, batch, plan, states, prefix, stats)
+                prefix = _prefill_prefix(backend, plan.shared)
+            start = _prefill(backend, reqs, batch, plan, states, prefix)
             yield batch, greedy_generate(backend, backend.tokenizer, reqs, device=backend.device,
                                          max_context=backend.max_context, start=start, stats=stats)
     finally:
@@ -271,22 +272,18 @@ def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, info: dic
                         prefix_snapshots_recomputed=states.skipped)
 
 
-def _add(stats: dict, n: int) -> None:
-    stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + n
-
-
 @torch.inference_mode()
-def _prefill_prefix(backend: StepBackend, ids: list[int], stats: dict) -> Prefix:
+def _prefill_prefix(backend: StepBackend, ids: list[int]) -> Prefix:
     t = torch.tensor([ids], device=backend.device)
     logits, state = backend.prefill(t, torch.ones_like(t))
-    _add(stats, len(ids))
-    stats["prefix_tokens"] = stats.get("prefix_tokens", 0) + len(ids)
+    count(backend, "prefill_tokens", len(ids))
+    count(backend, "prefix_tokens", len(ids))
     return Prefix(ids, state, logits)
 
 
 @torch.inference_mode()
 def _prefill(backend: StepBackend, reqs: list[GenRequest], batch: list[int], plan: Plan,
-             states: PrefixStates | None, prefix: Prefix | None, stats: dict) -> Started:
+             states: PrefixStates | None, prefix: Prefix | None) -> Started:
     """One batch's prompts prefilled the way the plan says."""
     pad = backend.tokenizer.pad_token_id if backend.tokenizer.pad_token_id is not None else \
         backend.tokenizer.eos_token_id
@@ -306,16 +303,16 @@ def _prefill(backend: StepBackend, reqs: list[GenRequest], batch: list[int], pla
         past = left_pad([b.ids for b in bases], pad, device)[1]
         block_ids, block_mask = right_pad(below, pad, device)
         mask = torch.cat([past, block_mask], dim=1)
-        _add(stats, block_ids.numel())
+        count(backend, "prefill_tokens", block_ids.numel())
         return Started(backend.step(state, block_ids, mask), state, mask)
     if prefix is not None:  # copy the prefix state into every row, then each row's rest as one block
         n = len(prefix.ids)
         state = backend.expand(prefix.state, len(reqs))
         block_ids, block_mask = right_pad([p[n:] for p in ids], pad, device)
         mask = torch.cat([block_mask.new_ones((len(reqs), n)), block_mask], dim=1)
-        _add(stats, block_ids.numel())
+        count(backend, "prefill_tokens", block_ids.numel())
         return Started(backend.step(state, block_ids, mask), state, mask)
     block_ids, mask = left_pad(ids, pad, device)
     logits, state = backend.prefill(block_ids, mask)
-    _add(stats, block_ids.numel())
+    count(backend, "prefill_tokens", block_ids.numel())
     return Started(logits, state, mask)

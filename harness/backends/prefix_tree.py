@@ -105,16 +105,13 @@ class PrefixTree:
 
 class PrefixStates:
     """Each prompt's prefilled one-row state (a ``Prefix`` whose ids are the whole prompt), computed through the
-    tree's snapshots. Call ``start`` once per prompt, in ``order()`` for the snapshots to pay."""
+    tree's snapshots. Call ``start`` (or ``start_block``) once per prompt, in the tree's ``order()`` for the
+    snapshots to pay."""
 
-    def __init__(self, backend, seqs: Sequence[Sequence[int]] | PrefixTree, budget_bytes: int):
-        self.backend, self.budget = backend, budget_bytes
-        self.tree = seqs if isinstance(seqs, PrefixTree) else PrefixTree(seqs)
+    def __init__(self, backend, tree: PrefixTree, budget_bytes: int):
+        self.backend, self.budget, self.tree = backend, budget_bytes, tree
         self.used = self.peak = 0
         self.skipped = 0  # times a branch point's state did not fit the budget (its tokens recomputed below it)
-
-    def order(self) -> list[int]:
-        return self.tree.order()
 
     @torch.inference_mode()
     def start(self, i: int) -> Prefix:

@@ -414,7 +414,7 @@ def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: 
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
     cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
-                    max_new_tokens=max_new_tokens, output=str(run_dir / "eval"), seed=0, prefix_reuse=False)
+                    max_new_tokens=max_new_tokens, output=str(run_dir / "eval"), seed=0, prefix_reuse="none")
     try:
         return run_eval(cfg, backend=backend, progress=progress)
     except ResumeMismatchError as e:
