@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from harness.doctor import decode_table, memory_bandwidth
+from harness.tools.checks import decode_table, memory_bandwidth
 from harness.training.grid import device_name
 
 

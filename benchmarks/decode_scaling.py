@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from harness.doctor import decode_cost
-from harness.engine import load_backend
+from harness.tools.checks import decode_cost
+from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from evals.hotpotqa import fixture_prompts
-from harness.engine.run import load_backend
+from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
 
 CHOICES = [" yes", " no", " Paris, France", " the river Olm", " 1887", " a small town in the north"]

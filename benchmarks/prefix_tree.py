@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from harness.engine import load_backend, run_eval
+from harness.backends.loading import load_backend
+from harness.engine import run_eval
 from harness.engine.config import RunConfig
 from harness.tiny import build_tokenizer, make_tiny_model
 

@@ -15,7 +15,7 @@ import torch
 
 from evals.fixture import FIXTURE_PATH
 from harness.backends.generation import GenRequest
-from harness.engine import load_backend
+from harness.backends.loading import load_backend
 from harness.tiny import make_tiny_model
 from retrieval import RetrievalTool
 

@@ -25,7 +25,7 @@ import torch
 from evals.hotpotqa import HotpotQA, load_rows, parse_positions
 from harness.backends.generation import GenRequest, first_stop
 from harness.backends.prefix_tree import PrefixTree
-from harness.engine import load_backend
+from harness.backends.loading import load_backend
 from harness.engine.prompting import PromptTemplate
 from harness.tiny import make_tiny_model
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from retrieval import tool
+
 
 class DataError(ValueError):
     """A dataset is missing or a row is malformed; the message names the row, the field and the fix."""
@@ -16,8 +18,6 @@ class DataError(ValueError):
 
 def read_utf8(path, what: str = "data file", error=DataError) -> str:
     """A text file's content; a file that is not UTF-8 is an ``error`` naming the file, line and byte."""
-    from pathlib import Path
-
     raw = Path(path).read_bytes()
     try:
         return raw.decode("utf-8")
@@ -75,8 +75,6 @@ class ToolSpec:
     max_chars: int = 300
 
     def template_vars(self) -> dict[str, Any]:
-        from retrieval import tool
-
         return {"enabled": self.enabled, "call_open": tool.CALL_OPEN, "call_close": tool.CALL_CLOSE,
                 "result_open": tool.RESULT_OPEN, "result_close": tool.RESULT_CLOSE, "no_match": tool.NO_MATCH,
                 "separator": tool.SEPARATOR, "max_calls": self.max_calls}

@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from evals import metrics
+from evals import get_task, metrics
 from evals.base import DataError, Instance, OptionError, Task, ToolSpec, read_utf8
 from evals.fixture import FIXTURE_PATH
 from evals.metrics import ANSWER_PHRASE
 from evals.registry import register_task
+from harness import hub
+from harness.engine.prompting import PromptTemplate
+from harness.engine.runlog import write_atomic
+from retrieval import RetrievalTool
 
 log = logging.getLogger("harness")
 
@@ -69,8 +73,6 @@ _HOW_TO_GET = (
 
 
 def _load_from_hub(split: str) -> list[dict]:
-    from harness.engine import hub
-
     if hub.offline():  # the cache only: no minute of retries
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
@@ -285,7 +287,6 @@ class HotpotQA(Task):
         """With --retrieval: the regex tool over this instance's test paragraphs (never the exemplars)."""
         if not spec.enabled:
             return None
-        from retrieval import RetrievalTool
 
         max_calls = spec.max_calls if spec.max_calls is not None else MAX_TOOL_CALLS
         return RetrievalTool(instance.retrieval_units(), max_calls=max_calls, timeout=spec.timeout,
@@ -316,9 +317,6 @@ def fixture_prompts(distractors: int, questions: int | None = None, positions: s
                     template: str = "hotpotqa_cot") -> list[str]:
     """The prompts a run on the bundled fixture renders (4-shot CoT, seed 1234), for measurements that need real
     prompt lengths without a run: the GPU suite, benchmarks/context_fit.py."""
-    from evals import get_task
-    from harness.engine.prompting import PromptTemplate
-
     task = get_task("hotpotqa", data="fixture", distractors=distractors,
                     **({"positions": positions} if distractors else {}))
     rows = task.load()
@@ -332,8 +330,6 @@ def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[st
     for every position (empty if nothing was scored); files of positions no longer in the run are removed.
     A generation without an answer scores 0 here; written as "" it would score EM 1 in the official script
     against a gold that normalises to "" (e.g. "A"), so it is written as a text that matches no part of its gold."""
-    from harness.engine.runlog import write_atomic
-
     by_pos: dict[str, dict] = {p: {"answer": {}, "sp": {}} for p in positions}
     for r in records:
         if not r.get("skipped") and r["condition"] in by_pos:

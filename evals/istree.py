@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from evals.base import Instance, OptionError, ToolSpec, word_level_tokenizer
 from evals.registry import register_task
 from evals.synthetic import SyntheticTask
+from retrieval.search import shared_searcher
+from retrieval.tool import parse_call
 
 SPECIAL = ["[", "]", ",", "-", "[PAD]", "[EOS]", "[TRUE]", "[FALSE]", "[SPACE]", "[NEWLINE]", "[UNK]", "[BOS]",
            "[STARTSEARCH]", "[ENDSEARCH]", "[FAILED]", "~"]  # 16, then node names 0..n: n + 17 tokens
@@ -244,8 +246,6 @@ class IsTreeTool:
     call_end = END
 
     def __init__(self, edges_text: str, max_calls: int = 10_000, timeout: float = 1.0):
-        from retrieval.search import shared_searcher
-
         self.edges_text = " ".join(edges_text.split())
         self.max_calls = max_calls
         self.searcher = shared_searcher(timeout)
@@ -267,8 +267,6 @@ class IsTreeTool:
         return None
 
     def __call__(self, generated: str, start: int = 0) -> str:
-        from retrieval.tool import parse_call
-
         query, err = parse_call(generated[start:], START, END)
         compiled = self.compile_query(query) if query is not None else None
         if compiled is None:

@@ -4,6 +4,7 @@ Every module of the ``evals`` package is imported on first use, so a new task is
 and tests): the CLI's ``--task`` choices, its help and ``--task-arg`` validation all derive from here."""
 from __future__ import annotations
 
+from evals.sweep import TaskSweep, sweep_field
 from harness.registry import Registry
 
 TASKS = Registry("task", discover="evals")
@@ -24,8 +25,6 @@ def task_names() -> list[str]:
 def get_task(name: str, **kwargs):
     """``kwargs``: ``data``, ``split`` and the task's own options (fields of its ``Options``). Several values of
     a sweepable option (``pairs="16,32"`` or ``[16, 32]``) give one task over all of them (evals.sweep)."""
-    from evals.sweep import TaskSweep, sweep_field
-
     cls = task_class(name)
     options = {k: v for k, v in kwargs.items() if k not in ("data", "split")}
     key = sweep_field(cls.Options, options)

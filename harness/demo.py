@@ -22,7 +22,13 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness.training.config import TrainConfig
+from harness.files import write_atomic
+from harness.report import load_run
+from harness.reports.paired import paired
+from harness.reports.plotting import pyplot, save
+from harness.training.config import USER_ERRORS, TrainConfig
+from harness.training.grid import train_in_processes
+from harness.training.trainer import finished_result
 
 ARCHS = ("transformer", "hybrid", "mamba")
 LENGTHS = (4, 8, 16)
@@ -83,9 +89,6 @@ def collect(cells: list[TrainConfig]) -> list[dict]:
 def gaps(cells: list[TrainConfig]) -> str:
     """Each attention model's lead over Mamba at the longest length, paired on the same held-out sequences
     (``harness.reports.paired``): "significant" only where the interval and McNemar's test say so."""
-    from harness.report import load_run
-    from harness.reports.paired import paired
-
     hi = max(c.length for c in cells)
     at = {c.arch: c for c in cells if c.length == hi}
     rows = {a: load_run(Path(c.output) / "eval")[1] for a, c in at.items()}
@@ -155,8 +158,6 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Accuracy against context length (chance dotted), and the decoding state each model holds there."""
-    from harness.reports.plotting import pyplot, save
-
     plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
     lengths = sorted({r["length"] for r in rows})
@@ -199,11 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from harness.engine.runlog import write_atomic
-    from harness.training.config import USER_ERRORS
-    from harness.training.grid import train_in_processes
-    from harness.training.trainer import finished_result
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     root = Path(args.out)

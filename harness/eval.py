@@ -13,7 +13,12 @@ import logging
 import sys
 from pathlib import Path
 
+from evals import task_class, task_names
+from evals.base import options_help
+from evals.sweep import checked_options
 from harness.engine.config import ConfigError, RunConfig, word_negative_flags
+from harness.engine.runlog import RunDirError, SampleLog
+from harness.tools.procs import stop_on_sigterm
 
 
 @dataclasses.dataclass
@@ -31,8 +36,6 @@ class CliFlags:
 def task_flags() -> dict[str, list]:
     """Task options with a flag of their own (``metadata={"flag": True}``): the option's name → its fields, one
     per task that declares it."""
-    from evals import task_class, task_names
-
     flags: dict[str, list] = {}
     for name in task_names():
         for f in dataclasses.fields(task_class(name).Options):
@@ -44,8 +47,6 @@ def task_flags() -> dict[str, list]:
 def build_parser() -> argparse.ArgumentParser:
     from transformers import HfArgumentParser
 
-    from evals import task_class, task_names
-    from evals.base import options_help
 
     names = task_names()
     tasks_help = "\n".join(f"  {n:10s} {options_help(task_class(n).Options) or 'no options'}" for n in names)
@@ -81,9 +82,6 @@ def _refuse(dest: str):
 
 def config_from_args(a: argparse.Namespace) -> RunConfig:
     """The RunConfig of a parsed command line: task options checked against the task's Options."""
-    from evals import task_class
-    from evals.sweep import checked_options
-
     cls = task_class(a.task)
     pairs = _task_args(a.task_arg, a.model, a.task)
     for name, declared in task_flags().items():
@@ -136,14 +134,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from harness.engine.run import run_eval
-    from harness.engine.runlog import RunDirError
-    from harness.tools.procs import stop_on_sigterm
 
     cfg = None
     try:
         with stop_on_sigterm():
             cfg = config_from_args(a)
+            from harness.engine.run import run_eval  # lazy: start-up time (--help and flag errors load no model code)
+
             results = run_eval(cfg, progress=a.progress)
     except (ValueError, KeyError, OSError, RunDirError) as e:  # DataError, ConfigError, TemplateError, ...
         if a.verbose:
@@ -165,8 +162,6 @@ def main(argv=None) -> int:
 
 def _kept(cfg) -> str:
     """What an interrupted run leaves, in one line."""
-    from harness.engine.runlog import SampleLog
-
     if cfg is None or not Path(cfg.output).is_dir():
         return "nothing was written"
     n = len(SampleLog(cfg.output, read_only=True).records)

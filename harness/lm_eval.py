@@ -17,9 +17,13 @@ unchanged. Importing this module does not import lm-eval: ``ICRLM`` is built on 
 runs where lm-eval is not installed."""
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from functools import lru_cache
+
+from harness.backends.generation import GenRequest
+from harness.backends.loading import load_backend
 
 log = logging.getLogger("harness")
 
@@ -47,8 +51,6 @@ def _icr_class():
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     from tqdm.auto import tqdm
 
-    from harness.backends.generation import GenRequest
-    from harness.engine.run import load_backend
 
     class ICRLM(TemplateLM):
         """lm-eval's three request types through a harness backend: ``generate_until`` (greedy, stop strings),
@@ -72,8 +74,6 @@ def _icr_class():
         @classmethod
         def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
             """``--model_args`` first; lm-eval's own ``--batch_size`` / ``--device`` where those leave them."""
-            import inspect
-
             known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
             unknown = sorted(set(arg_dict) - set(known))
             if unknown:

@@ -14,6 +14,7 @@ run and position, the gold file cut to the questions the harness scored, so the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,9 +23,14 @@ import pandas as pd
 
 from evals import task_class
 from evals.base import DataError, instance_key
+from evals.hotpotqa import HotpotQA
+from harness.engine.config import RunConfig, content_sha256
 from harness.engine.results import format_markdown
-from harness.engine.runlog import write_atomic, write_json
+from harness.engine.runlog import SampleLog
 from harness.engine.stats import summarize
+from harness.files import write_atomic, write_json
+from harness.reports.paired import paired, seed_spread
+from harness.reports.plotting import pyplot, save
 
 # Run settings that name a run in a legend when they differ between the runs of one report, in this order
 # (then the task's own options, each as the task labels it).
@@ -41,8 +47,6 @@ class ReportError(ValueError):
 
 def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     """results.json and the samples it counted (its selection of ids and positions)."""
-    from harness.engine.runlog import SampleLog
-
     run_dir = Path(run_dir)
     res_file = run_dir / "results.json"
     if not res_file.is_file() or not (run_dir / "samples.jsonl").is_file():
@@ -104,9 +108,7 @@ def run_labels(configs: list[dict], conditions: list[set] | None = None, task: t
             return "+retrieval" if v else "no retrieval"
         return task.label(k, v) if task is not None and k in options else f"{k}={v}"
 
-    import dataclasses
 
-    from harness.engine.config import RunConfig
 
     options = [f.name for f in dataclasses.fields(task.Options)] if task is not None else []
     run_flags = {f.name for f in dataclasses.fields(RunConfig)}
@@ -185,8 +187,6 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
     condition on the plot's axis against its last; between runs, each later run against the first of its task,
     per shared condition and over all of them (clustered by question); and runs that differ only in ``--seed``
     pooled with their between-seed spread."""
-    from harness.reports.paired import paired, seed_spread
-
     diffs, seeds = [], []
     for task, g in df.groupby("task", sort=False):
         metric = metrics[task]
@@ -252,8 +252,6 @@ def _number(text: str) -> float | None:
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
     """One task's runs on the task's own axis: HotpotQA by gold-paragraph slot; the needle as a length x depth
     heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
-    from harness.reports.plotting import pyplot, save
-
     plt = pyplot()
 
     df = df[df["n"] > 0]
@@ -289,8 +287,6 @@ AGAINST = {"state_bytes": ("model state the prompt left (bytes)", "state_memory"
 def plot_against(df: pd.DataFrame, metric: str, column: str, path: Path) -> Path:
     """The paper's axes: one line per run of the metric against the mean model-state bytes (or prompt length)
     of each condition: a Transformer's KV cache grows with the context, a recurrent model's state does not."""
-    from harness.reports.plotting import pyplot, save
-
     plt = pyplot()
 
     df = df[(df["n"] > 0) & df[column].notna()]
@@ -363,7 +359,6 @@ def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
         ax.set_title(run, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label=f"{metric} (%)")
     fig.suptitle(f"{df['task'].iloc[0]}: {metric} by context length and needle depth", fontsize=10)
-    from harness.reports.plotting import save
 
     save(fig, path, dpi=150, tight=False)
     return path
@@ -373,9 +368,6 @@ def write_official_gold(run_dirs: list[str], out: Path) -> list[Path]:
     """Per run and position, the official-format gold file cut to the ids the harness scored there:
     ``hotpot_evaluate_v1.py RUN/predictions/POS.json OUT/RUN/POS.json`` then prints the harness's EM and F1
     (the official script divides by every gold row, and counts a row without a prediction as 0)."""
-    from evals.hotpotqa import HotpotQA
-    from harness.engine.config import content_sha256
-
     paths = []
     for d in run_dirs:
         results, samples = load_run(d)

@@ -8,10 +8,14 @@ encodes and the same code path as a hub checkpoint (``save_pretrained`` → ``fr
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 from pathlib import Path
 
 import torch
+
+from evals.fixture import FIXTURE_PATH
+from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 
 EOS = "<|endoftext|>"
 CORPUS_PATH = Path(__file__).parent / "data" / "tiny_tokenizer_corpus.json"
@@ -20,8 +24,6 @@ CORPUS_PATH = Path(__file__).parent / "data" / "tiny_tokenizer_corpus.json"
 def _corpus() -> list[str]:
     """Frozen prompt-template text plus the bundled fixture: editing a template never retrains the tiny
     tokenizer (which would change every tiny model's text)."""
-    from evals.fixture import FIXTURE_PATH
-
     return [*json.loads(CORPUS_PATH.read_text())["texts"], FIXTURE_PATH.read_text()]
 
 
@@ -47,8 +49,6 @@ def gpt2_tokenizer_from_tiktoken(ranks_file: str | Path):
     """GPT-2's byte-level BPE (Phi-1.5's, less its added whitespace tokens) from a tiktoken ranks file such as
     the ``whisper/assets/gpt2.tiktoken`` that the openai-whisper sdist ships. transformers' TikTokenConverter
     derives the merges; the file is read here (base64 token, rank) so ``tiktoken`` is not needed."""
-    import base64
-
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -165,8 +165,6 @@ def make_tiny_model(out: str | Path, arch: str = "phi", seed: int = 0, max_posit
     tok = tokenizer or build_tokenizer()
     torch.manual_seed(seed)
     if arch in ("phi-mamba", "hybrid-phi-mamba"):
-        from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
-
         if real_heads:
             cfg = PhiMambaConfig(vocab_size=len(tok), d_model=hidden, n_layer=layers,
                                  max_position_embeddings=max_positions,

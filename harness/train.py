@@ -18,19 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+from evals import task_class, task_names
+from evals.synthetic import SyntheticTask
 from harness.engine.config import ConfigError, _f, word_negative_flags
 from harness.tools.procs import stop_on_sigterm
-from harness.training import grid as grids
-from harness.training.config import USER_ERRORS, TrainConfig
-from harness.training.launch import LAUNCHERS
-from harness.training.trainer import train_one
+from harness.training.config import LAUNCHERS, USER_ERRORS, TrainConfig
 
 
 def trainable_tasks() -> list[str]:
     """Every registered task that writes token streams for the small models (``evals.synthetic``)."""
-    from evals import task_class, task_names
-    from evals.synthetic import SyntheticTask
-
     return [n for n in task_names() if issubclass(task_class(n), SyntheticTask)]
 
 
@@ -82,6 +78,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     root = Path(cfg.output or f"runs/grid-{flags.grid}") if flags.grid else None
+    # lazy: start-up time (--help and flag errors load no model code)
+    from harness.training import grid as grids
+    from harness.training.trainer import train_one
+
     try:
         with stop_on_sigterm():
             if flags.grid:

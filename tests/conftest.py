@@ -35,7 +35,7 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
 
 
 def _backend(model_dir):
-    from harness.engine import load_backend
+    from harness.backends.loading import load_backend
 
     return load_backend(model_dir, device="cpu", dtype="float32")
 

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.backends.base import StepBackend
+from harness.backends.step import StepBackend
 from retrieval.tool import RESULT_CLOSE
 
 

@@ -73,7 +73,7 @@ def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm
     src, _ = mamba_ssm_src
     code = ("import json, torch\nfrom harness.models import kernels\n"
             f"kernels.enable_cpu_interpreter({str(src)!r})\n"
-            "from harness.doctor import _probe_prompts, _run_paths, _tiny_phi_mamba\n"
+            "from harness.tools.checks import _probe_prompts, _run_paths, _tiny_phi_mamba\n"
             "model, seqs = _tiny_phi_mamba([1], 'cpu'), _probe_prompts()\n"
             "whole = _run_paths(model, seqs, 3, 'kernel', 'cpu')\n"
             "calls = dict(kernels.CALLS)\nkernels.INT32_MAX = 1\n"

@@ -12,7 +12,8 @@ import pytest
 from evals import get_task
 from evals.base import DataError, OptionError
 from harness.engine import run_eval
-from harness.engine.runlog import RunLock, SampleLog, write_atomic
+from harness.engine.runlog import RunLock, SampleLog
+from harness.files import write_atomic
 from harness.eval import main as eval_main
 from harness.report import main as report_main
 from harness.report import merge

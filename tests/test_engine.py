@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from harness.engine import load_backend, run_eval
+from harness.backends.loading import load_backend
+from harness.engine import run_eval
 from harness.engine.prompting import PromptTemplate
 from harness.backends.planner import plan_batches
 from harness.engine.runlog import ResumeMismatchError

@@ -87,7 +87,7 @@ def _fla_here() -> bool:
 
 @pytest.fixture(scope="module", params=("llama", *FAMILY_ARCHS, *(FLA_ARCHS if _fla_here() else ())))
 def family_backend(request, tmp_path_factory, tiny_tokenizer):
-    from harness.engine import load_backend
+    from harness.backends.loading import load_backend
     from harness.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp(f"family-{request.param}") / "ckpt", request.param, tokenizer=tiny_tokenizer,

@@ -18,7 +18,7 @@ needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None,
 COMPACT = """
 import json, tempfile, warnings
 warnings.simplefilter("ignore")
-from harness.engine import load_backend
+from harness.backends.loading import load_backend
 from harness.backends.generation import greedy_generate
 from harness.tiny import build_tokenizer, make_tiny_model
 from tests.test_families import QUESTIONS, RecomputeReference, _fields, _requests, _run
@@ -68,7 +68,7 @@ def test_gla_batches_exactly_with_tool_calls_under_the_interpreter():
 @needs_fla
 def test_an_fla_model_on_cpu_without_the_interpreter_is_one_clear_error(tmp_path):
     code = (f"from harness.tiny import make_tiny_model\nmake_tiny_model({str(tmp_path / 'm')!r}, 'gla')\n"
-            "from harness.engine import load_backend\n"
+            "from harness.backends.loading import load_backend\n"
             f"try:\n    load_backend({str(tmp_path / 'm')!r}, device='cpu')\n"
             "except Exception as e:\n    print('RESULT', type(e).__name__, e)\n")
     res = _child(code, interpret=False)

@@ -264,7 +264,8 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
 
 def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     """IsTree's verdict is its stop string: the vLLM path must set it and score exactly as the stepped one."""
-    from harness.engine import load_backend, run_eval
+    from harness.backends.loading import load_backend
+    from harness.engine import run_eval
     from harness.engine.config import RunConfig
     from tests.helpers import fake_vllm_backend
 

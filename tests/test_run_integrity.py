@@ -249,7 +249,7 @@ def test_a_narrower_rerun_drops_stale_prediction_files_and_reports_its_own_selec
 
 
 def test_every_position_gets_a_prediction_file_even_when_all_are_skipped(tiny_tokenizer, tmp_path):
-    from harness.engine import load_backend
+    from harness.backends.loading import load_backend
     from harness.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "short", "phi", tokenizer=tiny_tokenizer, max_positions=512)

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from evals.hotpotqa import HotpotQA
-from harness.engine import load_backend, run_eval
+from harness.backends.loading import load_backend
+from harness.engine import run_eval
 from harness.engine.config import RunConfig
 from tests.helpers import ScriptedBackend, assert_varied
 

@@ -18,6 +18,7 @@ once at load: a cache of key/value layers only is an attention model (``masked``
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -208,8 +209,6 @@ def merge_rows(caches: list, lengths: list[int]):
     and values left-padded with zeros to the longest (the attention mask hides them, as it hides a left-padded
     prefill's pads), recurrent state stacked; ``caches`` are consumed. Written here because transformers'
     caches can only select or repeat rows, not join caches of different lengths."""
-    import copy
-
     width = max(lengths)
     out = copy.deepcopy(caches[0])  # the structure (one row's tensors, replaced below)
     for names, pad in ((_KV, True), (_RECURRENT, False)):

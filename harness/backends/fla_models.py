@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.models import kernels
+
 INSTALL = 'pip install "icr-harness[fla]"'
 
 
@@ -65,7 +67,6 @@ def prepare_device(device) -> None:
     """fla's kernels on CPU: Triton's interpreter, which must have been switched on before the program started."""
     if device.type != "cpu":
         return
-    from harness.models import kernels
 
     if not kernels.interpreting():
         raise FlaError("fla models run Triton kernels, which need a GPU; on CPU start the program with "

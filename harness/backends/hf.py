@@ -8,11 +8,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
+from harness import hub
 from harness.backends import fla_models, growing_cache
-from harness.backends.base import StepBackend, resolve_device, resolve_dtype
-from harness.backends.families import family_of, map_rows, merge_rows, mergeable, recurrent_state, restore_rows
+from harness.backends.base import resolve_device, resolve_dtype
+from harness.backends.families import (
+    family_of,
+    map_rows,
+    merge_rows,
+    mergeable,
+    recurrent_state,
+    restore_rows,
+)
 from harness.backends.generation import last_real_index, logits_at_last_real
-from harness.engine import hub
+from harness.backends.step import StepBackend
 
 log = logging.getLogger("harness")
 

@@ -6,10 +6,12 @@ import os
 
 import torch
 
-from harness.backends.base import StepBackend, resolve_device, resolve_dtype
+from harness.backends.base import resolve_device, resolve_dtype
 from harness.backends.generation import logits_at_last_real
 from harness.backends.hf import load_tokenizer
+from harness.backends.step import StepBackend
 from harness.models import kernels
+from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState
 
 log = logging.getLogger("harness")
@@ -35,8 +37,6 @@ class PhiMambaBackend(StepBackend):
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
-            from harness.models.decode_graphs import GraphedDecode
-
             self.graphs = GraphedDecode(self.model)
         log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
                  cfg.attn_layers or "no", self.scan_path, "CUDA graphs" if self.graphs else "eager")

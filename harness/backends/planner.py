@@ -23,14 +23,30 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from harness.backends.base import Generation, StepBackend, count, counters
-from harness.backends.generation import (GenRequest, GenResult, Prefix, Started, common_prefix, greedy_generate,
-                                         left_pad, right_pad)
-from harness.backends.prefix_tree import PrefixStates, PrefixTree, default_budget, parse_bytes
+from harness.backends.base import Generation, count, counters
+from harness.backends.generation import (
+    GenRequest,
+    GenResult,
+    Prefix,
+    Started,
+    common_prefix,
+    greedy_generate,
+    left_pad,
+    right_pad,
+)
+from harness.backends.prefix_tree import (
+    PrefixStates,
+    PrefixTree,
+    default_budget,
+    parse_bytes,
+)
+
+if TYPE_CHECKING:  # annotations only: step.py imports this module (StepBackend.generate_all is the planner)
+    from harness.backends.step import StepBackend
 
 log = logging.getLogger("harness")
 

@@ -2,16 +2,17 @@
 instances → prompts → backend → scores), its directory (``runlog``: lock, resume log), what identifies it
 (``identity``, ``hub``), and what it reports (``stats``, ``results``, ``audit``).
 
-``run_eval`` and ``load_backend`` are imported on first use: the light modules here (config, stats) must not
-cost torch's import."""
+``run_eval`` and ``EvalRun`` are imported on first use (lazy for start-up time: ``harness.report`` reads runs through
+the light modules here, stats and runlog, without torch's import). Backends are loaded by
+``harness.backends.loading``."""
 
 
 def __getattr__(name):
-    if name in ("run_eval", "load_backend", "EvalRun"):
+    if name in ("run_eval", "EvalRun"):
         from harness.engine import run
 
         return getattr(run, name)
     raise AttributeError(f"module 'harness.engine' has no attribute {name!r}")
 
 
-__all__ = ["run_eval", "load_backend", "EvalRun"]
+__all__ = ["run_eval", "EvalRun"]

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 from harness.backends.generation import GenRequest
+from harness.backends.loading import load_backend
 
 log = logging.getLogger("harness")
 
@@ -17,7 +18,6 @@ def reference_backend(cfg, backend):
     """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy."""
     if backend is not None and _dtype(backend) == "float32" and getattr(backend, "graphs", None) is None:
         return backend
-    from harness.engine.run import load_backend
 
     return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs="off")
 

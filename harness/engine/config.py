@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.backends import BACKENDS
+from harness.backends import BACKENDS, graphs_used
+from harness.backends.base import resolve_device, resolve_dtype
 from harness.backends.planner import PREFIX_REUSE
+from harness.backends.prefix_tree import parse_bytes
 from harness.hashing import digest, json_digest
+from harness.models import UnknownModelError, resolve_model
 from harness.models.registry import MODELS
-
 
 GRAPH_MODES = ("auto", "on", "off")
 
@@ -118,8 +120,6 @@ class RunConfig:
         if self.prefix_reuse not in PREFIX_REUSE:
             bad("--prefix-reuse", self.prefix_reuse, f"use one of {', '.join(PREFIX_REUSE)}")
         if self.prefix_memory != "auto":
-            from harness.backends.prefix_tree import parse_bytes
-
             try:
                 parse_bytes(self.prefix_memory)
             except ValueError as e:
@@ -139,7 +139,6 @@ class RunConfig:
     def resolved_device(self):
         import torch
 
-        from harness.backends.base import resolve_device
 
         try:
             dev = resolve_device(self.device)
@@ -161,9 +160,6 @@ class RunConfig:
         """What determines a sample's generation, as content: the key of the resume hash. Limits, ids, batch
         size, prefix reuse (and its memory) and the task options in ``selects`` (HotpotQA's positions) are left
         out: they choose which rows exist or how they are computed, not what a row holds."""
-        from harness.backends.base import resolve_dtype
-        from harness.models import UnknownModelError, resolve_model
-
         dev = self.resolved_device()
         try:
             family = self.backend if self.backend != "auto" else resolve_model(self.model).backend
@@ -187,13 +183,6 @@ class RunConfig:
                 # graphs pad a batch to its bucket: GEMMs of another shape may round differently
                 **({"cuda_graphs": True} if graphs_used(self.cuda_graphs, family, dev) else {}),
                 "tool_max_chars": self.tool_max_chars}
-
-
-def graphs_used(mode: str | bool, backend: str | None, device) -> bool:
-    """Whether a run decodes through CUDA graphs: ``on``, or ``auto`` where the backend has them (Phi-Mamba's,
-    on CUDA). One answer for the settings hash and for the backend that is loaded."""
-    mode = {True: "on", False: "off"}.get(mode, mode)
-    return mode == "on" or (mode == "auto" and backend == "phi-mamba" and str(device).startswith("cuda"))
 
 
 def word_negative_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

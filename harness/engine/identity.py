@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+from harness.engine.results import versions
+from harness.files import write_atomic
 from harness.hashing import digest, file_digest
 
 log = logging.getLogger("harness")
@@ -86,7 +88,6 @@ class FileHashCache:
     def _store(self, key: str, value: list) -> None:
         from filelock import FileLock
 
-        from harness.engine.runlog import write_atomic
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,8 +158,6 @@ def awaits_download(model_path: str, tokenizer: str | None, identity: dict) -> b
 
 def software_versions() -> dict[str, str]:
     """The packages whose code decides a generation: another version may round, tokenize or decode differently."""
-    from harness.engine.results import versions
-
     found = versions()
     return {pkg: found.get(pkg, "absent") for pkg in ("icr-harness", "torch", "transformers", "tokenizers")}
 

@@ -14,7 +14,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from harness.engine.runlog import write_atomic, write_json
+from harness.files import write_atomic, write_json
 
 FOLDER = "lm_eval"
 

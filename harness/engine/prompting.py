@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jinja2
 
+from evals.base import ToolSpec, read_utf8
 from harness.hashing import digest
 
 PROMPTS_DIR = Path(str(importlib.resources.files("prompts")))  # the installed package's templates
@@ -112,8 +113,6 @@ class PromptTemplate:
         from jinja2.exceptions import SecurityError
 
         if "tool" not in variables:
-            from evals.base import ToolSpec
-
             variables["tool"] = ToolSpec().template_vars()
         try:
             return self._template.render(**variables)
@@ -128,6 +127,4 @@ class PromptTemplate:
 
 
 def _read(path: Path) -> str:
-    from evals.base import read_utf8
-
     return read_utf8(path, "template", TemplateError)

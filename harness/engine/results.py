@@ -11,14 +11,13 @@ Files in a run directory:
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import platform
 import subprocess
 from pathlib import Path
 
 
 def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
     out = {"python": platform.python_version()}
     for pkg in ("icr-harness", "torch", "transformers", "tokenizers", "accelerate", "datasets", "jinja2", "mamba-ssm",
                 "vllm"):

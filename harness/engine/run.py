@@ -18,76 +18,37 @@ from tqdm.auto import tqdm
 
 from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
-from harness.backends.base import resolve_device
+from harness import hub
 from harness.backends.generation import GenRequest
-from harness.engine import hub, lm_eval_format
-from harness.engine.config import ConfigError, RunConfig, content_sha256, graphs_used, settings_hash
+from harness.backends.hf import load_tokenizer
+from harness.backends.loading import (
+    ModelLoadError,
+    load_backend,
+    model_spec,
+)
+from harness.engine import lm_eval_format
+from harness.engine.audit import audit_rows
+from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
 from harness.engine.identity import awaits_download, describe_changes, model_identity
 from harness.engine.prompting import PromptTemplate
 from harness.engine.results import format_markdown, git_hash, metrics_table, versions
-from harness.engine.runlog import (ResumeMismatchError, RunDirError, RunLock, SampleLog, check_run_meta, move_aside,
-                                   write_atomic, write_json, write_run_meta)
+from harness.engine.runlog import (
+    ResumeMismatchError,
+    RunDirError,
+    RunLock,
+    SampleLog,
+    check_run_meta,
+    move_aside,
+    write_run_meta,
+)
 from harness.engine.stats import summarize
+from harness.files import write_atomic, write_json
 from harness.hashing import digest
 
 log = logging.getLogger("harness")
 
-def model_spec(model: str, tokenizer: str | None = None):
-    """The registry's spec for a model name, with ``tokenizer`` (a hub id or local folder) overriding the
-    checkpoint's own or the registry's tokenizer."""
-    from harness.models import resolve_model
-
-    spec = resolve_model(model)
-    if tokenizer:
-        return dataclasses.replace(spec, tokenizer=str(Path(tokenizer).expanduser().resolve())
-                                   if Path(tokenizer).expanduser().is_dir() else tokenizer)
-    return spec
-
-
-def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto"):
-    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
-    ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
-    from harness.backends import backend_class
-    from harness.backends.fla_models import FlaError
-    from harness.backends.hf import TokenizerError
-
-    spec = model_spec(model, tokenizer)
-    if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
-        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
-    name = spec.backend if backend == "auto" else backend
-    if spec.backend == "phi-mamba" and name != "phi-mamba":
-        raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
-    cls = backend_class(name)
-    if cuda_graphs in ("on", True) and name != "phi-mamba":
-        raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
-    extra = {"cuda_graphs": True} if graphs_used(cuda_graphs, name, resolve_device(device)) else {}
-    hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))
-    try:
-        return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
-    except OSError as e:
-        tok = spec.tokenizer or spec.path
-        hint = (f"\n{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
-                f"{tok}'s. Pass --tokenizer with a local copy of it (a folder holding tokenizer.json), or fill the "
-                "HF cache with it.") if Path(spec.path).is_dir() and spec.tokenizer else ""
-        raise ModelLoadError(f"could not load model {model!r} (weights {spec.path}, tokenizer {tok}) through the "
-                             f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
-                             f"`hf download {spec.path}` elsewhere and copy the HF cache (then HF_HUB_OFFLINE=1 "
-                             "skips the network), or pass a local checkpoint directory to --model.") from e
-    except (ImportError, TokenizerError, FlaError):
-        raise
-    except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
-        files = ", ".join(sorted(p.name for p in Path(spec.path).glob("*") if p.is_file())[:12]) \
-            if Path(spec.path).is_dir() else spec.path
-        raise ModelLoadError(f"could not load model {model!r} from {spec.path} ({files}) through the {name} backend: "
-                             f"{type(e).__name__}: {e}\nCheck that the checkpoint files are complete (re-save or "
-                             "re-download them); --verbose shows the full traceback.") from e
-
-
 def _load_tokenizer(cfg: RunConfig):
     """The tokenizer the model will use, loaded before the model (a task builds its prompts with it)."""
-    from harness.backends.hf import load_tokenizer
-
     spec = model_spec(cfg.model, cfg.tokenizer)
     name = spec.tokenizer or spec.path
     hub.require((name, "tokenizer"))
@@ -96,10 +57,6 @@ def _load_tokenizer(cfg: RunConfig):
     except OSError as e:
         raise ModelLoadError(f"task {cfg.task!r} needs the model's tokenizer and {name!r} could not be loaded "
                              f"({e}); pass --tokenizer with a local copy") from e
-
-
-class ModelLoadError(ValueError):
-    """A model's files exist but cannot be loaded; the message names the directory and its files."""
 
 
 def distributed_state():
@@ -427,8 +384,6 @@ class EvalRun:
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         if cfg.audit:
-            from harness.engine.audit import audit_rows
-
             results["audit"] = audit_rows(self, self.backend if self.backend is not None
                                           else _load_model(cfg, self.dist), records, cfg.audit)
         df = metrics_table(by_condition, task.metrics, task.condition)

@@ -16,6 +16,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
 
+from filelock import FileLock, Timeout
+
+from harness.engine.identity import describe_changes
+from harness.files import remove_stale_temps, write_atomic
+
 log = logging.getLogger("harness")
 
 
@@ -31,68 +36,6 @@ class RunLockedError(RunDirError):
     pass
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write to a temporary file beside ``path``, fsync, then rename over it: a kill leaves old or new, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a kill signal turned exception: no temp file is left behind
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def strict_json(obj, **kw) -> str:
-    """JSON every reader accepts: a NaN or infinite float (a standard error of one row, a diverged loss) is
-    written as null, never as the bare ``NaN`` that JavaScript, Go and jq refuse."""
-    import math
-
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    return json.dumps(clean(obj), allow_nan=False, **kw)
-
-
-def write_json(path: str | Path, obj, **kw) -> Path:
-    """``obj`` as strict JSON (``strict_json``), written atomically."""
-    return write_atomic(path, strict_json(obj, **kw))
-
-
-def remove_stale_temps(directory: Path) -> list[Path]:
-    """Temp files ``write_atomic`` left in ``directory`` when its process died before it could clean up (SIGKILL,
-    power loss): those of processes no longer alive are removed."""
-    gone = []
-    for tmp in directory.glob(".*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
-            tmp.unlink(missing_ok=True)
-            gone.append(tmp)
-    return gone
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class RunLock:
     """An exclusive lock on a run directory for as long as a run writes to it.
 
@@ -104,8 +47,6 @@ class RunLock:
     when the run leaves nothing in it (a start that failed leaves no trace)."""
 
     def __init__(self, run_dir: str | Path):
-        from filelock import FileLock
-
         self.dir = Path(run_dir)
         self.info = self.dir / ".lock.json"
         self._lock = FileLock(str(self.dir / ".lock"))
@@ -113,8 +54,6 @@ class RunLock:
         self._created: list[Path] = []
 
     def acquire(self) -> "RunLock":
-        from filelock import Timeout
-
         self._created = [p for p in [self.dir, *self.dir.parents] if not p.exists()][::-1]
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -208,8 +147,6 @@ def move_aside(run_dir: Path, names: Iterable[str] | None = None) -> Path | None
 def check_run_meta(run_dir: Path, config_hash: str, hashed: dict) -> bool:
     """Raise ResumeMismatchError naming every changed setting if ``run_dir`` holds another run; True if it
     holds this one, False if it holds none yet."""
-    from harness.engine.identity import describe_changes
-
     meta = run_dir / "run.json"
     if not meta.exists():
         return False

@@ -7,6 +7,13 @@
   process. Not imported here: resolving a model name must not cost transformers' model imports (seconds).
 - ``masks``: the attention mask both model files use (a leaf: models never import the decode loop).
 """
-from harness.models.registry import MODELS, PHI_TOKENIZER, TOKENIZER_FILES, ModelSpec, UnknownModelError, resolve_model
+from harness.models.registry import (
+    MODELS,
+    PHI_TOKENIZER,
+    TOKENIZER_FILES,
+    ModelSpec,
+    UnknownModelError,
+    resolve_model,
+)
 
 __all__ = ["PHI_TOKENIZER", "MODELS", "TOKENIZER_FILES", "ModelSpec", "UnknownModelError", "resolve_model"]

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import types
 from pathlib import Path
 
@@ -42,7 +46,9 @@ def mamba_ssm_ops() -> types.SimpleNamespace | None:
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     try:
         with carried_sources():
-            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+            from mamba_ssm.ops.triton.selective_state_update import (
+                selective_state_update,
+            )
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception:  # not installed, or built for another torch
         return None
@@ -74,8 +80,6 @@ def require(scan: str, t: torch.Tensor) -> types.SimpleNamespace | None:
 
 def status() -> dict:
     """What is installed and which path the Phi-Mamba scan will take (for the doctor and the logs)."""
-    import importlib.util
-
     out = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
            "cuda_build": torch.version.cuda, "triton_interpret": interpreting()}
     for pkg in ("triton", "mamba_ssm", "causal_conv1d", "vllm"):
@@ -147,10 +151,6 @@ def triton_on_cpu() -> None:
 
 def fetch_mamba_ssm_sources(cache_dir: str | Path) -> Path:
     """The mamba-ssm source tree from its sdist on the package index, cached under ``cache_dir``."""
-    import subprocess
-    import tarfile
-    import tempfile
-
     root = Path(cache_dir) / f"mamba_ssm-{MAMBA_SSM_VERSION}"
     if (root / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
         return root

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness import hub
 from harness.models import kernels
 from harness.models.masks import block_attention_mask
 
@@ -521,7 +522,6 @@ def _resolve_folder(name_or_path: str) -> Path:
         return p
     from huggingface_hub import snapshot_download
 
-    from harness.engine import hub
 
     try:
         return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"],

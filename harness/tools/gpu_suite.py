@@ -9,13 +9,38 @@ CPU, ``--batch-size auto``'s budget) are listed as skipped with the reason."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from evals.hotpotqa import fixture_prompts
+from harness.backends.generation import GenRequest, common_prefix
+from harness.backends.loading import load_backend
+from harness.backends.planner import plan_batches
+from harness.backends.prefix_tree import PrefixTree
+from harness.models.istree import build_model
+from harness.reports.plotting import pyplot, save
+from harness.tiny import FAMILY_ARCHS, build_tokenizer, make_tiny_model
+from harness.tools.checks import (
+    check_cuda_graphs,
+    check_phi_mamba_kernels,
+    check_phi_mamba_reference,
+    decode_table,
+    environment,
+    free_memory,
+)
+from harness.tools.procs import python_result
+from harness.training.config import TrainConfig
+from harness.training.data import TrainTask, batch_from_tokens
+from harness.training.grid import grid_cells, measure_cell
+from harness.training.trainer import masked_loss
+from retrieval import RetrievalTool
 
 SIZES = {"real": {"hidden": 2048, "layers": 24}, "tiny": {"hidden": 64, "layers": 4}}
 PARITY_ARCHS = ("phi", "phi-mamba", "hybrid-phi-mamba")
@@ -23,8 +48,6 @@ INIT_STD = {"real": 0.05, "tiny": 0.5}  # large enough that generations differ b
 
 
 def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
-    from harness.tiny import make_tiny_model
-
     return str(make_tiny_model(tmp / f"{arch}-{size}", arch, tokenizer=tok, max_positions=4096,
                                init_std=INIT_STD[size], real_heads=size == "real" and arch != "phi", **SIZES[size],
                                **kw))
@@ -63,9 +86,6 @@ def generation_parity(path: str, arch: str, device: str, dtype: str, prompts: li
     """Greedy generations: a batch with the shared prefix reused == the batch without it == the prefix tree's
     (each prompt prefilled alone after its snapshot, rows merged) == each prompt alone. Exact, or (where kernels
     round differently by batch shape) every divergence a near-tie of the logits."""
-    from harness.backends.generation import GenRequest, common_prefix
-    from harness.engine.run import load_backend
-
     backend = load_backend(path, device, dtype)
     reqs = [GenRequest(p, new) for p in prompts]
     shared = common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts])
@@ -90,10 +110,6 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
     """The real generation loop replaying decode steps from CUDA graphs against eager steps: rows leaving the
     batch (batch buckets), long prompts (context buckets) and tool calls whose tags the model really writes
     (multi-token result blocks written into the resident cache)."""
-    from harness.backends.generation import GenRequest
-    from harness.engine.run import load_backend
-    from retrieval import RetrievalTool
-
     eager = load_backend(path, "cuda", "float32", cuda_graphs="off")
     free = eager.generate([GenRequest(p, new) for p in prompts])
     units = [p[i:i + 120] for p in prompts[:2] for i in range(0, 600, 120)]
@@ -123,10 +139,6 @@ def graphs_parity(path: str, arch: str, prompts: list[str], new: int) -> dict:
 
 def family_parity(device: str, tmp: Path, tok) -> dict:
     """Every transformers family of the capability table (tiny configs): a batch of 4 == each prompt alone."""
-    from harness.backends.generation import GenRequest
-    from harness.engine.run import load_backend
-    from harness.tiny import FAMILY_ARCHS, make_tiny_model
-
     prompts = [f"Question {i}: which river runs through the town of Karvell{'?' * i}" for i in range(4)]
     failed, distinct = [], {}
     for arch in FAMILY_ARCHS:
@@ -145,11 +157,6 @@ def family_parity(device: str, tmp: Path, tok) -> dict:
 
 def trainer_parity(device: str) -> dict:
     """One training step of each architecture: the loss and every gradient on ``device`` against the CPU."""
-    from harness.models.istree import build_model
-    from harness.training.config import TrainConfig
-    from harness.training.data import TrainTask, batch_from_tokens
-    from harness.training.trainer import masked_loss
-
     cfg = TrainConfig(size="smoke", nodes=8, setup="cot", report_to="none").resolved()
     task = TrainTask(cfg)
     vocab = {t: i for i, t in enumerate(task.vocab)}
@@ -176,9 +183,6 @@ def trainer_parity(device: str) -> dict:
 def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """Samples/s and tokens/s of the harness on the fixture prompts; for a transformers model also per-sample
     ``generate`` and ``generate`` on left-padded batches, with their texts checked against the harness's."""
-    from harness.backends.generation import GenRequest
-    from harness.engine.run import load_backend
-
     backend = load_backend(path, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
@@ -228,10 +232,6 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     """The all-slot sweep (gold at every slot) through each prefill plan and the default (``auto``, its cost
     model measured inside the timing, as a run does): seconds, tokens prefilled, speed against ``batch``, and
     whether its generations are ``none``'s."""
-    from harness.backends.generation import GenRequest
-    from harness.backends.prefix_tree import PrefixTree
-    from harness.engine.run import load_backend
-
     backend = load_backend(path, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
@@ -259,8 +259,6 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
 def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """``probe_auto_batch`` in a child process: a search that runs the GPU to its limit must not take the suite's
     CUDA context with it (an illegal address, unlike an out-of-memory error, leaves the context unusable)."""
-    from harness.tools.procs import python_result
-
     code = ("import json, sys; from harness.tools.gpu_suite import probe_auto_batch; "
             "print('RESULT ' + json.dumps(probe_auto_batch(*json.load(sys.stdin))))")
     got, res = python_result(code, stdin=json.dumps([path, arch, device, dtype, prompts, new]), timeout=600,
@@ -273,10 +271,6 @@ def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str]
 def probe_auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:
     """The batch ``--batch-size auto`` packs from free GPU memory against the largest batch of the same prompts
     that really fits (doubling from the auto batch until CUDA runs out of memory, at most 1,024)."""
-    from harness.backends.generation import GenRequest
-    from harness.backends.planner import plan_batches
-    from harness.engine.run import load_backend
-
     backend = load_backend(path, device, dtype)
     many = (prompts * (1024 // len(prompts) + 1))[:1024]
     lengths = [len(backend.tokenizer(p)["input_ids"]) for p in many]
@@ -299,17 +293,12 @@ def probe_auto_batch(path: str, arch: str, device: str, dtype: str, prompts: lis
 
 def _project_env() -> dict:
     """The environment for a child Python: it imports this checkout, whatever (if anything) pip installed."""
-    import os
-
     root = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def trainer_projection(cuda: bool) -> str:
     """benchmarks/train_throughput.py's table and the paper grid's projected hours on this device."""
-    import subprocess
-    import sys
-
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
     args = ["--measure-batch", "64", "--steps", "2"] if cuda else ["--nodes", "4", "--setups", "direct",
                                                                    "--measure-batch", "2", "--steps", "1"]
@@ -322,8 +311,6 @@ def trainer_projection(cuda: bool) -> str:
 
 
 def trainer_throughput(device: torch.device, cells: list) -> list[dict]:
-    from harness.training.grid import measure_cell
-
     rows = []
     for cell in cells:
         m = measure_cell(cell, device, cell.batch_size, steps=2)
@@ -336,15 +323,12 @@ def trainer_throughput(device: torch.device, cells: list) -> list[dict]:
 def _guarded(name: str, fn, *args) -> dict:
     """One check or measurement; an exception is recorded as its failure, so the rest of a scarce GPU session's
     suite still runs and reports."""
-    import traceback
-
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001
         return {"name": name, "model": name, "ok": False, "error": f"{type(e).__name__}: {e}",
                 "traceback": traceback.format_exc()[-3000:]}
     finally:
-        from harness.doctor import free_memory
 
         free_memory()
 
@@ -355,14 +339,11 @@ PARTS = ("parity", "throughput", "decode", "trainer")  # each fits one 10-minute
 def run_suite(out: Path, size: str | None = None, parts: tuple[str, ...] = PARTS) -> int:
     """The checks and measurements of ``parts``; returns the exit status (1 on any parity failure). The report is
     rewritten after every step, so a call cut off at the machine's time limit still leaves what it proved."""
-    from harness import doctor
-    from harness.tiny import build_tokenizer
-
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     size = size or ("real" if cuda else "tiny")
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"environment": doctor.environment(), "device": device, "size": size, "parts": list(parts),
+    report: dict = {"environment": environment(), "device": device, "size": size, "parts": list(parts),
                     "checks": [], "skipped": [], "throughput": [], "plans": [], "auto_batch": [], "decode": [],
                     "trainer": []}
     if not cuda:
@@ -391,15 +372,12 @@ def run_suite(out: Path, size: str | None = None, parts: tuple[str, ...] = PARTS
         if "parity" in parts:
             _parity_part(step, report, device, tmp, tok)
     if "decode" in parts:
-        step(report["decode"], "decode table", doctor.decode_table, device, size,
+        step(report["decode"], "decode table", decode_table, device, size,
              (512, 2048, 8192) if cuda else (64, 256), 8, (1, 8, 64) if cuda else (1, 4))
         measured = [r for r in report["decode"] if "tokens_per_s" in r]
         if measured:
             plot_decode(measured, out / "decode.png", report["environment"].get("gpu", "CPU"))
     if "trainer" in parts:
-        from harness.training.config import TrainConfig
-        from harness.training.grid import grid_cells
-
         cells = [c for c in grid_cells("paper" if cuda else "smoke", TrainConfig(), out)
                  if c.size in ("0.5M", "smoke") and c.nodes in (16, 4)]
         step(report["trainer"], "trainer throughput", trainer_throughput, torch.device(device), cells)
@@ -437,25 +415,22 @@ def _models_part(step, report: dict, parts, device: str, size: str, tmp: Path, t
 
 def _parity_part(step, report: dict, device: str, tmp: Path, tok) -> None:
     """The Phi-Mamba reference and kernels, CUDA-graph steps, the trainer on CUDA against CPU, the family matrix."""
-    from harness import doctor
 
     checks, cuda = report["checks"], device == "cuda"
-    step(checks, "phi-mamba reference: batched == alone", doctor.check_phi_mamba_reference, device)
+    step(checks, "phi-mamba reference: batched == alone", check_phi_mamba_reference, device)
     if cuda and report["environment"].get("phi_mamba_scan") != "pytorch reference":
-        step(checks, "mamba-ssm kernels == reference", doctor.check_phi_mamba_kernels, "cuda")
+        step(checks, "mamba-ssm kernels == reference", check_phi_mamba_kernels, "cuda")
     else:
         report["skipped"].append("mamba-ssm kernels == reference: no mamba-ssm kernels here (on CPU: "
                                  "python -m harness.doctor --interpret-kernels)")
     if cuda:
-        step(checks, "CUDA graphs == eager (steps)", doctor.check_cuda_graphs, "cuda")
+        step(checks, "CUDA graphs == eager (steps)", check_cuda_graphs, "cuda")
         step(checks, "trainer on CUDA == CPU", trainer_parity, "cuda")
     step(checks, "family matrix", family_parity, device, tmp, tok)
 
 
 def plot_decode(rows: list[dict], path: Path, where: str) -> Path:
     """Decode tokens/s against context, one panel per batch size, each model's line beside its bandwidth bound."""
-    from harness.reports.plotting import pyplot, save
-
     plt = pyplot()
 
 

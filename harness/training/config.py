@@ -7,7 +7,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from evals import istree
+from evals import istree, task_class
+from evals.base import OptionError, make_options
 from harness.engine.config import ConfigError, _f
 from harness.engine.runlog import RunDirError
 from harness.training.state import TrainingError
@@ -24,6 +25,9 @@ RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "la
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
                    "precision", "bucket", "checkpoint", "store")
 CHECKPOINTS = ("last", "best")
+
+# How a grid's cells are run: processes on this machine, or submitit jobs (its local executor, or SLURM).
+LAUNCHERS = ("processes", "submitit-local", "slurm")
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,6 @@ class TrainConfig:
 
     @property
     def name(self) -> str:
-        from evals import task_class
-
         shape = "".join([f"-d{self.d_model}" if self.d_model else "", f"-L{self.layers}" if self.layers else ""])
         options = "".join(f"-{k}{v}" for k, v in sorted(self.task_args.items()))
         return f"{self.arch}-{self.size}{shape}-{task_class(self.task).training_tag(self)}{options}"
@@ -97,9 +99,6 @@ class TrainConfig:
 
     def _typed_task_args(self) -> dict:
         """``task_args`` as the task's option types (``"8"`` from the command line and ``8`` are one setting)."""
-        from evals import task_class
-        from evals.base import OptionError, make_options
-
         cls = task_class(self.task)
         try:
             options = make_options(cls.Options, {**cls.training_options(self), **self.task_args}, self.task)

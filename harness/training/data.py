@@ -6,6 +6,8 @@ import random
 
 import torch
 
+from evals import get_task, task_class
+from evals.base import word_level_tokenizer
 from evals.synthetic import PAD, loss_mask
 from harness.backends.generation import pad_batch
 from harness.hashing import digest
@@ -22,8 +24,6 @@ class TrainTask:
     and the options under which the eval engine re-creates it (icr_task.json next to the checkpoint)."""
 
     def __init__(self, cfg: TrainConfig):
-        from evals import get_task, task_class
-
         self.cfg = cfg
         self.eval_args = {**task_class(cfg.task).training_options(cfg), "samples": cfg.eval_samples}
         self.impl = get_task(cfg.task, **self.eval_args)
@@ -42,16 +42,12 @@ class TrainTask:
         """The validation split, where ``--checkpoint best`` compares checkpoints: drawn as the test split is,
         from its own seed, with every sequence that the test split also holds removed (tiny graphs repeat), so
         the number reported on the test split never comes from a checkpoint chosen on the same samples."""
-        from evals import get_task
-
         seed = self.impl.options.eval_seed + VALIDATION_SEED_OFFSET
         impl = get_task(self.cfg.task, **{**self.eval_args, "eval_seed": seed})
         test = {tuple(s) for s in self.heldout()}
         return [s for s in impl.heldout_sequences(impl.load()) if tuple(s) not in test]
 
     def tokenizer(self):
-        from evals.base import word_level_tokenizer
-
         return word_level_tokenizer(self.vocab)
 
 

@@ -12,9 +12,12 @@ import dataclasses
 import itertools
 import json
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import time
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -22,9 +25,13 @@ from tqdm.auto import tqdm
 
 from evals import istree
 from harness.engine.config import ConfigError
-from harness.engine.runlog import write_atomic
-from harness.training.config import TrainConfig
+from harness.files import write_atomic
+from harness.models.istree import build_model
+from harness.reports.plotting import pyplot, save
+from harness.tools.procs import die_with_parent
+from harness.training.config import USER_ERRORS, TrainConfig
 from harness.training.data import TrainTask, batch_from_tokens
+from harness.training.launch import run_on_scheduler
 from harness.training.trainer import masked_loss, train_one
 
 log = logging.getLogger("harness")
@@ -90,8 +97,6 @@ def run_grid(name: str, base: TrainConfig, root: Path, jobs: int | None = None, 
     root.mkdir(parents=True, exist_ok=True)
     ordered = sorted(cells, key=_cost, reverse=True)
     if launcher != "processes":
-        from harness.training.launch import run_on_scheduler
-
         results = run_on_scheduler(launcher, name, ordered, root, jobs, cell_threads(base, jobs), overwrite,
                                    timeout_min=timeout_min, partition=partition)
     elif jobs == 1:
@@ -131,9 +136,6 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
 
     The progress bar counts the work done in every cell (the steps in its ``train_log.jsonl``), each cell
     weighted by ``cost`` (default: its steps), so its ETA moves while long cells train."""
-    import multiprocessing
-    from multiprocessing.connection import wait
-
     ctx = multiprocessing.get_context("spawn")
     pending, running, results, failed = list(cells), {}, [], []
     gpus = torch.cuda.device_count()
@@ -232,11 +234,6 @@ def _only_gpu(gpu: int | None):
 
 def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bool) -> None:
     """One grid cell in a child process: an error is one line on stderr and a non-zero exit code."""
-    import sys
-
-    from harness.tools.procs import die_with_parent
-    from harness.training.config import USER_ERRORS
-
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the cells
     torch.set_num_threads(threads)
@@ -252,8 +249,6 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3) -> dict:
     """Seconds per optimizer step and per sample of data generation, measured on a few real batches of the
     cell (one warm-up step first), and the forward-only seconds of one batch (for the evaluations)."""
-    from harness.models.istree import build_model
-
     task = TrainTask(cell)
     vocab = {t: i for i, t in enumerate(task.vocab)}
     torch.manual_seed(0)
@@ -415,8 +410,6 @@ def _order(arch: str) -> int:
 def plot_grid(df, path: Path) -> None:
     """Teacher-forced EM per architecture, one panel per (setup, graph size), sizes side by side: the paper's
     layout (its metric); live greedy accuracy as a hollow marker on each bar."""
-    from harness.reports.plotting import pyplot, save
-
     plt = pyplot()
 
     setups = [s for s in istree.SETUPS if s in set(df.setup)]

@@ -16,12 +16,10 @@ import time
 from pathlib import Path
 
 from harness.engine.config import ConfigError
-from harness.training.config import TrainConfig
+from harness.training.config import LAUNCHERS, TrainConfig
+from harness.training.trainer import finished_result, train_one
 
 log = logging.getLogger("harness")
-
-LAUNCHERS = ("processes", "submitit-local", "slurm")
-
 
 class CellJob:
     """One cell as a submitit job: trains it (or returns its finished result) in the job's process."""
@@ -32,7 +30,6 @@ class CellJob:
     def __call__(self, cfg: TrainConfig, overwrite: bool = False) -> dict:
         import torch
 
-        from harness.training.trainer import train_one
 
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -84,7 +81,6 @@ def run_on_scheduler(launcher: str, name: str, cells: list[TrainConfig], root: P
     end; the others still train."""
     import torch
 
-    from harness.training.trainer import finished_result
 
     if launcher not in LAUNCHERS[1:]:
         raise ConfigError(f"--launcher {launcher}: choose {', '.join(LAUNCHERS)}")

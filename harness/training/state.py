@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from harness.engine.runlog import RunDirError, move_aside, write_atomic
+from harness.engine.identity import describe_changes
+from harness.engine.runlog import RunDirError, move_aside
+from harness.files import write_atomic
 
 log = logging.getLogger("harness")
 
@@ -57,8 +59,6 @@ class Progress:
 
 def check_settings(out: Path, settings: dict, overwrite: bool) -> None:
     """Refuse a directory that holds (or held, killed) a training run of other settings; record ours."""
-    from harness.engine.identity import describe_changes
-
     path = out / SETTINGS_FILE
     if path.exists():
         try:

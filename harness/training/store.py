@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -129,7 +130,6 @@ def _pool(workers: int):
     """Worker processes for a build (terminated however it ends), or none: drawn in this process."""
     if workers <= 1:
         return contextlib.nullcontext()
-    import multiprocessing
 
     return multiprocessing.get_context("spawn").Pool(workers)
 

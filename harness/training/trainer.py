@@ -16,6 +16,7 @@ more by live greedy generation through the eval engine on the test split (the re
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -26,12 +27,28 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from harness.engine.config import ConfigError
-from harness.engine.runlog import RunDirError, RunLock, write_json
+from harness.backends.hf import TransformersBackend
+from harness.engine.config import ConfigError, RunConfig
+from harness.engine.identity import cache_dir
+from harness.engine.run import run_eval
+from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
+from harness.files import write_json
+from harness.models.istree import build_model, trainable_parameters
+from harness.reports.plotting import pyplot, save
 from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
-from harness.training.state import (Progress, TrainingError, check_settings, drop_state, load_state, retire_tracker,
-                                    rewrite_log, save_checkpoint, save_state)
+from harness.training.state import (
+    Progress,
+    TrainingError,
+    check_settings,
+    drop_state,
+    load_state,
+    retire_tracker,
+    rewrite_log,
+    save_checkpoint,
+    save_state,
+)
+from harness.training.store import ensure_store
 
 log = logging.getLogger("harness")
 
@@ -73,8 +90,6 @@ def teacher_forced(model, batches, autocast) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _tracker(cfg: TrainConfig) -> str | None:
-    import importlib.util
-
     if cfg.report_to == "auto":
         return "tensorboard" if importlib.util.find_spec("tensorboard") else None
     return None if cfg.report_to == "none" else cfg.report_to
@@ -125,7 +140,6 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
-        from harness.models.istree import build_model, trainable_parameters
 
         self.cfg, self.out, self.show = cfg, Path(cfg.output), progress
         if cfg.threads:
@@ -158,9 +172,6 @@ class Trainer:
         self.workers = cfg.workers if cfg.workers is not None else (4 if cuda else 0)
         self.store = None
         if cfg.store:
-            from harness.engine.identity import cache_dir
-            from harness.training.store import ensure_store
-
             self.store = ensure_store(self.task, cfg.store, Path(cfg.store_dir or cache_dir() / "stores"),
                                       workers=self.workers)
         # The split the curve is validated on: the test split itself under the paper's protocol (nothing is chosen
@@ -383,8 +394,6 @@ class Trainer:
 def model_state_bytes(model, task: TrainTask, tokens: int) -> int:
     """Bytes of decoding state (KV cache, conv and SSM state) the model holds after ``tokens`` tokens: the
     quantity the paper's argument is about, measured as the eval engine measures it."""
-    from harness.backends.hf import TransformersBackend
-
     was_training = model.training
     dev = next(model.parameters()).device
     backend = TransformersBackend("", model=model, tok=task.tokenizer(), device=str(dev),
@@ -406,11 +415,6 @@ def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: 
     """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval). The
     evaluation's rows are keyed by the checkpoint's content (the files in ``run_dir``); rows of another
     checkpoint (a killed attempt's, a retrained model's) are moved aside, never counted."""
-    from harness.backends.hf import TransformersBackend
-    from harness.engine.config import RunConfig
-    from harness.engine.run import run_eval
-    from harness.engine.runlog import ResumeMismatchError
-
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
     cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
@@ -425,8 +429,6 @@ def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: 
 
 def plot_curves(curve: list[dict], path: Path, title: str) -> None:
     """Training loss and teacher-forced exact match against samples seen: one PNG per run."""
-    from harness.reports.plotting import pyplot, save
-
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.4))

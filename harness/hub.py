@@ -12,6 +12,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from harness.engine.identity import hub_snapshot
+
 log = logging.getLogger("harness")
 
 PROBE_SECONDS = 3.0
@@ -51,8 +53,6 @@ def load_kwargs(name: str) -> dict:
 
 
 def in_cache(repo_id: str) -> bool:
-    from harness.engine.identity import hub_snapshot
-
     return hub_snapshot(repo_id) is not None
 
 

@@ -1,0 +1,240 @@
+"""The machine checks the doctor and the GPU suite both run: parity of each decoding path against the reference
+on tiny random models, decode speed against the memory-bandwidth bound, and what software is here."""
+from __future__ import annotations
+
+import gc
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from harness.backends.generation import GenRequest, left_pad
+from harness.backends.hf import TransformersBackend
+from harness.backends.loading import load_backend
+from harness.backends.vllm_backend import VLLMBackend
+from harness.models import kernels
+from harness.models.decode_graphs import GraphedDecode
+from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
+from harness.tiny import build_tokenizer, make_tiny_model
+
+TOL = 1e-3  # max |logit difference| on tiny random models (float32)
+
+
+def state_bytes(state) -> int:
+    """Bytes of a decoding state: Phi-Mamba's conv+SSM (and KV) state, or a transformers KV cache."""
+    if hasattr(state, "nbytes"):
+        return state.nbytes()
+    cache = state["cache"]
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _synchronizer(device):
+    """Waits for queued GPU work before a clock is read (nothing to wait for on a CPU)."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def decode_cost(backend, length: int, steps: int, batch: int = 1) -> tuple[float, int]:
+    """(seconds per decoding step, decoding-state bytes of the batch) after ``batch`` prompts of ``length``
+    tokens."""
+    vocab = backend.tokenizer.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (batch, length), generator=g).to(backend.device)
+    mask = torch.ones_like(ids)
+    sync = _synchronizer(backend.device)
+    with torch.inference_mode():
+        logits, state = backend.prefill(ids, mask)
+        tok = logits.argmax(-1, keepdim=True)
+        for _ in range(3):  # warm-up
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
+            tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
+            tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
+        sync()
+        per_token = (time.perf_counter() - t0) / steps
+    return per_token, state_bytes(state)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _tiny_phi_mamba(attn_layers, device, seed=0):
+    torch.manual_seed(seed)
+    cfg = PhiMambaConfig.tiny(vocab_size=97, d_model=64, n_layer=2, attn_layers=attn_layers, chunk_size=16)
+    model = PhiMambaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)  # large enough that outputs depend on the whole prompt
+    return model.to(device)
+
+
+def _probe_prompts() -> list[list[int]]:
+    """Three fixed random prompts of different lengths: a left-padded batch with real padding."""
+    return [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 20, 5)]
+
+
+def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                                             list[list[int]]]:
+    """Prefill a left-padded batch, then greedy-decode ``steps`` tokens (through ``graphs``, a GraphedDecode,
+    when given); logits at real positions, per-step logits and tokens."""
+    model.scan = scan
+    ids, mask = left_pad(seqs, 0, device)
+    with torch.inference_mode():
+        logits, state = model(ids, mask)
+        real = logits[mask.bool()]
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        step_logits, toks = [], [tok[:, 0].tolist()]
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], 1)
+            if graphs is not None:
+                last = graphs(state, tok, mask)
+            else:
+                out, state = model(tok, mask, state)
+                last = out[:, -1]
+            step_logits.append(last)
+            tok = last.argmax(-1, keepdim=True)
+            toks.append(tok[:, 0].tolist())
+    return real, step_logits, toks
+
+
+def check_phi_mamba_reference(device="cpu") -> dict:
+    """The reference path against itself: a left-padded batch equals each prompt alone."""
+    worst = 0.0
+    for attn in ([], [1]):
+        model = _tiny_phi_mamba(attn, device)
+        seqs = _probe_prompts()
+        batch = _run_paths(model, seqs, 6, "torch", device)
+        for i, s in enumerate(seqs):
+            alone = _run_paths(model, [s], 6, "torch", device)
+            worst = max(worst, max((a[0] - b[i]).abs().max().item() for a, b in zip(alone[1], batch[1])))
+    return {"name": "phi-mamba reference: batched == alone", "max_diff": worst, "ok": worst < TOL}
+
+
+def check_phi_mamba_kernels(device) -> dict:
+    """mamba-ssm's kernels (prompt scan and decode step) against the reference path."""
+    before = dict(kernels.CALLS)
+    worst, same_tokens = 0.0, True
+    for attn in ([], [1]):
+        model = _tiny_phi_mamba(attn, device)
+        seqs = _probe_prompts()
+        ref = _run_paths(model, seqs, 4, "torch", device)
+        ker = _run_paths(model, seqs, 4, "kernel", device)
+        worst = max(worst, (ref[0] - ker[0]).abs().max().item(),
+                    *((a - b).abs().max().item() for a, b in zip(ref[1], ker[1])))
+        same_tokens &= ref[2] == ker[2]
+    launched = {k: kernels.CALLS[k] - before[k] for k in kernels.CALLS}
+    ok = worst < TOL and same_tokens and all(launched.values())
+    return {"name": f"phi-mamba: mamba-ssm kernels == reference ({device})", "max_diff": worst,
+            "same_tokens": same_tokens, "kernel_calls": launched, "ok": ok}
+
+
+def check_cuda_graphs(device="cuda") -> dict:
+    """Phi-Mamba's and the hybrid's decode steps replayed from CUDA graphs against the eager step (a batch of
+    3: bucket 4; the hybrid's KV cache fixed-capacity and resident)."""
+    worst, same = 0.0, True
+    for attn in ([], [1]):
+        model = _tiny_phi_mamba(attn, device)
+        seqs = _probe_prompts()
+        eager = _run_paths(model, seqs, 8, "auto", device)
+        graphed = _run_paths(model, seqs, 8, "auto", device, graphs=GraphedDecode(model))
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
+        same &= eager[2] == graphed[2]
+    return {"name": "phi-mamba and hybrid decode: CUDA graphs == eager", "max_diff": worst, "same_tokens": same,
+            "ok": worst < TOL and same}
+
+
+def memory_bandwidth(device) -> float:
+    """Bytes per second a large device-to-device copy moves (read + write): the bound a decode step that
+    reads every weight once cannot beat."""
+    n = (256 if torch.device(device).type == "cuda" else 64) * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    sync = _synchronizer(device)
+    dst.copy_(src)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync()
+    return 10 * 2 * n * 4 / (time.perf_counter() - t0)
+
+
+def check_vllm(tmp: Path) -> dict:
+    """vLLM against the transformers backend: greedy tokens of a tiny random Llama."""
+    path = str(make_tiny_model(tmp / "llama", "llama", tokenizer=build_tokenizer(), hidden=128))
+    prompts = [f"Paragraph: Karvell\nKarvell is a town number {i}. Question: where?" for i in range(8)]
+    hf = TransformersBackend(path, device="cuda", dtype="float32").generate([GenRequest(p, 16) for p in prompts])
+    vl = VLLMBackend(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    got = vl.generate([GenRequest(p, 16) for p in prompts])
+    same = sum(a.token_ids == b.token_ids for a, b in zip(hf, got))
+    return {"name": "vllm == transformers (tiny llama, greedy)", "same": f"{same}/{len(prompts)}",
+            "ok": same == len(prompts)}
+
+
+def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,)) -> list[dict]:
+    """Phi-Mamba and hybrid decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache
+    (and both replayed from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth
+    over the bytes a batch-1 step must read (every weight once, and the decoding state)."""
+    hidden, layers = (2048, 24) if size == "real" else (128, 4)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    bandwidth = memory_bandwidth(device)
+    family = ("phi-mamba", "hybrid-phi-mamba")
+    runs = [(a, False) for a in (*family, "phi")] + ([(a, True) for a in family] if device == "cuda" else [])
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tok = build_tokenizer()
+        for arch, graphs in runs:
+            path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
+                                   max_positions=max(lengths) + 64, init_std=0.02, real_heads=size == "real")
+            backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
+            weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+            for b in batches:
+                for n in lengths:
+                    try:
+                        sec, nbytes = decode_cost(backend, n, steps, batch=b)
+                    except torch.cuda.OutOfMemoryError:
+                        rows.append({"model": arch + (" (graphs)" if graphs else ""), "batch": b, "context": n,
+                                     "ms_per_step": "out of memory"})
+                        torch.cuda.empty_cache()
+                        continue
+                    bound = b * bandwidth / (weights + nbytes)  # a step reads every weight once and every state
+                    rows.append({"model": arch + (" (graphs)" if graphs else ""), **({"batch": b} if len(batches) > 1
+                                                                                     else {}), "context": n,
+                                 "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
+                                 "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),
+                                 "state_mib": round(nbytes / 2**20, 3)})
+            del backend
+            free_memory()
+    return rows
+
+
+def free_memory() -> None:
+    """Give back what dropped models held: a backend's model, its graphs and its caches can hold each other in
+    reference cycles that only the collector frees (on an H100, 61 GiB of earlier checks' models were still
+    held when the decode table started)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), **kernels.status()}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
