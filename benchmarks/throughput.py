@@ -83,9 +83,9 @@ def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf", stop=STOP):
             f"generation_kwargs:\n  until: {json.dumps(list(stop))}\n  max_gen_toks: {max_new}\n  do_sample: false\n"
             "metric_list:\n  - metric: exact_match\n")
         if model == "icr":
-            import harness.lm_eval
+            import harness.icr_lm
 
-            lm = harness.lm_eval.ICRLM(pretrained=model_dir, dtype="float32", device="cpu", batch_size=batch_size)
+            lm = harness.icr_lm.ICRLM(pretrained=model_dir, dtype="float32", device="cpu", batch_size=batch_size)
         else:
             from lm_eval.models.huggingface import HFLM
 

@@ -53,7 +53,7 @@ def main():
     for setup in a.setups.split(","):
         for n in map(int, a.nodes.split(",")):
             for size in sizes:
-                base = None
+                base, read = None, 0.0  # read: the token store's time per sample, measured at the first arch
                 for arch in archs:
                     cell = TrainConfig(arch=arch, size=size, nodes=n, setup=setup, report_to="none").resolved()
                     m = measure_cell(cell, device, a.measure_batch, a.steps)

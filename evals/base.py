@@ -42,14 +42,13 @@ def instance_key(id: str, condition: str) -> str:
 
 @dataclass
 class Instance:
-    """One prompt to run: a question with its context in a fixed order, tagged with the condition the task
-    groups results by (HotpotQA: the gold paragraphs' position; synthetic tasks: a size or a length)."""
+    """One prompt to run, as the engine sees it: an id, the condition the task groups results by (HotpotQA: the
+    gold paragraphs' position; synthetic tasks: a size or a length) and the gold answer. What the prompt is made
+    of is the task's: a subclass adds its fields and says what its template reads (``template_vars``)."""
 
     id: str
     condition: str
-    question: str
     answer: str
-    paragraphs: list[dict[str, Any]] = field(default_factory=list)  # [{"title", "sentences", "text", "gold"}]
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,11 +56,18 @@ class Instance:
         return instance_key(self.id, self.condition)
 
     def template_vars(self) -> dict[str, Any]:
-        return {"question": self.question, "paragraphs": self.paragraphs, "meta": self.meta}
+        return {"meta": self.meta}
 
-    def retrieval_units(self) -> list[str]:
-        """The texts the retrieval tool searches: the test context's sentences, never the exemplars'."""
-        return [f"{p['title']}: {s.strip()}" for p in self.paragraphs for s in p["sentences"] if s.strip()]
+
+@dataclass
+class TextInstance(Instance):
+    """A prompt that is one text: a symbol sequence, a phone book, a serialized graph. The bundled templates
+    read it as ``question`` (the name every template of the project gives the test input)."""
+
+    text: str = ""
+
+    def template_vars(self) -> dict[str, Any]:
+        return {"question": self.text, "meta": self.meta}
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,15 @@ class Task(ABC):
     include_stop: ClassVar[bool] = False  # score the generation with the stop string that ended it
     needs_tokenizer: ClassVar[bool] = False  # the engine sets ``self.tokenizer`` (the model's) before instances()
     default_max_new_tokens: int = 32
-    # How harness.report places a condition on its x axis: a per-condition statistic of the rows (HotpotQA: the
-    # slot of the first gold paragraph, its named positions under their slot), or None: the condition's value.
+    # How harness.report shows the task (it names no task; these say it). The first of ``metrics`` is the one
+    # drawn and the one ``--subset`` asks to be 1. The x axis: a per-condition statistic of the rows (HotpotQA:
+    # the slot of the first gold paragraph, its named positions under their slot), or None: the condition's
+    # value (``axis_position``). A condition of two parts (the needle's length@depth) is drawn as a heatmap whose
+    # rows are its second part, titled ``series_label``.
     axis_statistic: ClassVar[str | None] = None
     axis_label: ClassVar[str | None] = None  # the x axis' title (default: the condition's name)
+    series_label: ClassVar[str | None] = None
+    official_scorer: ClassVar[str | None] = None  # the task's own scoring script, if it has one (see official_gold)
 
     def __init__(self, data: str | None = None, split: str | None = None, **options):
         self.data, self.split = data, split
@@ -146,6 +157,25 @@ class Task(ABC):
     def label(cls, option: str, value) -> str:
         """How a report's legend names a run by one of this task's options where runs differ in it."""
         return f"{option}={value}"
+
+    @classmethod
+    def axis_position(cls, condition: str, statistic: float | None = None) -> tuple[float | None, str | None]:
+        """Where a condition sits on the report's plot, and its series (None: one line per run): the axis
+        statistic where the task has one, else ``NAME=VALUE``'s value (pairs, nodes, length) or the condition
+        itself as a number."""
+        if statistic is not None and statistic == statistic:
+            return float(statistic), None
+        try:
+            return float(condition.split("=", 1)[-1]), None
+        except ValueError:
+            return None, None
+
+    @classmethod
+    def official_gold(cls, config: dict, resolved: dict, scored: dict[str, set[str]]) -> dict[str, list[dict]]:
+        """The gold file ``official_scorer`` reads, per condition, cut to the ids the harness scored there
+        (``scored``), from the data the run used (``config``; ``resolved`` holds its content hash). Only for tasks
+        with an official scorer."""
+        raise OptionError(f"task {cls.name!r} has no official scoring script")
 
     @classmethod
     def output_tag(cls, options: dict) -> str:

@@ -21,7 +21,8 @@ from evals.metrics import ANSWER_PHRASE
 from evals.registry import register_task
 from harness import hub
 from harness.engine.prompting import PromptTemplate
-from harness.engine.runlog import write_atomic
+from harness.files import write_atomic
+from harness.hashing import content_sha256
 from retrieval import RetrievalTool
 
 log = logging.getLogger("harness")
@@ -165,6 +166,21 @@ def gold_start(position: str, n_distractors: int, rng: random.Random) -> int:
 
 # ------------------------------------------------------------------------------------------- task
 @dataclass
+class QAInstance(Instance):
+    """A question over paragraphs in a fixed order (distractors and gold, placed by the condition)."""
+
+    question: str = ""
+    paragraphs: list[dict[str, Any]] = field(default_factory=list)  # [{"title", "sentences", "text", "gold"}]
+
+    def template_vars(self) -> dict[str, Any]:
+        return {"question": self.question, "paragraphs": self.paragraphs, "meta": self.meta}
+
+    def retrieval_units(self) -> list[str]:
+        """The texts the retrieval tool searches: the test context's sentences, never the exemplars'."""
+        return [f"{p['title']}: {s.strip()}" for p in self.paragraphs for s in p["sentences"] if s.strip()]
+
+
+@dataclass
 class HotpotQAOptions:
     """HotpotQA's own options; ``harness.eval`` also takes them as --distractors, --positions and --shots
     (``"flag": True``)."""
@@ -199,6 +215,7 @@ class HotpotQA(Task):
     stop = ["\n\n", "\nQuestion:", "\nParagraph:"]
     default_max_new_tokens = 96
     metrics = ("em", "f1", "contains")
+    official_scorer = "hotpot_evaluate_v1.py"
     condition = "position"
     axis_statistic = "gold_start"
     axis_label = "slot of the first gold paragraph (0 = first in the context)"
@@ -253,9 +270,9 @@ class HotpotQA(Task):
             for pos in positions:
                 start = 0 if pos == "oracle" else gold_start(pos, distractors, random.Random(f"{seed}:{row['_id']}:pos"))
                 paras = distr[:start] + gold + distr[start:]
-                out.append(Instance(id=row["_id"], condition=pos, question=row["question"], answer=row["answer"],
-                                    paragraphs=paras, meta={"gold_start": start, "type": row.get("type"),
-                                                            "level": row.get("level"), "n_paragraphs": len(paras)}))
+                out.append(QAInstance(id=row["_id"], condition=pos, question=row["question"], answer=row["answer"],
+                                      paragraphs=paras, meta={"gold_start": start, "type": row.get("type"),
+                                                              "level": row.get("level"), "n_paragraphs": len(paras)}))
         return out
 
     @staticmethod
@@ -294,6 +311,18 @@ class HotpotQA(Task):
 
     def record_fields(self, instance: Instance) -> dict[str, Any]:
         return {"gold_start": instance.meta["gold_start"]}
+
+    @classmethod
+    def official_gold(cls, config: dict, resolved: dict, scored: dict[str, set[str]]) -> dict[str, list[dict]]:
+        """The official-format gold rows per position, cut to the ids scored there: ``hotpot_evaluate_v1.py``
+        on them and the run's predictions/ prints the harness's EM and F1 (the official script divides by every
+        gold row, and counts a row without a prediction as 0)."""
+        rows = cls(data=config.get("data"), split=config.get("split", "validation")).load()
+        want = resolved.get("data_sha256")
+        if want and content_sha256(rows) != want:
+            raise DataError(f"the data {config.get('data')!r} changed since the run (content hash "
+                            f"{content_sha256(rows)} vs {want}); point the run's --data at the file it used")
+        return {pos: [r for r in rows if r["_id"] in ids] for pos, ids in scored.items()}
 
     def write_outputs(self, records: list[dict], out_dir: Path, conditions: list[str]) -> list[str]:
         write_predictions(records, out_dir, conditions)

@@ -19,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError, ToolSpec, word_level_tokenizer
+from evals.base import Instance, OptionError, TextInstance, ToolSpec, word_level_tokenizer
 from evals.registry import register_task
 from evals.synthetic import SyntheticTask
 from retrieval.search import shared_searcher
@@ -376,8 +376,8 @@ class IsTree(SyntheticTask):
         for r in rows:
             g = Graph(self.nodes, [tuple(e) for e in r["edges"]])
             prompt = " ".join([BOS, *g.tokens(), EOS])
-            out.append(Instance(id=r["_id"], condition=f"n={self.nodes}", question=prompt,
-                                answer=TRUE if r["is_tree"] else FALSE, meta={"n": self.nodes, "setup": self.setup}))
+            out.append(TextInstance(id=r["_id"], condition=f"n={self.nodes}", text=prompt,
+                                    answer=TRUE if r["is_tree"] else FALSE, meta={"n": self.nodes, "setup": self.setup}))
         return out
 
     def make_tool(self, instance: Instance, spec: ToolSpec):
@@ -385,7 +385,7 @@ class IsTree(SyntheticTask):
         if self.setup != "retrieval":
             return None
         limits = {"timeout": spec.timeout, **({"max_calls": spec.max_calls} if spec.max_calls is not None else {})}
-        return IsTreeTool(instance.question.replace(BOS, "").replace(EOS, ""), **limits)
+        return IsTreeTool(instance.text.replace(BOS, "").replace(EOS, ""), **limits)
 
     def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:
         m = re.search(r"\[(TRUE|FALSE)\]", generation)

@@ -15,7 +15,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from evals.base import Instance, OptionError
+from evals.base import Instance, OptionError, TextInstance
 from evals.registry import register_task
 from evals.synthetic import SPECIAL, SyntheticOptions, SyntheticTask
 
@@ -58,6 +58,8 @@ class Needle(SyntheticTask):
     Options = NeedleOptions
     metrics = ("accuracy",)
     condition = "length@depth"
+    axis_label = "context length (model tokens)"
+    series_label = "needle depth (0 = start)"
     default_template = "needle"
     needs_tokenizer = True  # the engine sets ``self.tokenizer`` (the backend's) before ``instances``
 
@@ -116,10 +118,16 @@ class Needle(SyntheticTask):
                 tokens = self._count(text)
                 for depth in o.depths:
                     at = round(depth * (n - 1))
-                    out.append(Instance(id=r["_id"], condition=f"{length}@{depth:g}", question=text,
-                                        answer=book[at][1], meta={"name": book[at][0], "entries": n,
-                                                                  "needle_index": at, "context_tokens": tokens}))
+                    out.append(TextInstance(id=r["_id"], condition=f"{length}@{depth:g}", text=text,
+                                            answer=book[at][1], meta={"name": book[at][0], "entries": n,
+                                                                      "needle_index": at, "context_tokens": tokens}))
         return out
+
+    @classmethod
+    def axis_position(cls, condition: str, statistic=None) -> tuple[float | None, str | None]:
+        """``length@depth``: the length on the x axis, one heatmap row per depth."""
+        length, depth = condition.split("@", 1)
+        return float(length), f"depth {depth}"
 
     def record_fields(self, instance: Instance) -> dict:
         return {k: instance.meta[k] for k in ("entries", "needle_index", "context_tokens") if k in instance.meta}
@@ -147,15 +155,15 @@ class Needle(SyntheticTask):
         return 2 * self.options.length + 6
 
     def heldout_sequences(self, rows: list[dict]) -> list[list[str]]:
-        return [ins.question.split() + [ins.answer] for ins in self._token_instances(rows)]
+        return [ins.text.split() + [ins.answer] for ins in self._token_instances(rows)]
 
-    def _token_instances(self, rows) -> list[Instance]:
+    def _token_instances(self, rows) -> list[TextInstance]:
         out = []
         for r in rows:
             for depth in self.options.depths:
                 prompt, answer = self.tokens(self.draw(random.Random(r["seed"]), depth))
-                out.append(Instance(id=r["_id"], condition=f"{self.options.length}@{depth:g}",
-                                    question=" ".join(prompt), answer=answer[0]))
+                out.append(TextInstance(id=r["_id"], condition=f"{self.options.length}@{depth:g}",
+                                        text=" ".join(prompt), answer=answer[0]))
         return out
 
     def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:

@@ -13,7 +13,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from evals.base import Instance, OptionError, Task
+from evals.base import Instance, OptionError, Task, TextInstance
 
 PAD, BOS, EOS, SEP, UNK = "[PAD]", "[BOS]", "[EOS]", "[SEP]", "[UNK]"
 SPECIAL = [PAD, BOS, EOS, SEP, UNK]
@@ -110,8 +110,8 @@ class SyntheticTask(Task):
         return rows
 
     def instances(self, rows, *, seed=0, pool_rows=None) -> list[Instance]:
-        return [Instance(id=r["_id"], condition=self.condition_value(), question=r["prompt"], answer=r["answer"],
-                         meta={"shots": r["shots"]}) for r in rows]
+        return [TextInstance(id=r["_id"], condition=self.condition_value(), text=r["prompt"], answer=r["answer"],
+                             meta={"shots": r["shots"]}) for r in rows]
 
     # -- the trainer's protocol ---------------------------------------------------------------------------
     @classmethod

@@ -45,7 +45,7 @@ def default_steps(length: int) -> int:
 LIMITS = """\
 What it does not show: the paper's result is a limit (a fixed-size state cannot hold an arbitrarily long
 context); at this scale Mamba's numbers also depend on how long it trains, and the tiny Transformer learns
-position lookup in a sudden jump whose timing depends on the seed (--seed picks another; the README lists the
+position lookup in a sudden jump whose timing depends on the seed (--seed picks another; docs/demo.md lists the
 seeds measured). Pretrained models and HotpotQA: `python -m harness.eval --model phi-mamba --task hotpotqa`."""
 
 

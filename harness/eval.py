@@ -47,7 +47,6 @@ def task_flags() -> dict[str, list]:
 def build_parser() -> argparse.ArgumentParser:
     from transformers import HfArgumentParser
 
-
     names = task_names()
     tasks_help = "\n".join(f"  {n:10s} {options_help(task_class(n).Options) or 'no options'}" for n in names)
     ap = HfArgumentParser((RunConfig, CliFlags), prog="python -m harness.eval",

@@ -28,3 +28,8 @@ def file_digest(path: str | Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def content_sha256(rows: list) -> str:
+    """Hash of the loaded data (not its path): an edited data file is a different run, a moved one is not."""
+    return digest(*(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str) + "\n" for r in rows), length=16)

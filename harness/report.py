@@ -10,7 +10,7 @@ directory keeps older rows in samples.jsonl; they are not counted). ``--subset``
 every oracle run (``--distractors 0``) answered correctly by ``--subset-metric``, the paper's way of
 separating retrieval failures from questions a model cannot answer at all. ``--official-gold`` writes, per
 run and position, the gold file cut to the questions the harness scored, so the official
-``hotpot_evaluate_v1.py`` reproduces the harness's numbers (skipped prompts are left out, see README)."""
+``hotpot_evaluate_v1.py`` reproduces the harness's numbers (skipped prompts are left out, see docs/scoring.md)."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +23,7 @@ import pandas as pd
 
 from evals import task_class
 from evals.base import DataError, instance_key
-from evals.hotpotqa import HotpotQA
-from harness.engine.config import RunConfig, content_sha256
+from harness.engine.config import RunConfig
 from harness.engine.results import format_markdown
 from harness.engine.runlog import SampleLog
 from harness.engine.stats import summarize
@@ -79,11 +78,12 @@ def _settings(cfg: dict) -> dict:
     return {**{k: v for k, v in cfg.items() if k != "task_args"}, **(cfg.get("task_args") or {})}
 
 
-def oracle_subset(oracle_dirs: list[str], metric: str = "em") -> set[str]:
-    """Ids answered correctly (metric == 1) in every given run."""
+def oracle_subset(oracle_dirs: list[str], metric: str | None = None) -> set[str]:
+    """Ids answered correctly (``metric`` == 1; default: each run's task's first metric) in every given run."""
     keep: set[str] | None = None
     for d in oracle_dirs:
-        _, samples = load_run(d)
+        results, samples = load_run(d)
+        metric = metric or task_class(results["task"]).metrics[0]
         scored = [s for s in samples if not s.get("skipped")]
         if not scored:
             raise ReportError(f"--subset: every row of {d} was skipped (e.g. prompt_too_long), so it answered no "
@@ -107,8 +107,6 @@ def run_labels(configs: list[dict], conditions: list[set] | None = None, task: t
         if k == "retrieval":
             return "+retrieval" if v else "no retrieval"
         return task.label(k, v) if task is not None and k in options else f"{k}={v}"
-
-
 
     options = [f.name for f in dataclasses.fields(task.Options)] if task is not None else []
     run_flags = {f.name for f in dataclasses.fields(RunConfig)}
@@ -173,7 +171,7 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
                                  axis_statistic=statistic)
         audit = results.get("audit")
         for condition, m in by_condition.items():
-            x, series = condition_axis(condition, m.get(statistic) if statistic else None)
+            x, series = task_class(results["task"]).axis_position(condition, m.get(statistic) if statistic else None)
             rows.append({"run": label, "dir": str(d), "task": results["task"],
                          "audit": f"{audit['agree']}/{audit['rows']}" if audit else None,
                          "condition_name": results["condition"], "condition": condition, "x": x, "series": series,
@@ -230,28 +228,9 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
     return diffs, seeds
 
 
-def condition_axis(condition: str, statistic=None) -> tuple[float | None, str | None]:
-    """Where a condition sits on a plot: the task's axis statistic where it has one (HotpotQA's slot of the
-    first gold paragraph); ``NAME=VALUE`` (pairs, nodes, length) its value; a two-part ``A@B`` condition (the
-    needle's length@depth) its first part, one series per second part."""
-    if statistic is not None and statistic == statistic:
-        return float(statistic), None
-    if "@" in condition:
-        length, depth = condition.split("@", 1)
-        return _number(length), f"depth {depth}"
-    return _number(condition.split("=", 1)[-1]), None
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
-    """One task's runs on the task's own axis: HotpotQA by gold-paragraph slot; the needle as a length x depth
-    heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
+    """One task's runs on the task's own axis (``Task.axis_position``): by a statistic (HotpotQA's gold-paragraph
+    slot); a two-part condition (the needle's length x depth) as a heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
     plt = pyplot()
 
     df = df[df["n"] > 0]
@@ -339,7 +318,9 @@ def _slot_ticks(ax, df: pd.DataFrame) -> None:
 
 
 def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
-    """A length x depth grid per run (the needle task), each cell the metric in percent."""
+    """A grid per run of a two-part condition (the needle's length x depth), each cell the metric in percent;
+    the axes are titled by the task."""
+    task = task_class(df["task"].iloc[0])
     runs = list(dict.fromkeys(df["run"]))
     fig, axes = plt.subplots(1, len(runs), figsize=(1.6 + 3.6 * len(runs), 3.8), squeeze=False,
                              constrained_layout=True)
@@ -353,42 +334,41 @@ def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
         for (i, j), v in __import__("numpy").ndenumerate(grid.values):
             ax.text(j, i, "" if v != v else f"{100 * v:.0f}", ha="center", va="center", fontsize=8,
                     color="white" if v == v and v < 0.6 else "black")
-        ax.set_xlabel("context length (model tokens)")
+        ax.set_xlabel(task.axis_label or df["condition_name"].iloc[0].split("@")[0])
         if ax is axes[0][0]:
-            ax.set_ylabel("needle depth (0 = start)")
+            ax.set_ylabel(task.series_label or df["condition_name"].iloc[0].split("@")[-1])
         ax.set_title(run, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label=f"{metric} (%)")
-    fig.suptitle(f"{df['task'].iloc[0]}: {metric} by context length and needle depth", fontsize=10)
+    fig.suptitle(f"{task.name}: {metric} by {task.axis_label} and {task.series_label}", fontsize=10)
 
     save(fig, path, dpi=150, tight=False)
     return path
 
 
 def write_official_gold(run_dirs: list[str], out: Path) -> list[Path]:
-    """Per run and position, the official-format gold file cut to the ids the harness scored there:
-    ``hotpot_evaluate_v1.py RUN/predictions/POS.json OUT/RUN/POS.json`` then prints the harness's EM and F1
-    (the official script divides by every gold row, and counts a row without a prediction as 0)."""
+    """Per run and condition, the gold file of the task's official scorer cut to the ids the harness scored
+    there (``Task.official_gold``): the scorer on it and the run's own prediction files prints the harness's
+    numbers."""
     paths = []
     for d in run_dirs:
         results, samples = load_run(d)
         cfg = results["config"]
-        if cfg.get("task") != "hotpotqa":
-            raise ReportError(f"--official-gold: {d} is a {cfg.get('task')} run; only HotpotQA has an official script")
+        task = task_class(cfg.get("task"))
+        if task.official_scorer is None:
+            raise ReportError(f"--official-gold: {d} is a {cfg.get('task')} run; that task has no official "
+                              "scoring script")
+        scored = {c: {r["id"] for r in samples if r["condition"] == c and not r.get("skipped")}
+                  for c in _conditions(results)}
         try:
-            rows = HotpotQA(data=cfg.get("data"), split=cfg.get("split", "validation")).load()
+            gold = task.official_gold(cfg, results.get("resolved") or {}, scored)
         except DataError as e:
-            raise ReportError(f"--official-gold: {d} was run with --data {cfg.get('data')!r}, which cannot be read "
-                              f"from here ({Path.cwd()}): {e}. Runs made now record the absolute path; for this "
-                              "one, run the report from the folder the evaluation ran in") from None
-        want = (results.get("resolved") or {}).get("data_sha256")
-        if want and content_sha256(rows) != want:
-            raise ReportError(f"--official-gold: the data {cfg.get('data')!r} changed since {d} ran (content hash "
-                              f"{content_sha256(rows)} vs {want}); point the run's --data at the file it used")
-        for pos in _conditions(results):
-            scored = {r["id"] for r in samples if r["condition"] == pos and not r.get("skipped")}
-            path = out / Path(d).name / f"{pos}.json"
+            raise ReportError(f"--official-gold: {d} was run with --data {cfg.get('data')!r}, which cannot be "
+                              f"used from here ({Path.cwd()}): {e}. Runs made now record the absolute path; for "
+                              "an older one, run the report from the folder the evaluation ran in") from None
+        for condition, rows in gold.items():
+            path = out / Path(d).name / f"{condition}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            paths.append(write_atomic(path, json.dumps([r for r in rows if r["_id"] in scored], ensure_ascii=False)))
+            paths.append(write_atomic(path, json.dumps(rows, ensure_ascii=False)))
     return paths
 
 
@@ -398,8 +378,10 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", help="run directories written by harness.eval")
     ap.add_argument("--subset", nargs="+", default=None, metavar="ORACLE_RUN",
                     help="keep only questions every one of these oracle runs answered correctly")
-    ap.add_argument("--subset-metric", default="em", help="what 'answered correctly' means for --subset (default: em)")
-    ap.add_argument("--metric", default=None, help="metric to plot (default: em, or the task's first metric)")
+    ap.add_argument("--subset-metric", default=None, help="what 'answered correctly' means for --subset (default: the "
+                    "task's first metric, em for HotpotQA)")
+    ap.add_argument("--metric", default=None, help="metric to plot (default: the task's first metric, em for "
+                    "HotpotQA)")
     ap.add_argument("--official-gold", default=None, metavar="DIR",
                     help="also write gold files cut to the scored questions, for the official evaluation script")
     ap.add_argument("--out", default="reports/latest", help="directory for report.md, report.csv and the plots "
@@ -408,7 +390,7 @@ def main(argv=None) -> int:
     try:
         keep = oracle_subset(a.subset, a.subset_metric) if a.subset else None
         if keep is not None and not keep:
-            raise ReportError(f"--subset kept no question: none was answered correctly ({a.subset_metric} = 1) by "
+            raise ReportError(f"--subset kept no question: none was answered correctly ({a.subset_metric or 'the first metric'} = 1) by "
                               f"every one of {', '.join(a.subset)}; check that these are oracle runs "
                               "(--distractors 0) of the same questions, or drop --subset")
         df = merge(a.runs, keep)
@@ -473,9 +455,10 @@ def _metrics(df: pd.DataFrame) -> list[str]:
 
 
 def _metric_of(df: pd.DataFrame, asked: str | None) -> str:
-    """The metric drawn for one task's runs: ``--metric``, else em (HotpotQA) or the task's first metric."""
+    """The metric drawn for one task's runs: ``--metric``, else the task's first metric (where its rows hold it)."""
     have = _metrics(df)
-    metric = asked or ("em" if "em" in have else have[0])
+    first = task_class(df["task"].iloc[0]).metrics[0]
+    metric = asked or (first if first in have else have[0])
     if metric not in have:
         raise ReportError(f"--metric {metric!r}: the {df['task'].iloc[0]} runs have {', '.join(have)}")
     return metric

@@ -37,7 +37,7 @@ def _run(lm):
 
 
 def _icr(path, batch_size, **kw):
-    import harness.lm_eval as icr
+    import harness.icr_lm as icr
 
     return icr.ICRLM(pretrained=path, dtype="float32", device="cpu", batch_size=batch_size, **kw)
 

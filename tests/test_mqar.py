@@ -27,9 +27,9 @@ def test_answers_are_the_queried_values_in_order():
 
 def test_partial_credit_and_all_correct():
     task = get_task("mqar")
-    from evals.base import Instance
+    from evals.base import TextInstance
 
-    ins = Instance("x", "pairs=16", "q", "17 42 3")
+    ins = TextInstance(id="x", condition="pairs=16", text="q", answer="17 42 3")
     assert task.score(ins, " 17 42 3\nmore")["all_correct"] == 1.0
     got = task.score(ins, " 17, 40, 3")
     assert got["accuracy"] == pytest.approx(2 / 3) and got["all_correct"] == 0.0

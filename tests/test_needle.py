@@ -20,25 +20,25 @@ def test_books_fill_each_length_in_tokens_with_the_needle_at_its_depth(tiny_toke
     assert len(inst) == 3 * 2 * 3
     for ins in inst:
         length = int(ins.condition.split("@")[0])
-        n_tokens = len(tiny_tokenizer(ins.question, add_special_tokens=False)["input_ids"])
+        n_tokens = len(tiny_tokenizer(ins.text, add_special_tokens=False)["input_ids"])
         assert n_tokens == ins.meta["context_tokens"] and length - 20 <= n_tokens <= length + 1
-        lines = ins.question.split("\n")
+        lines = ins.text.split("\n")
         hit = [i for i, l in enumerate(lines) if l == f"{ins.meta['name']}: {ins.answer}"]
         depth = float(ins.condition.split("@")[1])
         assert hit == [round(depth * (len(lines) - 1))]  # once, where the depth says
-        assert ins.question.count(f"{ins.meta['name']}:") == 1
+        assert ins.text.count(f"{ins.meta['name']}:") == 1
     by = {(i.id, i.condition): i for i in inst}
     short, long = by[("needle0000", "64@1")], by[("needle0000", "256@1")]
-    assert long.question.startswith(short.question + "\n")  # the same entries, a longer book
-    assert by[("needle0000", "64@0")].question == short.question  # one book at every depth
+    assert long.text.startswith(short.text + "\n")  # the same entries, a longer book
+    assert by[("needle0000", "64@0")].text == short.text  # one book at every depth
     assert len({(i.id, i.answer) for i in inst if i.condition.startswith("256@")}) == 3 * 3  # the depths ask apart
 
 
 def test_scores_the_number_only():
     task = get_task("needle")
-    from evals.base import Instance
+    from evals.base import TextInstance
 
-    ins = Instance("x", "64@0", "book", "512-0042")
+    ins = TextInstance(id="x", condition="64@0", text="book", answer="512-0042")
     assert task.score(ins, " 512-0042.")["accuracy"] == 1.0
     assert task.score(ins, " call 512-0043")["accuracy"] == 0.0
     assert task.score(ins, " nobody")["answer_found"] is False
@@ -84,10 +84,10 @@ def test_long_context_books_are_drawn_in_bounded_time_and_too_long_ones_refused(
 
     task, inst = _instances(tiny_tokenizer, lengths=[2000, 36000], depths=[0.0, 1.0], samples=1)
     long = next(i for i in inst if i.condition == "36000@1")
-    names = [line.split(":")[0] for line in long.question.split("\n")]
+    names = [line.split(":")[0] for line in long.text.split("\n")]
     assert len(set(names)) == len(names)  # (the book drawn held 36000 // 4 + 16 > 8,800 entries: it once spun)
     assert 36000 - 20 <= long.meta["context_tokens"] <= 36001
-    assert long.question.startswith(next(i for i in inst if i.condition == "2000@0").question)  # still a prefix
+    assert long.text.startswith(next(i for i in inst if i.condition == "2000@0").text)  # still a prefix
     book = Needle._book("needle-eval:x", 130_000 // 4)  # a 128k-token book's entries
     assert len({n for n, _ in book}) == len(book) > PLAIN_NAMES
     assert book[:100] == Needle._book("needle-eval:x", 100)  # the same first entries for any length

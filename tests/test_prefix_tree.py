@@ -163,7 +163,7 @@ def test_ranks_split_into_runs_of_shared_prefixes():
     from evals.base import Instance
     from harness.engine.run import rank_share
 
-    todo = [Instance(id=f"q{q}", condition=str(p), question="", answer="") for p in range(5) for q in range(4)]
+    todo = [Instance(id=f"q{q}", condition=str(p), answer="") for p in range(5) for q in range(4)]
     prompts = {i.key: f"shots {i.id} " + "d " * int(i.condition) + "gold" for i in todo}
     shares = [rank_share(todo, prompts, r, 2) for r in range(2)]
     assert sorted(i.key for s in shares for i in s) == sorted(i.key for i in todo)  # every instance once

@@ -9,7 +9,7 @@ the light modules here, stats and runlog, without torch's import). Backends are 
 
 def __getattr__(name):
     if name in ("run_eval", "EvalRun"):
-        from harness.engine import run
+        from harness.engine import run  # lazy: start-up time (stats and runlog load without torch)
 
         return getattr(run, name)
     raise AttributeError(f"module 'harness.engine' has no attribute {name!r}")

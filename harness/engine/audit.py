@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
 from harness.backends.generation import GenRequest
 from harness.backends.loading import load_backend
@@ -18,7 +18,6 @@ def reference_backend(cfg, backend):
     """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy."""
     if backend is not None and _dtype(backend) == "float32" and getattr(backend, "graphs", None) is None:
         return backend
-
     return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs="off")
 
 
@@ -26,19 +25,15 @@ def _dtype(backend) -> str:
     return str(backend.describe().get("dtype", "")).replace("torch.", "")
 
 
-def audit_rows(run, backend, records: list[dict], n: int) -> dict[str, Any]:
-    """Regenerate ``n`` of ``records`` (scored rows only) with the reference path; how many agree, and where the
-    first that does not parts from it."""
-    cfg, task = run.cfg, run.task
+def audit_rows(cfg, backend, records: list[dict], request: Callable[[str], GenRequest], n: int) -> dict[str, Any]:
+    """Regenerate ``n`` of ``records`` (scored rows only; ``request``: a row's key to what the run asked of the
+    backend for it) with the reference path; how many agree, and where the first that does not parts from it."""
     scored = [r for r in records if not r.get("skipped")]
     chosen = random.Random(f"audit:{cfg.seed}").sample(scored, min(n, len(scored)))
     ref = reference_backend(cfg, backend)
-    by_key = {i.key: i for i in run.instances}
     differ = []
     for rec in chosen:
-        ins = by_key[rec["key"]]
-        req = GenRequest(run.prompts[rec["key"]], cfg.max_new_tokens, run.stop, task.make_tool(ins, run.tool_spec))
-        (out,) = ref.generate([req])  # alone: no padding, no shared prefix
+        (out,) = ref.generate([request(rec["key"])])  # alone: no padding, no shared prefix
         if (out.text, out.finish_reason) != (rec["generation"], rec["finish_reason"]):
             differ.append({"key": rec["key"], **first_difference(ref.tokenizer, rec["generation"], out.text),
                            "run": rec["generation"][:300], "reference": out.text[:300]})

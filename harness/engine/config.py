@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from harness.backends import BACKENDS, graphs_used
 from harness.backends.base import resolve_device, resolve_dtype
 from harness.backends.planner import PREFIX_REUSE
 from harness.backends.prefix_tree import parse_bytes
-from harness.hashing import digest, json_digest
+from harness.hashing import json_digest
 from harness.models import UnknownModelError, resolve_model
 from harness.models.registry import MODELS
 
@@ -49,12 +48,12 @@ class RunConfig:
                       choices=["auto", *BACKENDS.names()])
     tokenizer: str | None = _f(None, "tokenizer: a hub id or local folder (default: the checkpoint's own; "
                                      "microsoft/phi-1_5's for goombalab-format folders, which carry none)")
-    task: str = _f("hotpotqa", "the task (see --task-arg for each task's options)")
+    task: str = _f(None, "the task (see --task-arg for each task's options)", required=True)
     task_args: dict = field(default_factory=dict, metadata={"help": argparse.SUPPRESS})  # the task's options
     # (complete once resolved; set through --task-arg and the task's own flags, never directly)
-    data: str | None = _f(None, "HotpotQA: JSON/JSONL in the official schema, 'fixture' (bundled invented data) or "
-                                "'hub' (datasets hotpot_qa/distractor; the default)")
-    split: str | None = _f(None, "split when loading from the hub (default: the task's; validation for HotpotQA)")
+    data: str | None = _f(None, "the task's data, for tasks that read a dataset: a file, 'fixture' (bundled "
+                                "invented data) or 'hub' (see the task's --task-arg help; synthetic tasks draw theirs)")
+    split: str | None = _f(None, "split when loading from the hub (default: the task's)")
     template: str | None = _f(None, "prompt template: a name in prompts/ or a path to a .j2 file (default: the "
                                     "task's)")
     limit: int | None = _f(None, "evaluate only the first N questions")
@@ -69,8 +68,7 @@ class RunConfig:
     output: str | None = _f(None, "run directory; rerunning with the same one resumes (default: "
                                   "runs/MODEL-TASK...)")
     retrieval: bool = _f(False, "let the model call the in-context regex search tool")
-    max_tool_calls: int | None = _f(None, "tool calls allowed per sample, >= 1 (default: the task's; 4 for "
-                                          "HotpotQA)")
+    max_tool_calls: int | None = _f(None, "tool calls allowed per sample, >= 1 (default: the task's)")
     tool_timeout: float = _f(1.0, "seconds before a regex search is stopped, > 0")
     tool_max_chars: int = _f(300, "cap on one tool result's length")
     prefix_reuse: str = _f("auto", "auto: the fastest of the others on this device and model (a measured cost "
@@ -105,6 +103,8 @@ class RunConfig:
         def bad(flag, value, need):
             raise ConfigError(f"{flag} {value!r}: {need}")
 
+        if not self.task:
+            bad("--task", self.task, "give the task to run (python -m harness.eval --help lists them)")
         if self.batch_size != "auto" and not (str(self.batch_size).isdigit() and int(self.batch_size) > 0):
             bad("--batch-size", self.batch_size, "use a positive integer or 'auto'")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -139,7 +139,6 @@ class RunConfig:
     def resolved_device(self):
         import torch
 
-
         try:
             dev = resolve_device(self.device)
         except (RuntimeError, ValueError) as e:
@@ -158,7 +157,7 @@ class RunConfig:
     def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None,
                  selects: tuple[str, ...] = ()) -> dict[str, Any]:
         """What determines a sample's generation, as content: the key of the resume hash. Limits, ids, batch
-        size, prefix reuse (and its memory) and the task options in ``selects`` (HotpotQA's positions) are left
+        size, prefix reuse (and its memory) and the task options in ``selects`` (conditions, e.g. positions) are left
         out: they choose which rows exist or how they are computed, not what a row holds."""
         dev = self.resolved_device()
         try:
@@ -195,8 +194,3 @@ def word_negative_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def settings_hash(resolved: dict[str, Any]) -> str:
     return json_digest(resolved)
-
-
-def content_sha256(rows: list) -> str:
-    """Hash of the loaded data (not its path): an edited data file is a different run, a moved one is not."""
-    return digest(*(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str) + "\n" for r in rows), length=16)

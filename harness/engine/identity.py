@@ -88,7 +88,6 @@ class FileHashCache:
     def _store(self, key: str, value: list) -> None:
         from filelock import FileLock
 
-
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(self.path) + ".lock", timeout=10):

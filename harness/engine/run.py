@@ -28,7 +28,7 @@ from harness.backends.loading import (
 )
 from harness.engine import lm_eval_format
 from harness.engine.audit import audit_rows
-from harness.engine.config import ConfigError, RunConfig, content_sha256, settings_hash
+from harness.engine.config import ConfigError, RunConfig, settings_hash
 from harness.engine.identity import awaits_download, describe_changes, model_identity
 from harness.engine.prompting import PromptTemplate
 from harness.engine.results import format_markdown, git_hash, metrics_table, versions
@@ -43,7 +43,7 @@ from harness.engine.runlog import (
 )
 from harness.engine.stats import summarize
 from harness.files import write_atomic, write_json
-from harness.hashing import digest
+from harness.hashing import content_sha256, digest
 
 log = logging.getLogger("harness")
 
@@ -317,9 +317,8 @@ class EvalRun:
                    disable=not (self.progress and self.rank == 0))
         bar.update(len(too_long))
         keep_stop = self.task.include_stop  # e.g. IsTree's verdict token is its stop string
-        tools = [self.task.make_tool(todo[i], self.tool_spec) for i in fits]
-        reqs = [GenRequest(prompts[i], cfg.max_new_tokens, self.stop, tool, prompt_ids=prompt_ids[i])
-                for i, tool in zip(fits, tools)]
+        reqs = [self.request(todo[i], prompt_ids[i]) for i in fits]
+        tools = [r.tool for r in reqs]
         t = time.perf_counter()
         generation = backend.generate_all(reqs, batch_size=cfg.batch_size, prefix_reuse=cfg.prefix_reuse,
                                           prefix_memory=cfg.prefix_memory)
@@ -338,6 +337,11 @@ class EvalRun:
         # what prefill cost, against the least it could, and which plan ran (results.json timings)
         self.prefill_stats = dict(generation.info)
         return gen_s, new_tokens
+
+    def request(self, ins: Instance, prompt_ids: list[int] | None = None) -> GenRequest:
+        """What one instance asks of the backend: its prompt, the budget, the stop strings and a fresh tool."""
+        return GenRequest(self.prompts[ins.key], self.cfg.max_new_tokens, self.stop,
+                          self.task.make_tool(ins, self.tool_spec), prompt_ids=prompt_ids)
 
     def _record(self, ins: Instance, prompt: str, prompt_tokens: int, out, scored: dict | None,
                 skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
@@ -384,8 +388,9 @@ class EvalRun:
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         if cfg.audit:
-            results["audit"] = audit_rows(self, self.backend if self.backend is not None
-                                          else _load_model(cfg, self.dist), records, cfg.audit)
+            by_key = {i.key: i for i in self.instances}
+            results["audit"] = audit_rows(cfg, self.backend if self.backend is not None else _load_model(cfg, self.dist),
+                                          records, lambda key: self.request(by_key[key]), cfg.audit)
         df = metrics_table(by_condition, task.metrics, task.condition)
         results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
         results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions),

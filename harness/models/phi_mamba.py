@@ -522,7 +522,6 @@ def _resolve_folder(name_or_path: str) -> Path:
         return p
     from huggingface_hub import snapshot_download
 
-
     try:
         return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.bin"],
                                       **hub.load_kwargs(name_or_path)))

@@ -433,7 +433,6 @@ def plot_decode(rows: list[dict], path: Path, where: str) -> Path:
     """Decode tokens/s against context, one panel per batch size, each model's line beside its bandwidth bound."""
     plt = pyplot()
 
-
     batches = sorted({r.get("batch", 1) for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
     for ax, b in zip(axes[0], batches):

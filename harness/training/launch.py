@@ -30,7 +30,6 @@ class CellJob:
     def __call__(self, cfg: TrainConfig, overwrite: bool = False) -> dict:
         import torch
 
-
         if self.threads:
             torch.set_num_threads(self.threads)
         logging.basicConfig(level=logging.INFO)
@@ -80,7 +79,6 @@ def run_on_scheduler(launcher: str, name: str, cells: list[TrainConfig], root: P
     (``jobs`` cells at once); the local executor starts ``jobs`` cells at a time. A failed cell is named at the
     end; the others still train."""
     import torch
-
 
     if launcher not in LAUNCHERS[1:]:
         raise ConfigError(f"--launcher {launcher}: choose {', '.join(LAUNCHERS)}")

@@ -140,7 +140,6 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
-
         self.cfg, self.out, self.show = cfg, Path(cfg.output), progress
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

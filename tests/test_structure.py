@@ -1,0 +1,140 @@
+"""The layout's rules (docs/layout.md), read from the code's own syntax trees: imports between the project's
+modules run one way (no cycle, with imports inside functions counted); an internal import inside a function says
+why in a ``lazy:`` comment; no function in harness/, evals/ or retrieval/ runs past 80 lines; the engine and the
+report name no task."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("harness", "evals", "retrieval")
+TASK_MODULES = {"evals.hotpotqa", "evals.needle", "evals.mqar", "evals.istree", "evals.retrieval_tasks",
+                "evals.synthetic", "evals.fixture", "evals.metrics"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = f
+    return out
+
+
+MODULES = modules()
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The project modules an import statement loads (``from pkg import mod`` loads pkg.mod)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the module's package, up level - 1
+            pkg = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join([*pkg, base] if base else pkg)
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    out = []
+    for name in names:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.append(name)
+    return out
+
+
+def _runtime_imports(tree: ast.Module):
+    """Every import statement that runs (``if TYPE_CHECKING:`` blocks never do), with whether it is inside a
+    function."""
+    skip = {id(n) for top in tree.body if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
+            for n in ast.walk(top)}
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip:
+            yield node, id(node) in inside
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """Module -> the project modules it imports (at the top or inside functions), and the inside-function
+    imports of project modules that do not say why."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    unexplained = []
+    for module, path in MODULES.items():
+        source = path.read_text()
+        lines = source.split("\n")
+        for node, in_function in _runtime_imports(ast.parse(source)):
+            targets = _targets(module, node)
+            graph[module].update(targets)
+            near = " ".join(lines[max(0, node.lineno - 2): node.end_lineno])
+            if in_function and targets and "lazy:" not in near:
+                unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return graph, unexplained
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse("def f():\n    from harness.engine import run\n")
+    ((node, in_function),) = list(_runtime_imports(tree))
+    assert in_function and _targets("harness.engine.audit", node) == ["harness.engine.run"]
+
+
+def test_imports_between_modules_run_one_way():
+    graph, unexplained = import_graph()
+    assert sum(len(v) for v in graph.values()) > 150  # the scan sees the project's imports
+    assert cycles(graph) == []
+    assert unexplained == [], "imports inside functions without a 'lazy:' reason:\n" + "\n".join(unexplained)
+
+
+def test_no_function_runs_past_80_lines():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not long, "\n".join(long)
+
+
+def test_the_engine_and_the_report_name_no_task():
+    graph, _ = import_graph()
+    generic = [m for m in graph if m.startswith("harness.engine") or m in ("harness.report", "harness.reports")
+               or m.startswith("harness.reports.")]
+    named = {m: sorted(graph[m] & TASK_MODULES) for m in generic if graph[m] & TASK_MODULES}
+    assert named == {}
+    for m in generic:
+        source = MODULES[m].read_text()
+        assert '== "hotpotqa"' not in source and '!= "hotpotqa"' not in source, m
