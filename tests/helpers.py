@@ -23,7 +23,7 @@ def run_config(model_dir, out, **overrides):
             task_args[name] = overrides.pop(name)
     if task_args["distractors"] == 0:
         task_args.pop("positions")
-    base = dict(model=model_dir, data="fixture", task_args=task_args, limit=6,
+    base = dict(model=model_dir, task="hotpotqa", data="fixture", task_args=task_args, limit=6,
                 max_new_tokens=12, device="cpu", dtype="float32", output=str(out), batch_size="4")
     base.update(overrides)
     return RunConfig(**base)

@@ -32,7 +32,7 @@ def ckpt(tmp_path, tiny_phi_dir):
 
 
 def _cli(model, out, *extra):
-    return ["--model", str(model), "--data", "fixture", "--limit", "2", "--max-new-tokens", "6", "--device", "cpu",
+    return ["--model", str(model), "--task", "hotpotqa", "--data", "fixture", "--limit", "2", "--max-new-tokens", "6", "--device", "cpu",
             "--output", str(out), "--no-progress", *extra]
 
 
@@ -203,7 +203,7 @@ def test_a_non_utf8_data_file_is_an_error_naming_it(tiny_phi_dir, tmp_path, caps
     data = tmp_path / "latin1.json"
     data.write_bytes(FIXTURE_PATH.read_text().replace("Ostland", "Östland").encode("latin-1", "replace"))
     out = tmp_path / "run"
-    assert eval_main(["--model", tiny_phi_dir, "--data", str(data), "--output", str(out), "--no-progress"]) == 2
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", str(data), "--output", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"{data} is not UTF-8" in err and "line " in err and "Traceback" not in err
     assert not out.exists()
@@ -213,7 +213,7 @@ def test_a_template_rendering_an_empty_prompt_is_an_error(tiny_phi_dir, tmp_path
     tpl = tmp_path / "blank.j2"
     tpl.write_text("{% if false %}{{ question }}{% endif %}\n")
     out = tmp_path / "run"
-    assert eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--template", str(tpl), "--output", str(out),
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--template", str(tpl), "--output", str(out),
                       "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"template {tpl} renders an empty prompt" in err
@@ -241,7 +241,7 @@ def test_templates_are_sandboxed(tmp_path, tiny_phi_dir, capsys):
     tpl = tmp_path / "evil.j2"
     tpl.write_text("{{ cycler.__init__.__globals__.os.system('touch %s') }}{{ question }}\n" % marker)
     out = tmp_path / "run"
-    assert eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--template", str(tpl), "--output", str(out),
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--template", str(tpl), "--output", str(out),
                       "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "error: template" in err and "unsafe" in err
@@ -267,7 +267,7 @@ def test_an_interrupted_eval_says_what_it_kept_and_resumes(tiny_phi_dir, tmp_pat
     import signal
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "harness.eval", "--model", tiny_phi_dir, "--data", "fixture", "--limit", "12",
+    cmd = [sys.executable, "-m", "harness.eval", "--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--limit", "12",
            "--max-new-tokens", "64", "--batch-size", "1", "--no-prefix-reuse", "--device", "cpu", "--output", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,

@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 def _args(model_dir, out):
-    return ["-m", "harness.eval", "--model", model_dir, "--data", "fixture", "--distractors", "4",
+    return ["-m", "harness.eval", "--model", model_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "4",
             "--positions", "first,last", "--limit", "12", "--max-new-tokens", "16", "--batch-size", "2",
             "--device", "cpu", "--dtype", "float32", "--output", str(out), "--no-progress"]
 
@@ -43,7 +43,7 @@ def _samples(out):
 @pytest.fixture(scope="module")
 def single_rank(tiny_phi_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
-    cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]}, limit=12,
+    cfg = RunConfig(task="hotpotqa", model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]}, limit=12,
                     max_new_tokens=16, batch_size="2", device="cpu", dtype="float32", output=str(out),
                     prefix_reuse="none")  # the ranks run the default, the prefix tree: both modes agree
     res = run_eval(cfg, progress=False)
@@ -89,7 +89,7 @@ def test_killed_rank_then_resume_with_another_world_size(tiny_phi_dir, single_ra
     assert proc.returncode != 0
     done_before = sum(f.read_text().count("\n") for f in out.glob("samples*.jsonl"))
     assert 0 < done_before < 24
-    res = run_eval(RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]},
+    res = run_eval(RunConfig(task="hotpotqa", model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]},
                              limit=12, max_new_tokens=16, batch_size="2", device="cpu", dtype="float32",
                              output=str(out)), progress=False)
     assert res["counts"]["resumed"] >= done_before - 2  # at most a partial line per shard is redone

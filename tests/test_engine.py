@@ -125,16 +125,16 @@ def test_registry_paths_and_unknown_model(tiny_phi_dir, tmp_path):
 
 def test_cli_end_to_end_and_bad_inputs(tiny_phi_dir, tmp_path, capsys):
     out = tmp_path / "cli"
-    rc = eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--distractors", "3", "--positions", "first,2",
+    rc = eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "3", "--positions", "first,2",
                     "--limit", "2", "--max-new-tokens", "6", "--device", "cpu", "--output", str(out), "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| first" in printed and "| 2 " in printed
-    assert eval_main(["--model", "nonexistent-model", "--data", "fixture", "--output", str(tmp_path / "x")]) == 2
+    assert eval_main(["--model", "nonexistent-model", "--task", "hotpotqa", "--data", "fixture", "--output", str(tmp_path / "x")]) == 2
     assert "Registered models" in capsys.readouterr().err
-    assert eval_main(["--model", tiny_phi_dir, "--data", str(tmp_path / "nope.json"), "--output", str(tmp_path / "y")]) == 2
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", str(tmp_path / "nope.json"), "--output", str(tmp_path / "y")]) == 2
     assert "--data fixture" in capsys.readouterr().err
-    assert eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--template", "nope", "--output", str(tmp_path / "z")]) == 2
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--template", "nope", "--output", str(tmp_path / "z")]) == 2
     assert "bundled templates" in capsys.readouterr().err
 
 
@@ -142,7 +142,7 @@ def test_cli_end_to_end_and_bad_inputs(tiny_phi_dir, tmp_path, capsys):
 def test_recorded_fields_are_not_flags(flag, capsys):
     """RunConfig fields the harness fills in are refused on the command line, with the right way named."""
     with pytest.raises(SystemExit):
-        eval_main(["--model", "x", flag, "{}"])
+        eval_main(["--model", "x", "--task", "hotpotqa", flag, "{}"])
     assert "not a flag" in capsys.readouterr().err
 
 
@@ -170,7 +170,7 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_phi_dir, tmp_path, ca
         pytest.skip("vllm is installed here; this test is for machines without it")
     except ImportError:
         pass
-    rc = eval_main(["--model", tiny_phi_dir, "--backend", "vllm", "--data", "fixture", "--limit", "1",
+    rc = eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--backend", "vllm", "--data", "fixture", "--limit", "1",
                     "--output", str(tmp_path / "v")])
     assert rc == 2
     assert "icr-harness[vllm]" in capsys.readouterr().err

@@ -145,7 +145,7 @@ def test_harness_runs_are_read_by_lm_eval_tooling(tiny_phi_dir, tmp_path):
     from harness.eval import main
 
     out = tmp_path / "run"
-    argv = ["--model", tiny_phi_dir, "--data", "fixture", "--distractors", "2", "--positions", "first,last", "--limit",
+    argv = ["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "2", "--positions", "first,last", "--limit",
             "3", "--max-new-tokens", "6", "--device", "cpu", "--output", str(out), "--no-progress"]
     assert main(argv) == 0
     assert main(argv) == 0  # resumed and reported again: the lm-eval files are replaced, never accumulated

@@ -1,5 +1,6 @@
 """The project runs where only the GPU machines' packages are (issue 21): no module imports datasets,
-mamba-ssm, causal-conv1d, vLLM or lm-eval unless the feature that needs it is used. A real process with those
+mamba-ssm, causal-conv1d, vLLM or lm-eval unless the feature that needs it is used (lm-eval's model class,
+``harness.icr_lm``, is the feature: without lm-eval its import is an error naming the extra). A real process with those
 packages blocked imports every module and runs a fixture evaluation."""
 import subprocess
 import sys
@@ -19,16 +20,24 @@ class Block(importlib.abc.MetaPathFinder):  # what the GPU machine lacks cannot 
         return None
 
 sys.meta_path.insert(0, Block())
+EXTRA = {"harness.icr_lm": "icr-harness[lm-eval]"}  # lm-eval's model class: only where lm-eval is
 imported = 0
 for pkg in ("harness", "evals", "retrieval"):
     mod = importlib.import_module(pkg)
     for info in pkgutil.walk_packages(mod.__path__, prefix=pkg + "."):
+        if info.name in EXTRA:
+            try:
+                importlib.import_module(info.name)
+            except ImportError as e:
+                assert EXTRA[info.name] in str(e), e  # the error names the extra that installs it
+                continue
+            raise AssertionError(f"{info.name} imported without its extra")
         importlib.import_module(info.name)
         imported += 1
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in ABSENT)
 assert not leaked, leaked
 from harness.eval import main
-rc = main(["--model", sys.argv[2], "--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu",
+rc = main(["--model", sys.argv[2], "--task", "hotpotqa", "--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--device", "cpu",
            "--output", sys.argv[3], "--no-progress"])
 print("modules", imported, "rc", rc)
 sys.exit(rc)

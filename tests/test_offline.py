@@ -17,7 +17,7 @@ def _eval(tmp_path, *args, **env):
 
 def test_an_unreachable_hub_is_probed_once_and_missing_models_are_named_with_their_commands(tmp_path):
     # a hub endpoint on a closed loopback port: unreachable at once, without HF_HUB_OFFLINE
-    res = _eval(tmp_path, "--model", "phi-mamba", "--data", "fixture", "--distractors", "10",
+    res = _eval(tmp_path, "--model", "phi-mamba", "--task", "hotpotqa", "--data", "fixture", "--distractors", "10",
                 HF_ENDPOINT="http://127.0.0.1:9")
     assert res.returncode == 2
     err = res.stderr
@@ -38,6 +38,6 @@ def test_the_headline_command_offline_says_how_to_get_the_data(tmp_path):
 def test_a_path_like_model_that_does_not_exist_is_a_path_error(tmp_path, tiny_phi_dir):
     (tmp_path / "runs").mkdir()
     os.symlink(tiny_phi_dir, tmp_path / "runs" / "tiny-phi")
-    res = _eval(tmp_path, "--model", "runs/tiny-phii", "--data", "fixture", HF_HUB_OFFLINE="1")
+    res = _eval(tmp_path, "--model", "runs/tiny-phii", "--task", "hotpotqa", "--data", "fixture", HF_HUB_OFFLINE="1")
     assert res.returncode == 2
     assert "model directory 'runs/tiny-phii' does not exist; close names in runs/: tiny-phi" in res.stderr

@@ -437,7 +437,7 @@ def test_goombalab_folders_default_to_phi_tokenizer_and_take_tokenizer_flag(tiny
         (bare / f).unlink(missing_ok=True)
     assert resolve_model(str(bare)).tokenizer == "microsoft/phi-1_5"
     assert resolve_model(tiny_phi_mamba_dir).tokenizer is None  # has its own
-    base = ["--model", str(bare), "--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--no-progress"]
+    base = ["--model", str(bare), "--task", "hotpotqa", "--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--no-progress"]
     assert eval_main([*base, "--output", str(tmp_path / "a")]) == 2  # offline: Phi-1.5's tokenizer is not here
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "carries no tokenizer" in err and "--tokenizer" in err

@@ -64,7 +64,7 @@ def test_prefix_reuse_with_tool_calls(phi_backend):
 
 def test_engine_run_identical_with_and_without_prefix_reuse(tiny_phi_dir, phi_backend, tmp_path):
     def run(out, reuse):
-        cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "middle"]}, limit=5,
+        cfg = RunConfig(task="hotpotqa", model=tiny_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "middle"]}, limit=5,
                         max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size="3",
                         prefix_reuse=reuse)
         run_eval(cfg, backend=phi_backend, progress=False)

@@ -41,8 +41,8 @@ def test_memory_amounts_parse_and_bad_ones_are_refused(tmp_path):
         with pytest.raises(ValueError, match="4GiB"):
             parse_bytes(bad)
     with pytest.raises(ConfigError, match="--prefix-memory 'lots'"):
-        RunConfig(model="x", prefix_memory="lots", device="cpu").validate()
-    assert RunConfig(model="x", prefix_reuse=False).prefix_reuse == "none"  # the former on/off flag
+        RunConfig(task="hotpotqa", model="x", prefix_memory="lots", device="cpu").validate()
+    assert RunConfig(task="hotpotqa", model="x", prefix_reuse=False).prefix_reuse == "none"  # the former on/off flag
 
 
 def _sweep_prompts(n_slots=5):
@@ -121,7 +121,7 @@ def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
 
 def _run(model, out, mode, limit, backend=None, batch_size="3"):
     positions = ["0", "1", "2", "3", "last"]
-    cfg = RunConfig(model=model, data="fixture", task_args={"distractors": 4, "positions": positions}, limit=limit,
+    cfg = RunConfig(task="hotpotqa", model=model, data="fixture", task_args={"distractors": 4, "positions": positions}, limit=limit,
                     max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size=batch_size,
                     prefix_reuse=mode)
     res = run_eval(cfg, backend=backend, progress=False)

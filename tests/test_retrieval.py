@@ -148,7 +148,7 @@ def test_engine_counts_tool_calls_per_position(tiny_phi_dir, phi_backend, tmp_pa
     from harness.engine import run_eval
     from harness.engine.config import RunConfig
 
-    cfg = RunConfig(model=tiny_phi_dir, data="fixture", task_args={"distractors": 3, "positions": ["first", "last"]}, limit=3,
+    cfg = RunConfig(task="hotpotqa", model=tiny_phi_dir, data="fixture", task_args={"distractors": 3, "positions": ["first", "last"]}, limit=3,
                     max_new_tokens=8, device="cpu", dtype="float32", output=str(tmp_path), retrieval=True,
                     stop=[])
     res = run_eval(cfg, backend=phi_backend, progress=False)

@@ -34,7 +34,7 @@ def _lines(out):
 # ------------------------------------------------------------------------------------------------ the lock
 def test_a_second_run_into_a_locked_directory_is_refused_naming_the_holder(tiny_phi_dir, tmp_path, capsys):
     with RunLock(tmp_path):
-        rc = eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--limit", "2", "--output", str(tmp_path),
+        rc = eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--limit", "2", "--output", str(tmp_path),
                         "--no-progress"])
         assert rc == 2
         err = capsys.readouterr().err
@@ -46,7 +46,7 @@ def test_two_concurrent_processes_lose_no_row(tiny_phi_dir, tmp_path):
     """A long and a short run started together into one directory: one runs, the other is refused; the
     finished run holds every one of its rows."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "harness.eval", "--model", tiny_phi_dir, "--data", "fixture", "--distractors", "4",
+    cmd = [sys.executable, "-m", "harness.eval", "--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "4",
            "--max-new-tokens", "96", "--device", "cpu", "--output", str(out), "--no-progress", "--batch-size", "2"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     # batch 1 without prefix reuse (neither is part of the run's settings): the long run outlasts the short
@@ -150,9 +150,9 @@ def test_two_spellings_of_one_run_are_one_run(tiny_phi_dir, tmp_path, monkeypatc
     rel = os.path.relpath(tiny_phi_dir, tmp_path)
     out = tmp_path / "run"
     common = ["--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--output", str(out), "--no-progress"]
-    assert eval_main(["--model", tiny_phi_dir, "--dtype", "float32", "--device", "cpu", *common]) == 0
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--dtype", "float32", "--device", "cpu", *common]) == 0
     monkeypatch.chdir(tmp_path)
-    assert eval_main(["--model", rel, "--dtype", "auto", "--device", "auto", *common]) == 0
+    assert eval_main(["--model", rel, "--task", "hotpotqa", "--dtype", "auto", "--device", "auto", *common]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["counts"]["resumed"] == 6 and res["counts"]["generated"] == 0
     assert res["resolved"]["dtype"] == "float32" and res["resolved"]["device_type"] == "cpu"
@@ -162,12 +162,12 @@ def test_two_spellings_of_one_run_are_one_run(tiny_phi_dir, tmp_path, monkeypatc
 def test_a_failed_first_attempt_does_not_lock_the_directory(tiny_phi_dir, tmp_path, capsys):
     out = str(tmp_path / "run")
     base = ["--data", "fixture", "--limit", "2", "--max-new-tokens", "4", "--output", out, "--no-progress"]
-    assert eval_main(["--model", tiny_phi_dir + "-typo", *base]) == 2
-    assert eval_main(["--model", tiny_phi_dir, "--template", "no_such_template", *base]) == 2
-    assert eval_main(["--model", tiny_phi_dir, "--shots", "10", *base]) == 2
+    assert eval_main(["--model", tiny_phi_dir + "-typo", "--task", "hotpotqa", *base]) == 2
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--template", "no_such_template", *base]) == 2
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--shots", "10", *base]) == 2
     assert "--shots 10 asks for more" in capsys.readouterr().err
     assert not (tmp_path / "run" / "run.json").exists()
-    assert eval_main(["--model", tiny_phi_dir, *base]) == 0
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", *base]) == 0
 
 
 def test_duplicate_ids_are_rejected_by_name(tiny_phi_dir, tmp_path, capsys):
@@ -175,7 +175,7 @@ def test_duplicate_ids_are_rejected_by_name(tiny_phi_dir, tmp_path, capsys):
     rows[2]["_id"] = rows[0]["_id"]
     data = tmp_path / "dup.json"
     data.write_text(json.dumps(rows))
-    assert eval_main(["--model", tiny_phi_dir, "--data", str(data), "--distractors", "2", "--output",
+    assert eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", str(data), "--distractors", "2", "--output",
                       str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and rows[0]["_id"] in err and "more than once" in err
@@ -199,7 +199,7 @@ def test_duplicate_ids_are_rejected_by_name(tiny_phi_dir, tmp_path, capsys):
 ])
 def test_each_bad_flag_is_named_before_anything_is_written(tiny_phi_dir, tmp_path, capsys, flags, needle):
     out = tmp_path / "o"
-    rc = eval_main(["--model", tiny_phi_dir, "--data", "fixture", "--limit", "2", "--output", str(out), *flags])
+    rc = eval_main(["--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--limit", "2", "--output", str(out), *flags])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and needle in err, err
     assert "Traceback" not in err and not (out / "run.json").exists()
@@ -209,7 +209,7 @@ def test_broken_checkpoints_data_and_selections_are_error_lines(tiny_phi_dir, tm
     import shutil
 
     def run(model, *flags):
-        rc = eval_main(["--model", str(model), "--limit", "2", "--output", str(tmp_path / "o"), *flags])
+        rc = eval_main(["--model", str(model), "--task", "hotpotqa", "--limit", "2", "--output", str(tmp_path / "o"), *flags])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("error: ") and "Traceback" not in err, err
         return err

@@ -72,7 +72,7 @@ def test_the_bpe_really_merges_across_the_tags(gpt2_tokenizer):
 @pytest.mark.parametrize("batch_size,prefix_reuse", [("1", True), ("4", True), ("auto", True),
                                                       ("1", False), ("4", False), ("auto", False)])
 def test_tool_calls_are_exact_under_gpt2_bpe(scripted, gpt2_phi_dir, scripts, batch_size, prefix_reuse, tmp_path):
-    cfg = RunConfig(model=gpt2_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]},
+    cfg = RunConfig(task="hotpotqa", model=gpt2_phi_dir, data="fixture", task_args={"distractors": 4, "positions": ["first", "last"]},
                     limit=N_QUESTIONS, max_new_tokens=200, device="cpu", dtype="float32", retrieval=True,
                     output=str(tmp_path), batch_size=batch_size, prefix_reuse=prefix_reuse)
     res = run_eval(cfg, backend=scripted, progress=False)
