@@ -76,8 +76,9 @@ def chunked_scan(decay, inputs, steps: int, each, reverse: bool = False, out: to
             torch.addcmul(end[prev], product[prev], start[prev], out=start[j])
         del end, product
     state = start
-    for i in order:
-        state = torch.mul(decay(i), state, out=None if out is None else out[i]).addcmul_(*inputs(i))
+    spare = [scratch("scan_state_a", start.shape, start), scratch("scan_state_b", start.shape, start)]
+    for n, i in enumerate(order):  # without ``out``, two buffers in turn: no step allocates its state
+        state = torch.mul(decay(i), state, out=spare[n % 2] if out is None else out[i]).addcmul_(*inputs(i))
         each(i, state)
     return start
 
@@ -137,7 +138,9 @@ def _forward_rows(u, dt, B, C, length, A):
     def read(i, h):
         torch.matmul(h, C[i].unsqueeze(-1), out=y[i].unsqueeze(-1))
 
-    start = chunked_scan(lambda i: (dt[i].unsqueeze(-1) * A).exp_(),
+    decay = scratch("decay", (*u.shape[1:], A.shape[1]), u)
+
+    start = chunked_scan(lambda i: torch.mul(dt[i].unsqueeze(-1), A, out=decay).exp_(),
                          lambda i: (dtu[i].unsqueeze(-1), B[i].unsqueeze(-2)), len(u), read)
     return from_chunks(y)[..., :length], start
 
@@ -163,14 +166,15 @@ def _backward_rows(u, dt, B, C, dy, length, A, start):
     # step back.
     du, ddt, dB = torch.empty_like(u), torch.empty_like(u), torch.empty_like(B)
     ga_dt = torch.zeros_like(h[0])  # sum over time of dL/d(dt A) * dt, reduced to dL/dA at the end
+    ga_buf, gB_buf = scratch("ga", h.shape[1:], u), scratch("gB", (*u.shape[1:], 1), u)
 
     def grads(i, g):
         # h_{t-1} (zero before the first step): the previous step of the chunk, or the previous chunk's last
         prev = h[i - 1] if i else torch.cat([torch.zeros_like(h[-1, :1]), h[-1, :-1]])
-        ga = g * a[i]  # dL/d(dt A) = g_t a_t h_{t-1}
+        ga = torch.mul(g, a[i], out=ga_buf)  # dL/d(dt A) = g_t a_t h_{t-1}
         ga *= prev
         ga_dt.addcmul_(ga, dt[i].unsqueeze(-1))
-        gB = torch.matmul(g, B[i].unsqueeze(-1)).squeeze(-1)  # sum_n g B, for x = dt u B
+        gB = torch.matmul(g, B[i].unsqueeze(-1), out=gB_buf).squeeze(-1)  # sum_n g B, for x = dt u B
         torch.matmul(dtu[i].unsqueeze(-2), g, out=dB[i].unsqueeze(-2))
         torch.addcmul(ga.mul_(A).sum(-1), gB, u[i], out=ddt[i])
         torch.mul(gB, dt[i], out=du[i])
