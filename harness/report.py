@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from evals import task_class
@@ -230,7 +231,8 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
 
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
     """One task's runs on the task's own axis (``Task.axis_position``): by a statistic (HotpotQA's gold-paragraph
-    slot); a two-part condition (the needle's length x depth) as a heatmap per run; a size-swept task (pairs, nodes, length) as one line per run over the size."""
+    slot); a two-part condition (the needle's length x depth) as a heatmap per run; a size-swept task (pairs,
+    nodes, length) as one line per run over the size."""
     plt = pyplot()
 
     df = df[df["n"] > 0]
@@ -331,7 +333,7 @@ def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
         im = ax.imshow(100 * grid.values, vmin=0, vmax=100, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(grid.columns)), [f"{c:g}" for c in grid.columns])
         ax.set_yticks(range(len(grid.index)), [s.split()[-1] for s in grid.index])
-        for (i, j), v in __import__("numpy").ndenumerate(grid.values):
+        for (i, j), v in np.ndenumerate(grid.values):
             ax.text(j, i, "" if v != v else f"{100 * v:.0f}", ha="center", va="center", fontsize=8,
                     color="white" if v == v and v < 0.6 else "black")
         ax.set_xlabel(task.axis_label or df["condition_name"].iloc[0].split("@")[0])
@@ -339,7 +341,8 @@ def _heatmaps(df: pd.DataFrame, metric: str, path: Path, plt) -> Path:
             ax.set_ylabel(task.series_label or df["condition_name"].iloc[0].split("@")[-1])
         ax.set_title(run, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label=f"{metric} (%)")
-    fig.suptitle(f"{task.name}: {metric} by {task.axis_label} and {task.series_label}", fontsize=10)
+    first, second = df["condition_name"].iloc[0].split("@", 1)  # the axes' titles say more
+    fig.suptitle(f"{task.name}: {metric} by {first} and {second}", fontsize=10)
 
     save(fig, path, dpi=150, tight=False)
     return path
