@@ -146,7 +146,7 @@ def _task_options(args: list[str]) -> list[str]:
 
 def test_the_docs_hold_commands_and_runnable_blocks():
     """What the other tests check is there: a marker that went missing would make them pass on nothing."""
-    assert len(SHELL) >= 15 and len(RUNNABLE) >= 6, (len(SHELL), len(RUNNABLE))
+    assert len(SHELL) >= 15 and len(RUNNABLE) >= 5, (len(SHELL), len(RUNNABLE))
     assert {b.page.name for b in RUNNABLE} >= {"README.md", "evaluation.md", "run-directories.md", "trainer.md"}
 
 
