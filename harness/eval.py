@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     try:
         with stop_on_sigterm():
             cfg = config_from_args(a)
-            from harness.engine.run import run_eval  # lazy: start-up time (--help and flag errors load no model code)
+            from harness.engine.run import (
+                run_eval,  # lazy: start-up time (--help and flag errors load no model code)
+            )
 
             results = run_eval(cfg, progress=a.progress)
     except (ValueError, KeyError, OSError, RunDirError) as e:  # DataError, ConfigError, TemplateError, ...

@@ -18,7 +18,11 @@ from tqdm.auto import tqdm
 
 try:  # this module is lm-eval's model: it exists only where the optional extra is installed
     from lm_eval.api.model import TemplateLM
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+    from lm_eval.utils import (
+        get_rolling_token_windows,
+        make_disjoint_window,
+        simple_parse_args_string,
+    )
 except ImportError as e:
     raise ImportError(f'harness.icr_lm is lm-eval\'s model "icr" and needs lm-evaluation-harness ({e}); '
                       'pip install "icr-harness[lm-eval]"') from e

@@ -78,7 +78,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     root = Path(cfg.output or f"runs/grid-{flags.grid}") if flags.grid else None
-    from harness.training import grid as grids  # lazy: start-up time (--help and flag errors load no model code)
+    from harness.training import (
+        grid as grids,  # lazy: start-up time (--help and flag errors load no model code)
+    )
     from harness.training.trainer import train_one  # lazy: start-up time, as above
 
     try:

@@ -5,7 +5,7 @@ import copy
 import logging
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
@@ -21,30 +21,9 @@ from harness.backends.families import (
 )
 from harness.backends.generation import last_real_index, logits_at_last_real
 from harness.backends.step import StepBackend
+from harness.backends.tokenizer import load_tokenizer
 
 log = logging.getLogger("harness")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer the engine cannot batch or stop with; the message names it and the fix."""
-
-
-def load_tokenizer(path: str):
-    tok = AutoTokenizer.from_pretrained(path, **hub.load_kwargs(path))
-    return prepare_tokenizer(tok, path)
-
-
-def prepare_tokenizer(tok, source: str):
-    """Left padding, and a pad token (the eos token when it has none): batched prompts need one, and a tokenizer
-    with neither cannot say where a generation ends or how a row is padded."""
-    tok.padding_side = "left"
-    if tok.eos_token_id is None:
-        raise TokenizerError(f"tokenizer {source} has no eos token, so no generation could end before its token "
-                             "limit and no batch could be padded; set \"eos_token\" in its tokenizer_config.json (or "
-                             "pass --tokenizer with a complete one)")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 class TransformersBackend(StepBackend):

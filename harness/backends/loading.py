@@ -11,7 +11,7 @@ from harness import hub
 from harness.backends import backend_class, graphs_used
 from harness.backends.base import resolve_device
 from harness.backends.fla_models import FlaError
-from harness.backends.hf import TokenizerError
+from harness.backends.tokenizer import TokenizerError
 from harness.models import resolve_model
 
 log = logging.getLogger("harness")

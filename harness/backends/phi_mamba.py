@@ -8,8 +8,8 @@ import torch
 
 from harness.backends.base import resolve_device, resolve_dtype
 from harness.backends.generation import logits_at_last_real
-from harness.backends.hf import load_tokenizer
 from harness.backends.step import StepBackend
+from harness.backends.tokenizer import load_tokenizer
 from harness.models import kernels
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState

@@ -9,7 +9,9 @@ through, config, runlog and stats, do not load transformers' model code). Backen
 
 def __getattr__(name):
     if name in ("run_eval", "EvalRun"):
-        from harness.engine import run  # lazy: start-up time (reading runs loads no model code)
+        from harness.engine import (
+            run,  # lazy: start-up time (reading runs loads no model code)
+        )
 
         return getattr(run, name)
     raise AttributeError(f"module 'harness.engine' has no attribute {name!r}")

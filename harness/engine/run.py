@@ -20,12 +20,12 @@ from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
 from harness import hub
 from harness.backends.generation import GenRequest
-from harness.backends.hf import load_tokenizer
 from harness.backends.loading import (
     ModelLoadError,
     load_backend,
     model_spec,
 )
+from harness.backends.tokenizer import load_tokenizer
 from harness.engine import lm_eval_format
 from harness.engine.audit import audit_rows
 from harness.engine.config import ConfigError, RunConfig, settings_hash
