@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from harness.backends import BACKENDS, graphs_used
 from harness.backends.base import resolve_device, resolve_dtype
 from harness.backends.planner import PREFIX_REUSE
@@ -137,8 +139,6 @@ class RunConfig:
         self.resolved_device()
 
     def resolved_device(self):
-        import torch
-
         try:
             dev = resolve_device(self.device)
         except (RuntimeError, ValueError) as e:

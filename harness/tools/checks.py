@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 from harness.backends.generation import GenRequest, left_pad
 from harness.backends.hf import TransformersBackend
@@ -222,13 +223,7 @@ def free_memory() -> None:
 
 
 def environment() -> dict:
-    env = {"python": platform.python_version(), **kernels.status()}
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    env = {"python": platform.python_version(), **kernels.status(), "transformers": transformers.__version__}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
