@@ -44,6 +44,30 @@ def test_parallel_scan_equals_the_sequential_recurrence(length):
     assert max(worst.values()) < 1e-5, worst
 
 
+@pytest.mark.parametrize("skip,gate", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("layout", ["contiguous", "time-major"])
+def test_without_skip_or_gate_and_in_either_memory_layout(skip, gate, layout):
+    """The skip ``D`` and the gate ``z`` are applied inside the scan: each left out alone still matches, and so
+    do inputs stored [batch, time, channels] (the mixer passes transposed views), whose outputs keep that layout."""
+    u, dt, A, B, C, D, z, bias = _inputs(3, 5, 4, 70, seed=11)
+    if layout == "time-major":
+        u, dt, B, C, z = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                          for t in (u, dt, B, C, z))
+    inputs = [u, dt, A, B, C, D if skip else None, z if gate else None, bias]
+    weight = torch.randn(3, 5, 70, generator=torch.Generator().manual_seed(4))
+
+    def run(scan):
+        y = scan(*inputs[:5], D=inputs[5], z=inputs[6], delta_bias=bias, delta_softplus=True)
+        used = [t for t in inputs if t is not None]
+        return [y, *torch.autograd.grad((y * weight).sum(), used)]
+
+    fast, slow = run(ss.selective_scan), run(ss.sequential_scan)
+    assert slow[0].std() > 0.1
+    assert max(_rel(a, b) for a, b in zip(fast, slow)) < 1e-5
+    if layout == "time-major":
+        assert fast[0].transpose(1, 2).is_contiguous() and fast[1].transpose(1, 2).is_contiguous()
+
+
 def test_row_groups_and_chunks_do_not_change_the_result(monkeypatch):
     """Rows scanned in groups (bounded memory) give what one group gives; chunk starts carry state exactly."""
     inputs = _inputs(5, 4, 3, 61, seed=3)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -84,17 +85,20 @@ class ScanMixer(MambaMixer):
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if cache_params is not None or mamba_kernels_run(hidden_states):
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
+        # them without copies, and the scan's own layout changes run along contiguous channels.
         length = hidden_states.shape[1]
-        projected = self.in_proj(_masked(hidden_states, attention_mask)).transpose(1, 2)
-        x, gate = projected.chunk(2, dim=1)
-        x = self.act(self.conv1d(x)[..., :length])  # conv1d pads both sides; the first L outputs are causal
-        x = _masked(x.transpose(1, 2), attention_mask)
+        x, gate = self.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
+        conv = self.conv1d  # causal: padded on the left only, so its output is contiguous (no slice of a longer one)
+        x = self.act(F.conv1d(F.pad(x.transpose(1, 2), (conv.kernel_size[0] - 1, 0)), conv.weight, conv.bias,
+                              groups=conv.groups))
+        x = _masked(x.transpose(1, 2), attention_mask).contiguous()
         dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
                                dim=-1)
-        dt = self.dt_proj.weight @ dt.transpose(1, 2)
-        y = self.scan(x.transpose(1, 2), dt, -torch.exp(self.A_log.float()), B.transpose(1, 2),
-                           C.transpose(1, 2), D=self.D.float(), z=gate, delta_bias=self.dt_proj.bias.float(),
-                           delta_softplus=True)
+        dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in the scan, with the softplus
+        y = self.scan(x.transpose(1, 2), dt.transpose(1, 2), -torch.exp(self.A_log.float()), B.transpose(1, 2),
+                      C.transpose(1, 2), D=self.D.float(), z=gate.transpose(1, 2),
+                      delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
         return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype))
 
 

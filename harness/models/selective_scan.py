@@ -2,15 +2,18 @@
 missing (CPU, and GPUs where it does not build), equal to the step-by-step recurrence to float32 rounding.
 
 The recurrence per (batch, channel, state) is ``h_t = a_t * h_{t-1} + x_t`` with ``a_t = exp(dt_t * A)`` and
-``x_t = dt_t * u_t * B_t``, read out as ``y_t = sum_n C_t h_t``. ``chunked_scan`` cuts time into C chunks of
-T ≈ sqrt(L) steps, runs the recurrence inside every chunk at once (T steps over all chunks, zero start), then
-carries each chunk's end state into the next (C steps): about 2·sqrt(L) vectorised steps instead of L, the same
-multiply-adds as the step loop (no exp/log-space rescaling that could overflow when ``dt * A`` is large).
+``x_t = dt_t * u_t * B_t``, read out as ``y_t = sum_n C_t h_t``. Time is cut into C chunks of T ≈ sqrt(L)
+steps: ``chunk_starts`` runs the recurrence inside every chunk at once from zero (T steps over all chunks) and
+carries each chunk's end state into the next (C steps); ``scan_chunks`` runs it again inside every chunk from
+its exact start. About 2·sqrt(L) vectorised steps instead of L, with the step loop's multiply-adds (no
+exp/log-space rescaling that could overflow when ``dt * A`` is large).
 
-``SelectiveScan`` is a custom autograd function: it keeps only its inputs (sized like ``u``, not the
-``d_state``-times larger states) and recomputes the states in the backward pass, where the gradient of the
-states is the same scan run backwards in time. Peak memory is one row group's states of one layer, not every
-layer's, which is what let the step loop's autograd graph reach 10 GB at batch 8 and 1,845 tokens.
+``SelectiveScan`` is a custom autograd function: it keeps its inputs (sized like ``u``, not the ``d_state``-times
+larger states) and recomputes the states in the backward pass, where the gradient of the states is the same
+scan run backwards in time. Peak memory is one row group's states of one layer, not every layer's, which is
+what let the step loop's autograd graph reach 10 GB at batch 8 and 1,845 tokens. On a CPU the work is laid out
+so that each step's tensors stay in cache (decays recomputed per step rather than stored for a layer, the skip
+and gate applied per row group): past the cache, an elementwise op here ran 3-5x slower per byte.
 
 Written by hand because no installable library does this: mamba-ssm's scan is a CUDA extension, transformers'
 parallel options are mambapy (an extra package, unverified against the loop) and ``associative_scan`` (only
@@ -52,136 +55,195 @@ def chunk_length(length: int) -> int:
     return max(1, math.isqrt(max(length - 1, 0)) + 1)
 
 
-def chunked_scan(decay, inputs, steps: int, each, reverse: bool = False, out: torch.Tensor | None = None,
-                 start: torch.Tensor | None = None) -> torch.Tensor:
-    """Runs ``h_t = a_t * h_{t-1} + x_t`` (``h_{-1} = 0``; ``reverse``: ``h_t = a_t * h_{t+1} + x_t``) over time
-    laid out as [T, C, ...] (step within a chunk, chunk: ``to_chunks``), calling ``each(i, h)`` with the states
-    of step ``i`` of every chunk, in time order; returns the state entering every chunk (pass it back as
-    ``start`` to run the same scan again without its first two passes). ``decay(i)`` gives a_t for step i of
-    every chunk and ``inputs(i)`` a pair whose (broadcast) product is x_t, added in place, so neither x nor,
-    unless ``out`` keeps every state, h exists for a whole layer (on a CPU each step's tensors stay in cache).
-    Three passes: each chunk's end state from zero and its decay product, for all chunks at once; the exact
-    state entering every chunk, one step per chunk; the recurrence inside every chunk from that state."""
-    order = list(range(steps))[::-1] if reverse else list(range(steps))
-    if start is None:
-        end = torch.mul(*inputs(order[0]))
-        product = decay(order[0]).clone()
-        for i in order[1:]:
-            a = decay(i)
-            end.mul_(a).addcmul_(*inputs(i))
-            product.mul_(a)
-        chunks = list(range(end.shape[0]))[::-1] if reverse else list(range(end.shape[0]))
-        start = torch.zeros_like(end)
-        for prev, j in zip(chunks, chunks[1:]):
-            torch.addcmul(end[prev], product[prev], start[prev], out=start[j])
-        del end, product
-    state = start
-    spare = [scratch("scan_state_a", start.shape, start), scratch("scan_state_b", start.shape, start)]
-    for n, i in enumerate(order):  # without ``out``, two buffers in turn: no step allocates its state
-        state = torch.mul(decay(i), state, out=spare[n % 2] if out is None else out[i]).addcmul_(*inputs(i))
-        each(i, state)
+def chunk_starts(decay, inputs, steps: int, product: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """The state entering every chunk of ``h_t = a_t * h_{t-1} + x_t`` (``h_{-1} = 0``; ``reverse``:
+    ``h_t = a_t * h_{t+1} + x_t``) over time laid out as [T, C, ...] (step within a chunk, chunk: ``to_chunks``).
+    ``decay[i]`` is a_t at step i of every chunk, ``inputs[i]`` a pair whose (broadcast) product is x_t (added in
+    place: x never exists for a whole layer), ``product`` each chunk's product of decays. Two passes: each
+    chunk's end state from zero, all chunks at once; then the exact state entering every chunk, a chunk a step."""
+    order = range(steps - 1, -1, -1) if reverse else range(steps)
+    end = torch.mul(*inputs[order[0]])
+    for i in order[1:]:
+        end.mul_(decay[i]).addcmul_(*inputs[i])
+    chunks = range(end.shape[0] - 1, -1, -1) if reverse else range(end.shape[0])
+    start = torch.zeros_like(end)
+    for prev, j in zip(chunks, chunks[1:]):
+        torch.addcmul(end[prev], product[prev], start[prev], out=start[j])
     return start
 
 
+def scan_chunks(decay, inputs, start: torch.Tensor, each, out: torch.Tensor | None = None) -> None:
+    """The recurrence inside every chunk at once from ``start`` (``chunk_starts``), calling ``each(i, h)`` with
+    step i's states of every chunk in time order; into ``out`` [T, C, ...] if given, else through two buffers in
+    turn, so that no step allocates its state (on a CPU each step's tensors stay in cache)."""
+    state = start
+    spare = [scratch("scan_state_a", start.shape, start), scratch("scan_state_b", start.shape, start)]
+    for i in range(len(inputs)):
+        state = torch.mul(decay[i], state, out=spare[i % 2] if out is None else out[i]).addcmul_(*inputs[i])
+        each(i, state)
+
+
 def to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[b, k, L] (L a multiple of ``chunk``) as contiguous [T, C, b, k]: time is (chunk, step in chunk)."""
+    """[b, k, L] as contiguous float32 [T, C, b, k] (time is (chunk, step in chunk)), the last chunk padded with
+    zeros: in one copy."""
     b, k, length = t.shape
-    return t.reshape(b, k, length // chunk, chunk).permute(3, 2, 0, 1).contiguous()
+    full, rest = divmod(length, chunk)
+    out = torch.empty((chunk, full + bool(rest), b, k), dtype=torch.float32, device=t.device)
+    view = out.permute(2, 3, 1, 0)  # [b, k, C, T]
+    view[:, :, :full].copy_(t[..., :full * chunk].unflatten(-1, (full, chunk)))
+    if rest:
+        view[:, :, full, :rest].copy_(t[..., full * chunk:])
+        view[:, :, full, rest:].zero_()
+    return out
 
 
-def from_chunks(t: torch.Tensor) -> torch.Tensor:
-    """[T, C, b, k] back to [b, k, L]."""
-    steps, c, b, k = t.shape
-    return t.permute(2, 3, 1, 0).reshape(b, k, c * steps)
+def from_chunks(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """[T, C, b, k] written into ``out`` [b, k, L] (L at most T*C), in one copy."""
+    chunk, length = t.shape[0], out.shape[-1]
+    full, rest = divmod(length, chunk)
+    view = t.permute(2, 3, 1, 0)  # [b, k, C, T]
+    out[..., :full * chunk].unflatten(-1, (full, chunk)).copy_(view[:, :, :full])
+    if rest:
+        out[..., full * chunk:].copy_(view[:, :, full, :rest])
+    return out
 
 
 class SelectiveScan(torch.autograd.Function):
-    """y[b, d, l] = sum_n C[b, n, l] h[l, b, d, n] for the recurrence above; float32 inside, inputs' dtype out.
-    Shapes as mamba-ssm's kernel: u, dt [b, d, l] (dt after bias and softplus), A [d, n], B, C [b, n, l].
-    Keeps its inputs and the state entering every chunk (1/T of the states) for the backward pass."""
+    """mamba-ssm's ``selective_scan_fn`` (no returned state): y[b, d, l] = (sum_n C[b, n, l] h[l, b, d, n]
+    + D u) * silu(z) for the recurrence above; float32 inside, inputs' dtype out. Shapes as mamba-ssm's kernel:
+    u, dt, z [b, d, l] (dt after bias and softplus), A [d, n], B, C [b, n, l], D [d]; D and z may be None. The
+    skip and the gate are applied a row group at a time, in cache, instead of as whole-layer autograd ops. Keeps
+    its inputs, the state entering every chunk (1/T of the states) and, with a gate, the ungated output."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C):
+    def forward(ctx, u, dt, A, B, C, D, z):
+        y = torch.empty_like(u, dtype=torch.float32)  # u's memory layout: copies in and out run along it
+        ungated = torch.empty_like(y) if z is not None else None
+        starts = []
         with torch.autocast(u.device.type, enabled=False):
-            out = [_forward_rows(*rows, A.float()) for rows in _row_groups(u, dt, B, C, A=A)]
-        ctx.save_for_backward(u, dt, A, B, C, *(start for _, start in out))
-        return torch.cat([y for y, _ in out]).to(u.dtype)
+            for rows, chunked in _row_groups(u, dt, B, C, A=A):
+                out, start = _forward_rows(*chunked, A.float())
+                starts.append(start)
+                part = from_chunks(out, y[rows])
+                if D is not None:
+                    part.addcmul_(u[rows], D.float()[:, None])
+                if z is not None:
+                    ungated[rows] = part
+                    part.mul_(F.silu(z[rows].float()))
+        ctx.save_for_backward(u, dt, A, B, C, D, z, ungated, *starts)
+        return y.to(u.dtype)
 
     @staticmethod
-    def backward(ctx, dy):
-        u, dt, A, B, C, *starts = ctx.saved_tensors
-        parts = []
+    def backward(ctx, dout):
+        u, dt, A, B, C, D, z, ungated, *starts = ctx.saved_tensors
+        grads = [torch.empty_like(t, dtype=torch.float32) for t in (u, dt, B, C)]
+        dA = torch.zeros(A.shape, dtype=torch.float32, device=A.device)
+        dD = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if D is not None else None
+        dz = torch.empty_like(z, dtype=torch.float32) if z is not None else None
         with torch.autocast(u.device.type, enabled=False):
-            for rows, start in zip(_row_groups(u, dt, B, C, dy, A=A), starts):
-                parts.append(_backward_rows(*rows, A.float(), start))
-        du, ddt, dB, dC = (torch.cat([p[k] for p in parts]) for k in range(4))
-        dA = sum(p[4] for p in parts)
-        return du.to(u.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype)
+            for (rows, chunked), start in zip(_row_groups(u, dt, B, C, A=A), starts):
+                dy = dout[rows].to(torch.float32, copy=True)  # changed in place below
+                if z is not None:  # d silu(z) / dz = s (1 + z (1 - s)), s = sigmoid(z)
+                    zr = z[rows].to(torch.float32, copy=True)
+                    s = torch.sigmoid(zr)
+                    torch.mul(dy, ungated[rows], out=dz[rows]).mul_(s).mul_(zr.mul_(1 - s).add_(1))
+                    dy.mul_(s.mul_(z[rows].float()))
+                parts = _backward_rows(*chunked, to_chunks(dy, len(chunked[0])), A.float(), start)
+                for grad, part in zip(grads, parts):
+                    from_chunks(part, grad[rows])
+                dA += parts[4]
+                if D is not None:
+                    dD += (dy * u[rows]).sum((0, 2))
+                    grads[0][rows].addcmul_(dy, D.float()[:, None])
+        du, ddt, dB, dC = grads
+        return (du.to(u.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+                dD.to(D.dtype) if D is not None else None, dz.to(z.dtype) if z is not None else None)
 
 
 def _row_groups(*tensors, A):
-    """The tensors' rows in groups of at most ``GROUP_ELEMENTS`` states, as float32 in the [T, C, b, k]
-    layout, time padded to whole chunks with steps that change nothing (dt = 0: decay 1, input 0)."""
+    """Slices of at most ``GROUP_ELEMENTS`` states' rows, each with the tensors' rows in the chunked layout."""
     b, d, length = tensors[0].shape
     chunk = chunk_length(length)
-    pad = -length % chunk
     budget = GROUP_ELEMENTS.get(tensors[0].device.type, GROUP_ELEMENTS["cpu"])
-    step = max(1, budget // max(1, d * A.shape[1] * (length + pad)))
+    step = max(1, budget // max(1, d * A.shape[1] * (length + chunk)))
     for i in range(0, b, step):
-        yield tuple(to_chunks(F.pad(t[i:i + step].float(), (0, pad)), chunk) for t in tensors) + (length,)
+        rows = slice(i, i + step)
+        yield rows, tuple(to_chunks(t[rows], chunk) for t in tensors)
 
 
-def _forward_rows(u, dt, B, C, length, A):
+class Decays:
+    """a_t = exp(dt_t A) at step i of every chunk, computed when read, into one buffer or ``out``; ``ahead``:
+    a_{t+1} (at a chunk's last step the next chunk's first, 1 past the end). Each pass reads every step once, and
+    a layer's decays stored out of cache cost more to write and read back than to recompute in cache."""
+
+    def __init__(self, dt, A, ahead: bool = False):
+        self.dt, self.A, self.ahead = dt, A, ahead
+        self.last = torch.cat([dt[0, 1:], torch.zeros_like(dt[0, :1])]) if ahead else dt[-1]
+        self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:], A.shape[1]), dt)
+
+    def __len__(self):
+        return len(self.dt)
+
+    def __getitem__(self, i):
+        return self.into(i, self.buf)
+
+    def into(self, i, out):
+        col = self.dt[i + self.ahead] if i + 1 < len(self.dt) else self.last
+        return torch.mul(col.unsqueeze(-1), self.A, out=out).exp_()
+
+
+def _forward_rows(u, dt, B, C, A):
     dtu = dt * u
     y = torch.empty_like(u)
-
-    def read(i, h):
-        torch.matmul(h, C[i].unsqueeze(-1), out=y[i].unsqueeze(-1))
-
-    decay = scratch("decay", (*u.shape[1:], A.shape[1]), u)
-
-    start = chunked_scan(lambda i: torch.mul(dt[i].unsqueeze(-1), A, out=decay).exp_(),
-                         lambda i: (dtu[i].unsqueeze(-1), B[i].unsqueeze(-2)), len(u), read)
-    return from_chunks(y)[..., :length], start
+    inputs = list(zip(dtu.unsqueeze(-1).unbind(0), B.unsqueeze(-2).unbind(0)))
+    reads = list(zip(y.unsqueeze(-1).unbind(0), C.unsqueeze(-1).unbind(0)))
+    # a chunk's decays multiply to exp(A * its summed dt): one exp, not a product carried through every step
+    start = chunk_starts(Decays(dt, A), inputs, len(u), torch.exp(dt.sum(0).unsqueeze(-1) * A))
+    scan_chunks(Decays(dt, A), inputs, start, lambda i, h: torch.matmul(h, reads[i][1], out=reads[i][0]))
+    return y, start
 
 
-def _backward_rows(u, dt, B, C, dy, length, A, start):
+def _backward_rows(u, dt, B, C, dy, A, start):
     steps = len(u)
     dtu = dt * u
-    shape = (*u.shape, A.shape[1])
-    a = torch.mul(dt.unsqueeze(-1), A, out=scratch("decays", shape, u)).exp_()  # read twice by each scan below
-
-    def ahead(i):  # a_{t+1}: the next step of the chunk, or the next chunk's first (1 past the end)
-        return a[i + 1] if i + 1 < steps else torch.cat([a[0, 1:], torch.ones_like(a[0, :1])])
-
-    h = scratch("states", shape, u)
+    a = Decays(dt, A)
+    h = scratch("states", (*u.shape, A.shape[1]), u)
     dC = torch.empty_like(B)
-
-    def keep(i, state):  # dL/dC from y = sum_n C h
-        torch.matmul(dy[i].unsqueeze(-2), state, out=dC[i].unsqueeze(-2))
-
-    chunked_scan(a.__getitem__, lambda i: (dtu[i].unsqueeze(-1), B[i].unsqueeze(-2)), steps, keep, out=h,
-                 start=start)
-    # g_t = dL/dh_t = C_t dy_t + a_{t+1} g_{t+1}: the same scan backwards in time, each step's decay moved one
-    # step back.
+    dy_rows, dtu_rows = dy.unsqueeze(-2).unbind(0), dtu.unsqueeze(-2).unbind(0)
+    dC_rows = dC.unsqueeze(-2).unbind(0)
+    scan_chunks(a, list(zip(dtu.unsqueeze(-1).unbind(0), B.unsqueeze(-2).unbind(0))), start,
+                lambda i, state: torch.matmul(dy_rows[i], state, out=dC_rows[i]), out=h)  # dL/dC, y = sum_n C h
+    # g_t = dL/dh_t = C_t dy_t + a_{t+1} g_{t+1}: the same scan backwards in time with each decay one step on
+    # (a_{t+1} at a chunk's last step is the next chunk's first, 1 past the end)
+    ahead = Decays(dt, A, ahead=True)
+    ahead_sum = dt.sum(0) - dt[0]
+    ahead_sum[:-1] += dt[0, 1:]
+    inputs = list(zip(dy.unsqueeze(-1).unbind(0), C.unsqueeze(-2).unbind(0)))
+    ends = chunk_starts(ahead, inputs, steps, torch.exp(ahead_sum.unsqueeze(-1) * A), reverse=True)
+    g = torch.mul(ahead[steps - 1], ends, out=scratch("scan_state_a", start.shape, u))
+    g.addcmul_(*inputs[-1])
     du, ddt, dB = torch.empty_like(u), torch.empty_like(u), torch.empty_like(B)
-    ga_dt = torch.zeros_like(h[0])  # sum over time of dL/d(dt A) * dt, reduced to dL/dA at the end
-    ga_buf, gB_buf = scratch("ga", h.shape[1:], u), scratch("gB", (*u.shape[1:], 1), u)
-
-    def grads(i, g):
-        # h_{t-1} (zero before the first step): the previous step of the chunk, or the previous chunk's last
-        prev = h[i - 1] if i else torch.cat([torch.zeros_like(h[-1, :1]), h[-1, :-1]])
-        ga = torch.mul(g, a[i], out=ga_buf)  # dL/d(dt A) = g_t a_t h_{t-1}
-        ga *= prev
-        ga_dt.addcmul_(ga, dt[i].unsqueeze(-1))
-        gB = torch.matmul(g, B[i].unsqueeze(-1), out=gB_buf).squeeze(-1)  # sum_n g B, for x = dt u B
-        torch.matmul(dtu[i].unsqueeze(-2), g, out=dB[i].unsqueeze(-2))
-        torch.addcmul(ga.mul_(A).sum(-1), gB, u[i], out=ddt[i])
+    spare = [scratch("scan_state_a", start.shape, u), scratch("scan_state_b", start.shape, u)]
+    ga = scratch("ga", start.shape, u)
+    prev = h.unbind(0)  # h_{t-1} is prev[i - 1], at a chunk's first step the previous chunk's last
+    B_cols, dB_rows = B.unsqueeze(-1).unbind(0), dB.unsqueeze(-2).unbind(0)
+    dt_cols = dt.unsqueeze(-1).unbind(0)
+    ga_dt = torch.zeros_like(ga)  # sum over time of dL/d(dt A) * dt, reduced to dL/dA at the end
+    for i in range(steps - 1, -1, -1):
+        gB = torch.matmul(g, B_cols[i]).squeeze(-1)  # sum_n g B, for x = dt u B
+        torch.matmul(dtu_rows[i], g, out=dB_rows[i])
         torch.mul(gB, dt[i], out=du[i])
-
-    chunked_scan(ahead,
-                 lambda i: (dy[i].unsqueeze(-1), C[i].unsqueeze(-2)), steps, grads, reverse=True)
-    return tuple(from_chunks(g)[..., :length] for g in (du, ddt, dB, dC)) + (ga_dt.sum((0, 1)),)
+        ag = a.into(i, spare[(steps - i) % 2]).mul_(g)  # a_t g_t: in dL/d(dt A) and in g_{t-1}
+        if i:  # dL/d(dt A) = g_t a_t h_{t-1}, h_{-1} = 0
+            torch.mul(ag, prev[i - 1], out=ga)
+        else:
+            torch.mul(ag[1:], prev[-1][:-1], out=ga[1:])
+            ga[0].zero_()
+        ga_dt.addcmul_(ga, dt_cols[i])
+        torch.addcmul(ga.mul_(A).sum(-1), gB, u[i], out=ddt[i])
+        if i:
+            g = ag.addcmul_(*inputs[i - 1])
+    return du, ddt, dB, dC, ga_dt.sum((0, 1))
 
 
 def _step_sizes(dt, delta_bias, delta_softplus):
@@ -194,12 +256,7 @@ def _step_sizes(dt, delta_bias, delta_softplus):
 def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """mamba-ssm's ``selective_scan_fn`` (no returned state), with the skip term ``D``, the gate ``z``, the
     bias and softplus of ``dt`` left to autograd (they are elementwise and sized like ``u``)."""
-    y = SelectiveScan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C)
-    if D is not None:
-        y = y + u * D[:, None]
-    if z is not None:
-        y = y * F.silu(z)
-    return y
+    return SelectiveScan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
 
 
 def sequential_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
