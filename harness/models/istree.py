@@ -87,9 +87,8 @@ class ScanMixer(MambaMixer):
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
         # them without copies, and the scan's own layout changes run along contiguous channels.
-        length = hidden_states.shape[1]
         x, gate = self.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
-        conv = self.conv1d  # causal: padded on the left only, so its output is contiguous (no slice of a longer one)
+        conv = self.conv1d  # causal: padded on the left only, so its output is contiguous (not a slice)
         x = self.act(F.conv1d(F.pad(x.transpose(1, 2), (conv.kernel_size[0] - 1, 0)), conv.weight, conv.bias,
                               groups=conv.groups))
         x = _masked(x.transpose(1, 2), attention_mask).contiguous()
