@@ -78,6 +78,18 @@ def test_row_groups_and_chunks_do_not_change_the_result(monkeypatch):
     assert all(_rel(a, b) < 1e-6 for a, b in zip(grouped, whole))
 
 
+def test_decays_stored_for_all_steps_match_decays_computed_per_step(monkeypatch):
+    """A GPU computes a group's decays once for all steps, a CPU per step as read: both ways agree."""
+    inputs = _inputs(3, 5, 4, 200, seed=9)
+    weight = torch.randn(3, 5, 200, generator=torch.Generator().manual_seed(6))
+    per_step = _run(ss.selective_scan, inputs, weight)
+    monkeypatch.setitem(ss.Decays.STORED, "cpu", True)
+    assert ss.Decays(torch.rand(2, 1, 1, 3), -torch.rand(3, 4)).all is not None  # the stored path runs
+    stored = _run(ss.selective_scan, inputs, weight)
+    assert per_step[0].std() > 0.1 and all(g.abs().max() > 0 for g in per_step[2:])
+    assert max(_rel(a, b) for a, b in zip(stored, per_step)) < 1e-6
+
+
 def test_bf16_autocast_is_within_the_usual_tolerance():
     inputs = _inputs(2, 8, 4, 300, seed=5)
     weight = torch.randn(2, 8, 300, generator=torch.Generator().manual_seed(3))

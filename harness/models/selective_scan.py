@@ -172,23 +172,41 @@ def _row_groups(*tensors, A):
 
 
 class Decays:
-    """a_t = exp(dt_t A) at step i of every chunk, computed when read, into one buffer or ``out``; ``ahead``:
-    a_{t+1} (at a chunk's last step the next chunk's first, 1 past the end). Each pass reads every step once, and
-    a layer's decays stored out of cache cost more to write and read back than to recompute in cache."""
+    """a_t = exp(dt_t A) at step i of every chunk; ``ahead``: a_{t+1} (at a chunk's last step the next chunk's
+    first, 1 past the end). On a CPU computed when read, into one buffer: each pass reads every step once, and a
+    layer's decays stored out of cache cost more to write and read back than to recompute in cache. Elsewhere
+    (``STORED``) computed for all steps at once and shared by the passes: there each vectorised step is a kernel
+    launch, and memory is plentiful."""
 
-    def __init__(self, dt, A, ahead: bool = False):
+    STORED = {"cpu": False}  # device types not listed store them
+
+    def __init__(self, dt, A, ahead: bool = False, like: Decays | None = None):
         self.dt, self.A, self.ahead = dt, A, ahead
-        self.last = torch.cat([dt[0, 1:], torch.zeros_like(dt[0, :1])]) if ahead else dt[-1]
-        self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:], A.shape[1]), dt)
+        self.all = like.all if like is not None else (
+            torch.exp(dt.unsqueeze(-1) * A) if self.STORED.get(dt.device.type, True) else None)
+        if self.all is not None:
+            self.last = torch.cat([self.all[0, 1:], torch.ones_like(self.all[0, :1])]) if ahead else self.all[-1]
+        else:
+            self.last = torch.cat([dt[0, 1:], torch.zeros_like(dt[0, :1])]) if ahead else dt[-1]
+            self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:], A.shape[1]), dt)
 
     def __len__(self):
         return len(self.dt)
 
     def __getitem__(self, i):
-        return self.into(i, self.buf)
+        if i + 1 == len(self.dt):
+            return self.last if self.all is not None else self._exp(self.last, self.buf)
+        if self.all is not None:
+            return self.all[i + self.ahead]
+        return self._exp(self.dt[i + self.ahead], self.buf)
 
-    def into(self, i, out):
-        col = self.dt[i + self.ahead] if i + 1 < len(self.dt) else self.last
+    def times(self, i, g, out):
+        """a_t * g into ``out``."""
+        if self.all is not None:
+            return torch.mul(self[i], g, out=out)
+        return self._exp(self.dt[i + self.ahead] if i + 1 < len(self.dt) else self.last, out).mul_(g)
+
+    def _exp(self, col, out):
         return torch.mul(col.unsqueeze(-1), self.A, out=out).exp_()
 
 
@@ -198,8 +216,9 @@ def _forward_rows(u, dt, B, C, A):
     inputs = list(zip(dtu.unsqueeze(-1).unbind(0), B.unsqueeze(-2).unbind(0)))
     reads = list(zip(y.unsqueeze(-1).unbind(0), C.unsqueeze(-1).unbind(0)))
     # a chunk's decays multiply to exp(A * its summed dt): one exp, not a product carried through every step
-    start = chunk_starts(Decays(dt, A), inputs, len(u), torch.exp(dt.sum(0).unsqueeze(-1) * A))
-    scan_chunks(Decays(dt, A), inputs, start, lambda i, h: torch.matmul(h, reads[i][1], out=reads[i][0]))
+    decays = Decays(dt, A)
+    start = chunk_starts(decays, inputs, len(u), torch.exp(dt.sum(0).unsqueeze(-1) * A))
+    scan_chunks(decays, inputs, start, lambda i, h: torch.matmul(h, reads[i][1], out=reads[i][0]))
     return y, start
 
 
@@ -215,7 +234,7 @@ def _backward_rows(u, dt, B, C, dy, A, start):
                 lambda i, state: torch.matmul(dy_rows[i], state, out=dC_rows[i]), out=h)  # dL/dC, y = sum_n C h
     # g_t = dL/dh_t = C_t dy_t + a_{t+1} g_{t+1}: the same scan backwards in time with each decay one step on
     # (a_{t+1} at a chunk's last step is the next chunk's first, 1 past the end)
-    ahead = Decays(dt, A, ahead=True)
+    ahead = Decays(dt, A, ahead=True, like=a)
     ahead_sum = dt.sum(0) - dt[0]
     ahead_sum[:-1] += dt[0, 1:]
     inputs = list(zip(dy.unsqueeze(-1).unbind(0), C.unsqueeze(-2).unbind(0)))
@@ -233,7 +252,7 @@ def _backward_rows(u, dt, B, C, dy, A, start):
         gB = torch.matmul(g, B_cols[i]).squeeze(-1)  # sum_n g B, for x = dt u B
         torch.matmul(dtu_rows[i], g, out=dB_rows[i])
         torch.mul(gB, dt[i], out=du[i])
-        ag = a.into(i, spare[(steps - i) % 2]).mul_(g)  # a_t g_t: in dL/d(dt A) and in g_{t-1}
+        ag = a.times(i, g, spare[(steps - i) % 2])  # a_t g_t: in dL/d(dt A) and in g_{t-1}
         if i:  # dL/d(dt A) = g_t a_t h_{t-1}, h_{-1} = 0
             torch.mul(ag, prev[i - 1], out=ga)
         else:
