@@ -239,10 +239,9 @@ def _backward_rows(u, dt, B, C, dy, A, start):
     ahead_sum[:-1] += dt[0, 1:]
     inputs = list(zip(dy.unsqueeze(-1).unbind(0), C.unsqueeze(-2).unbind(0)))
     ends = chunk_starts(ahead, inputs, steps, torch.exp(ahead_sum.unsqueeze(-1) * A), reverse=True)
-    g = torch.mul(ahead[steps - 1], ends, out=scratch("scan_state_a", start.shape, u))
-    g.addcmul_(*inputs[-1])
-    du, ddt, dB = torch.empty_like(u), torch.empty_like(u), torch.empty_like(B)
     spare = [scratch("scan_state_a", start.shape, u), scratch("scan_state_b", start.shape, u)]
+    g = torch.mul(ahead[steps - 1], ends, out=spare[0]).addcmul_(*inputs[-1])
+    du, ddt, dB = torch.empty_like(u), torch.empty_like(u), torch.empty_like(B)
     ga = scratch("ga", start.shape, u)
     prev = h.unbind(0)  # h_{t-1} is prev[i - 1], at a chunk's first step the previous chunk's last
     B_cols, dB_rows = B.unsqueeze(-1).unbind(0), dB.unsqueeze(-2).unbind(0)
@@ -273,8 +272,8 @@ def _step_sizes(dt, delta_bias, delta_softplus):
 
 
 def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
-    """mamba-ssm's ``selective_scan_fn`` (no returned state), with the skip term ``D``, the gate ``z``, the
-    bias and softplus of ``dt`` left to autograd (they are elementwise and sized like ``u``)."""
+    """mamba-ssm's ``selective_scan_fn`` (no returned state): the skip term ``D`` and the gate ``z`` applied
+    inside ``SelectiveScan``, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``)."""
     return SelectiveScan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
 
 
