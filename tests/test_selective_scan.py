@@ -84,7 +84,7 @@ def test_decays_stored_for_all_steps_match_decays_computed_per_step(monkeypatch)
     weight = torch.randn(3, 5, 200, generator=torch.Generator().manual_seed(6))
     per_step = _run(ss.selective_scan, inputs, weight)
     monkeypatch.setitem(ss.Decays.STORED, "cpu", True)
-    assert ss.Decays(torch.rand(2, 1, 1, 3), -torch.rand(3, 4)).all is not None  # the stored path runs
+    assert ss.Decays(torch.rand(2, 1, 1, 3), -torch.rand(4, 3)).all is not None  # the stored path runs
     stored = _run(ss.selective_scan, inputs, weight)
     assert per_step[0].std() > 0.1 and all(g.abs().max() > 0 for g in per_step[2:])
     assert max(_rel(a, b) for a, b in zip(stored, per_step)) < 1e-6

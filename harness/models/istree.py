@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
+from harness.models.causal_conv import causal_conv
 from harness.models.masks import block_attention_mask
 from harness.models.selective_scan import selective_scan
 
@@ -75,10 +76,11 @@ def _mamba_config(vocab, d, layers) -> MambaConfig:
 class ScanMixer(MambaMixer):
     """transformers' Mamba mixer (same parameters, same checkpoints) whose cache-free pass over whole sequences,
     the trainer's forward and backward and its teacher-forced evaluation, runs the parallel ``selective_scan``
-    instead of the library's per-token loop. Decoding with a cache, and a GPU where mamba-ssm's fused kernels
-    run, keep the library's own path. Owned here because transformers takes no argument for its scan; a trained
-    model saves and loads as a plain ``MambaForCausalLM``. ``scan`` is the function that runs (the benchmark sets
-    the step-by-step reference to compare)."""
+    instead of the library's per-token loop, and ``causal_conv`` in the projections' layout. Decoding with a
+    cache, and a GPU where mamba-ssm's fused kernels run, keep the library's own path. Owned here because
+    transformers takes no argument for its scan; a trained model saves and loads as a plain
+    ``MambaForCausalLM``. ``scan`` is the function that runs (the benchmark sets the step-by-step reference to
+    compare)."""
 
     scan = staticmethod(selective_scan)
 
@@ -88,10 +90,7 @@ class ScanMixer(MambaMixer):
         # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
         # them without copies, and the scan's own layout changes run along contiguous channels.
         x, gate = self.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
-        conv = self.conv1d  # causal: padded on the left only, so its output is contiguous (not a slice)
-        x = self.act(F.conv1d(F.pad(x.transpose(1, 2), (conv.kernel_size[0] - 1, 0)), conv.weight, conv.bias,
-                              groups=conv.groups))
-        x = _masked(x.transpose(1, 2), attention_mask).contiguous()
+        x = _masked(self.act(causal_conv(x, self.conv1d.weight, self.conv1d.bias)), attention_mask)
         dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
                                dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in the scan, with the softplus

@@ -119,10 +119,10 @@ class SelectiveScan(torch.autograd.Function):
     def forward(ctx, u, dt, A, B, C, D, z):
         y = torch.empty_like(u, dtype=torch.float32)  # u's memory layout: copies in and out run along it
         ungated = torch.empty_like(y) if z is not None else None
-        starts = []
+        starts, A_nd = [], _states_layout(A)
         with torch.autocast(u.device.type, enabled=False):
             for rows, chunked in _row_groups(u, dt, B, C, A=A):
-                out, start = _forward_rows(*chunked, A.float())
+                out, start = _forward_rows(*chunked, A_nd)
                 starts.append(start)
                 part = from_chunks(out, y[rows])
                 if D is not None:
@@ -140,6 +140,7 @@ class SelectiveScan(torch.autograd.Function):
         dA = torch.zeros(A.shape, dtype=torch.float32, device=A.device)
         dD = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if D is not None else None
         dz = torch.empty_like(z, dtype=torch.float32) if z is not None else None
+        A_nd = _states_layout(A)
         with torch.autocast(u.device.type, enabled=False):
             for (rows, chunked), start in zip(_row_groups(u, dt, B, C, A=A), starts):
                 dy = dout[rows].to(torch.float32, copy=True)  # changed in place below
@@ -148,16 +149,23 @@ class SelectiveScan(torch.autograd.Function):
                     s = torch.sigmoid(zr)
                     torch.mul(dy, ungated[rows], out=dz[rows]).mul_(s).mul_(zr.mul_(1 - s).add_(1))
                     dy.mul_(s.mul_(z[rows].float()))
-                parts = _backward_rows(*chunked, to_chunks(dy, len(chunked[0])), A.float(), start)
+                parts = _backward_rows(*chunked, to_chunks(dy, len(chunked[0])), A_nd, start)
                 for grad, part in zip(grads, parts):
                     from_chunks(part, grad[rows])
-                dA += parts[4]
+                dA += parts[4].t()
                 if D is not None:
                     dD += (dy * u[rows]).sum((0, 2))
                     grads[0][rows].addcmul_(dy, D.float()[:, None])
         du, ddt, dB, dC = grads
         return (du.to(u.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
                 dD.to(D.dtype) if D is not None else None, dz.to(z.dtype) if z is not None else None)
+
+
+def _states_layout(A: torch.Tensor) -> torch.Tensor:
+    """A [d, n] as float32 [n, d], the layout of the states inside the scan (state, then channel): contractions
+    over the 16 states then run as [1, n] @ [n, d] products and their sums add rows, 2-3x faster on a CPU than
+    over a last dimension of 16 (measured: the readout, sum_n g B and the sum for dL/d(dt))."""
+    return A.float().t().contiguous()
 
 
 def _row_groups(*tensors, A):
@@ -172,7 +180,7 @@ def _row_groups(*tensors, A):
 
 
 class Decays:
-    """a_t = exp(dt_t A) at step i of every chunk; ``ahead``: a_{t+1} (at a chunk's last step the next chunk's
+    """a_t = exp(dt_t A) at step i of every chunk (A [n, d]: states [..., n, d]); ``ahead``: a_{t+1} (at a chunk's last step the next chunk's
     first, 1 past the end). On a CPU computed when read, into one buffer: each pass reads every step once, and a
     layer's decays stored out of cache cost more to write and read back than to recompute in cache. Elsewhere
     (``STORED``) computed for all steps at once and shared by the passes: there each vectorised step is a kernel
@@ -183,12 +191,12 @@ class Decays:
     def __init__(self, dt, A, ahead: bool = False, like: Decays | None = None):
         self.dt, self.A, self.ahead = dt, A, ahead
         self.all = like.all if like is not None else (
-            torch.exp(dt.unsqueeze(-1) * A) if self.STORED.get(dt.device.type, True) else None)
+            torch.exp(dt.unsqueeze(-2) * A) if self.STORED.get(dt.device.type, True) else None)
         if self.all is not None:
             self.last = torch.cat([self.all[0, 1:], torch.ones_like(self.all[0, :1])]) if ahead else self.all[-1]
         else:
             self.last = torch.cat([dt[0, 1:], torch.zeros_like(dt[0, :1])]) if ahead else dt[-1]
-            self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:], A.shape[1]), dt)
+            self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:-1], *A.shape), dt)
 
     def __len__(self):
         return len(self.dt)
@@ -207,18 +215,18 @@ class Decays:
         return self._exp(self.dt[i + self.ahead] if i + 1 < len(self.dt) else self.last, out).mul_(g)
 
     def _exp(self, col, out):
-        return torch.mul(col.unsqueeze(-1), self.A, out=out).exp_()
+        return torch.mul(col.unsqueeze(-2), self.A, out=out).exp_()
 
 
 def _forward_rows(u, dt, B, C, A):
     dtu = dt * u
     y = torch.empty_like(u)
-    inputs = list(zip(dtu.unsqueeze(-1).unbind(0), B.unsqueeze(-2).unbind(0)))
-    reads = list(zip(y.unsqueeze(-1).unbind(0), C.unsqueeze(-1).unbind(0)))
+    inputs = list(zip(B.unsqueeze(-1).unbind(0), dtu.unsqueeze(-2).unbind(0)))
+    reads = list(zip(y.unsqueeze(-2).unbind(0), C.unsqueeze(-2).unbind(0)))
     # a chunk's decays multiply to exp(A * its summed dt): one exp, not a product carried through every step
     decays = Decays(dt, A)
-    start = chunk_starts(decays, inputs, len(u), torch.exp(dt.sum(0).unsqueeze(-1) * A))
-    scan_chunks(decays, inputs, start, lambda i, h: torch.matmul(h, reads[i][1], out=reads[i][0]))
+    start = chunk_starts(decays, inputs, len(u), torch.exp(dt.sum(0).unsqueeze(-2) * A))
+    scan_chunks(decays, inputs, start, lambda i, h: torch.matmul(reads[i][1], h, out=reads[i][0]))
     return y, start
 
 
@@ -226,30 +234,30 @@ def _backward_rows(u, dt, B, C, dy, A, start):
     steps = len(u)
     dtu = dt * u
     a = Decays(dt, A)
-    h = scratch("states", (*u.shape, A.shape[1]), u)
+    h = scratch("states", (*u.shape[:-1], *A.shape), u)
     dC = torch.empty_like(B)
     dy_rows, dtu_rows = dy.unsqueeze(-2).unbind(0), dtu.unsqueeze(-2).unbind(0)
     dC_rows = dC.unsqueeze(-2).unbind(0)
-    scan_chunks(a, list(zip(dtu.unsqueeze(-1).unbind(0), B.unsqueeze(-2).unbind(0))), start,
-                lambda i, state: torch.matmul(dy_rows[i], state, out=dC_rows[i]), out=h)  # dL/dC, y = sum_n C h
+    scan_chunks(a, list(zip(B.unsqueeze(-1).unbind(0), dtu_rows)), start,
+                lambda i, state: torch.matmul(dy_rows[i], state.mT, out=dC_rows[i]), out=h)  # dL/dC, y = sum_n C h
     # g_t = dL/dh_t = C_t dy_t + a_{t+1} g_{t+1}: the same scan backwards in time with each decay one step on
     # (a_{t+1} at a chunk's last step is the next chunk's first, 1 past the end)
     ahead = Decays(dt, A, ahead=True, like=a)
     ahead_sum = dt.sum(0) - dt[0]
     ahead_sum[:-1] += dt[0, 1:]
-    inputs = list(zip(dy.unsqueeze(-1).unbind(0), C.unsqueeze(-2).unbind(0)))
-    ends = chunk_starts(ahead, inputs, steps, torch.exp(ahead_sum.unsqueeze(-1) * A), reverse=True)
+    inputs = list(zip(C.unsqueeze(-1).unbind(0), dy_rows))
+    ends = chunk_starts(ahead, inputs, steps, torch.exp(ahead_sum.unsqueeze(-2) * A), reverse=True)
     spare = [scratch("scan_state_a", start.shape, u), scratch("scan_state_b", start.shape, u)]
     g = torch.mul(ahead[steps - 1], ends, out=spare[0]).addcmul_(*inputs[-1])
     du, ddt, dB = torch.empty_like(u), torch.empty_like(u), torch.empty_like(B)
     ga = scratch("ga", start.shape, u)
     prev = h.unbind(0)  # h_{t-1} is prev[i - 1], at a chunk's first step the previous chunk's last
-    B_cols, dB_rows = B.unsqueeze(-1).unbind(0), dB.unsqueeze(-2).unbind(0)
-    dt_cols = dt.unsqueeze(-1).unbind(0)
+    B_rows, dB_rows = B.unsqueeze(-2).unbind(0), dB.unsqueeze(-2).unbind(0)
+    dt_rows = dt.unsqueeze(-2).unbind(0)
     ga_dt = torch.zeros_like(ga)  # sum over time of dL/d(dt A) * dt, reduced to dL/dA at the end
     for i in range(steps - 1, -1, -1):
-        gB = torch.matmul(g, B_cols[i]).squeeze(-1)  # sum_n g B, for x = dt u B
-        torch.matmul(dtu_rows[i], g, out=dB_rows[i])
+        gB = torch.matmul(B_rows[i], g).squeeze(-2)  # sum_n B g, for x = B dt u
+        torch.matmul(dtu_rows[i], g.mT, out=dB_rows[i])
         torch.mul(gB, dt[i], out=du[i])
         ag = a.times(i, g, spare[(steps - i) % 2])  # a_t g_t: in dL/d(dt A) and in g_{t-1}
         if i:  # dL/d(dt A) = g_t a_t h_{t-1}, h_{-1} = 0
@@ -257,8 +265,8 @@ def _backward_rows(u, dt, B, C, dy, A, start):
         else:
             torch.mul(ag[1:], prev[-1][:-1], out=ga[1:])
             ga[0].zero_()
-        ga_dt.addcmul_(ga, dt_cols[i])
-        torch.addcmul(ga.mul_(A).sum(-1), gB, u[i], out=ddt[i])
+        ga_dt.addcmul_(ga, dt_rows[i])
+        torch.addcmul(ga.mul_(A).sum(-2), gB, u[i], out=ddt[i])
         if i:
             g = ag.addcmul_(*inputs[i - 1])
     return du, ddt, dB, dC, ga_dt.sum((0, 1))
