@@ -4,6 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from harness.backends import growing_cache
+from harness.backends.base import state_nbytes
 from harness.backends.families import map_rows
 
 
@@ -35,3 +36,23 @@ def test_growing_cache_gives_the_concatenating_caches_logits(phi_backend):
     assert len({int(x[0].argmax()) for x in out[False]}) > 1  # the logits move from step to step
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_state_a_growing_cache_holds_is_its_filled_part_not_its_spare_room(phi_backend):
+    """``state_bytes`` is the paper's memory axis (samples.jsonl, the demo, the trainer's result.json): the keys
+    and values of the tokens seen, the same as the concatenating cache holds, whatever capacity is allocated."""
+    model = phi_backend.model
+    ids = torch.randint(5, 900, (1, 40), generator=torch.Generator().manual_seed(1))
+    _, state = phi_backend.prefill(ids, torch.ones_like(ids))
+    layer = state["cache"].layers[0]
+    assert type(layer).__name__ == "GrowingLayer" and layer._k.shape[-2] > layer.keys.shape[-2]  # room to spare
+    plain = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=plain, use_cache=True)
+    assert state_nbytes(state["cache"]) == state_nbytes(plain) > 0
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # float32 K, V
+    pos = state["pos"].numel() * state["pos"].element_size()
+    assert phi_backend.state_bytes(40) == 40 * per_token + pos
+    assert phi_backend.state_bytes(100) == 100 * per_token + pos

@@ -57,10 +57,10 @@ def count(backend, key: str, n: int) -> None:
 
 
 def state_nbytes(state: Any) -> int:
-    """Bytes of a decoding state: what its ``nbytes()`` says (Phi-Mamba: the filled part of its KV buffers),
-    else every distinct tensor reachable from it (a transformers cache's keys, values, conv and SSM states)."""
-    if hasattr(state, "nbytes") and callable(state.nbytes):
-        return state.nbytes()
+    """Bytes of the decoding state a model holds (the paper's memory axis): every distinct tensor reachable from
+    ``state`` (a transformers cache's keys, values, conv and SSM states), except that an object with an
+    ``nbytes()`` method says its own (Phi-Mamba's cache, ``GrowingLayer``: the filled part of buffers allocated
+    with room to spare, which is memory but not state)."""
     seen, total, todo = set(), 0, [state]
     while todo:
         obj = todo.pop()
@@ -69,6 +69,8 @@ def state_nbytes(state: Any) -> int:
         seen.add(id(obj))
         if torch.is_tensor(obj):
             total += obj.numel() * obj.element_size()
+        elif callable(getattr(obj, "nbytes", None)):
+            total += obj.nbytes()
         elif isinstance(obj, dict):
             todo.extend(obj.values())
         elif isinstance(obj, (list, tuple, set)):

@@ -60,6 +60,10 @@ class GrowingLayer(DynamicLayer):
         self._n = self._nv = n + new
         return self.keys, self.values
 
+    def nbytes(self) -> int:
+        """The filled part's bytes (what ``state_nbytes`` counts): the spare room is not state."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
     @staticmethod
     def _buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
         shape = (*like.shape[:-2], capacity, like.shape[-1])

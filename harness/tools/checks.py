@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from harness.backends.base import state_nbytes
 from harness.backends.generation import GenRequest, left_pad
 from harness.backends.hf import TransformersBackend
 from harness.backends.loading import load_backend
@@ -22,14 +23,6 @@ from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 from harness.tiny import build_tokenizer, make_tiny_model
 
 TOL = 1e-3  # max |logit difference| on tiny random models (float32)
-
-
-def state_bytes(state) -> int:
-    """Bytes of a decoding state: Phi-Mamba's conv+SSM (and KV) state, or a transformers KV cache."""
-    if hasattr(state, "nbytes"):
-        return state.nbytes()
-    cache = state["cache"]
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 def _synchronizer(device):
@@ -58,7 +51,7 @@ def decode_cost(backend, length: int, steps: int, batch: int = 1) -> tuple[float
             tok = backend.step(state, tok, mask).argmax(-1, keepdim=True)
         sync()
         per_token = (time.perf_counter() - t0) / steps
-    return per_token, state_bytes(state)
+    return per_token, state_nbytes(state)
 
 
 # ------------------------------------------------------------------------------------------------ checks
