@@ -2,16 +2,20 @@
 
     python benchmarks/scan.py                 # CPU: the scan alone, then whole 0.5M Mamba training steps
     python benchmarks/scan.py --batch 64      # on a GPU (CUDA is used when present)
+    ICR_SCAN=torch python benchmarks/scan.py --batch 64   # a GPU's PyTorch scan instead of the Triton one
 
 Part 1 times one scan's forward+backward (one layer's shape: 128 channels, 16 states) at 48, 455 and 1,845
 tokens, the IsTree n=16 direct, n=16 retrieval and n=64 retrieval lengths. Part 2 times whole training steps
 (forward, backward, AdamW) of the 0.5M Mamba on real IsTree batches (n=16 direct, n=32 and n=64 retrieval),
 each measurement in a fresh child process so that its peak memory (resident set on a CPU, allocated on a GPU)
-is its own. Both scans train the same weights to the same loss, checked in every row."""
+is its own. Both scans train the same weights to the same loss, checked in every row. "parallel" is what the
+trainer runs (``scan_implementation``: the Triton kernels on a GPU where they pass their check, else the PyTorch
+scan); on a GPU part 1 also times the PyTorch scan."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -25,6 +29,13 @@ SCANS = ("parallel", "sequential")
 def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     from harness.models.selective_scan import selective_scan, sequential_scan
 
+    def pytorch_scan(*args, **kwargs):
+        os.environ["ICR_SCAN"], before = "torch", os.environ.get("ICR_SCAN")
+        try:
+            return selective_scan(*args, **kwargs)
+        finally:
+            os.environ.pop("ICR_SCAN") if before is None else os.environ.__setitem__("ICR_SCAN", before)
+
     g = torch.Generator().manual_seed(0)
     d, n = 128, 16
     u, z = (torch.randn(batch, d, length, generator=g).to(device).requires_grad_() for _ in range(2))
@@ -34,7 +45,10 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     B, C = (torch.randn(batch, n, length, generator=g).to(device).requires_grad_() for _ in range(2))
     A = -torch.arange(1, n + 1.0).expand(d, n).clone().to(device).requires_grad_()
     out = {}
-    for name, fn in (("parallel", selective_scan), ("sequential", sequential_scan)):
+    scans = [("parallel", selective_scan), ("sequential", sequential_scan)]
+    if device == "cuda":
+        scans.append(("pytorch", pytorch_scan))
+    for name, fn in scans:
         best = float("inf")
         for _ in range(repeats):
             _sync(device)
@@ -100,12 +114,17 @@ def main():
         return
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
-    print("one scan, forward+backward (128 channels x 16 states)")
-    print(f"{'tokens':>7s} {'batch':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s}")
+    from harness.models.selective_scan import scan_implementation
+
+    ran = scan_implementation(torch.zeros(1, 1, 1, device=device), torch.zeros(1, 1, device=device))
+    print(f"one scan, forward+backward (128 channels x 16 states); parallel = the {ran} scan")
+    print(f"{'tokens':>7s} {'batch':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s}"
+          + (f" {'PyTorch scan s':>15s}" if device == "cuda" else ""))
     for length in map(int, a.lengths.split(",")):
         t = scan_only(length, a.batch, device, a.repeats)
         print(f"{length:7d} {a.batch:6d} {t['parallel']:11.4f} {t['sequential']:13.4f} "
-              f"{t['sequential'] / t['parallel']:8.1f}x", flush=True)
+              f"{t['sequential'] / t['parallel']:8.1f}x" + (f" {t['pytorch']:15.4f}" if "pytorch" in t else ""),
+              flush=True)
     print("\n0.5M Mamba training step (forward, backward, AdamW) on IsTree batches, each in its own process")
     print(f"{'cell':15s} {'tokens':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s} "
           f"{'parallel peak':>14s} {'sequential peak':>16s} {'memory':>7s}")

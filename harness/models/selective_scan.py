@@ -21,6 +21,7 @@ under ``torch.compile``)."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import torch
@@ -180,11 +181,11 @@ def _row_groups(*tensors, A):
 
 
 class Decays:
-    """a_t = exp(dt_t A) at step i of every chunk (A [n, d]: states [..., n, d]); ``ahead``: a_{t+1} (at a chunk's last step the next chunk's
-    first, 1 past the end). On a CPU computed when read, into one buffer: each pass reads every step once, and a
-    layer's decays stored out of cache cost more to write and read back than to recompute in cache. Elsewhere
-    (``STORED``) computed for all steps at once and shared by the passes: there each vectorised step is a kernel
-    launch, and memory is plentiful."""
+    """a_t = exp(dt_t A) at step i of every chunk (A [n, d]: states [..., n, d]); ``ahead``: a_{t+1} (at a
+    chunk's last step the next chunk's first, 1 past the end). On a CPU computed when read, into one buffer: each
+    pass reads every step once, and a layer's decays stored out of cache cost more to write and read back than to
+    recompute in cache. Elsewhere (``STORED``) computed for all steps at once and shared by the passes: there
+    each vectorised step is a kernel launch, and memory is plentiful."""
 
     STORED = {"cpu": False}  # device types not listed store them
 
@@ -281,8 +282,36 @@ def _step_sizes(dt, delta_bias, delta_softplus):
 
 def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """mamba-ssm's ``selective_scan_fn`` (no returned state): the skip term ``D`` and the gate ``z`` applied
-    inside ``SelectiveScan``, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``)."""
-    return SelectiveScan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
+    inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``). Runs
+    ``scan_implementation``'s choice."""
+    return _scan_function(u, A).apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
+
+
+def scan_implementation(u: torch.Tensor, A: torch.Tensor) -> str:
+    """"triton" (``harness/models/scan_triton.py``: fused kernels, states in registers) or "torch" (this module).
+    ``ICR_SCAN=torch`` or ``triton`` chooses; by default (``auto``) a CUDA tensor runs the Triton scan where
+    Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan on that
+    device (checked once per process), else the PyTorch scan. ``triton`` on a CPU needs ``TRITON_INTERPRET=1``
+    (tests)."""
+    return "torch" if _scan_function(u, A) is SelectiveScan else "triton"
+
+
+def _scan_function(u, A):
+    choice = os.environ.get("ICR_SCAN", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"ICR_SCAN={choice!r}: use auto, torch or triton")
+    if choice == "torch" or (choice == "auto" and not u.is_cuda):
+        return SelectiveScan
+    try:
+        from harness.models import scan_triton  # lazy: imports triton, which a CPU install may lack
+    except ImportError:
+        if choice == "triton":
+            raise
+        return SelectiveScan
+    if choice == "triton" or (scan_triton.fits(u, A.shape[1])
+                              and scan_triton.verified_on(str(u.device), SelectiveScan)):
+        return scan_triton.TritonScan
+    return SelectiveScan
 
 
 def sequential_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):

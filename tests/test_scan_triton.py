@@ -1,0 +1,111 @@
+"""The Triton selective scan (``harness/models/scan_triton.py``) in Triton's CPU interpreter, in a child process
+(``TRITON_INTERPRET=1`` must be set before triton is imported): equal to the sequential scan in output and every
+gradient over lengths around its chunk, with and without skip and gate, in the mixer's memory layouts; the
+trainer's Mamba gives the same loss and gradients on it; and the check that guards its use on a GPU turns a
+kernel that fails or differs into the PyTorch scan."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.models import selective_scan as ss
+
+pytest.importorskip("triton")
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import json, os, warnings
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from harness.models import scan_triton as st, selective_scan as ss
+    from harness.models.istree import build_model
+    from harness.training.trainer import masked_loss
+
+    st.CHUNK = 8  # chunks of 8 steps: lengths below, at and past several chunks stay quick to interpret
+    out = {"cases": []}
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-3)).item()  # a zero gradient must stay ~0
+
+    for b, d, n, length, skip, gate, time_major in [(2, 20, 16, 19, True, True, True), (1, 3, 4, 1, False, False, False),
+                                                  (2, 17, 5, 8, True, False, True), (1, 16, 16, 33, False, True, False),
+                                                  (3, 5, 16, 7, True, True, False)]:
+        g = torch.Generator().manual_seed(length)
+        def mk(k, scale=1.0, shift=0.0):
+            t = torch.randn(b, length, k, generator=g) if time_major else torch.randn(b, k, length, generator=g)
+            t = t * scale + shift
+            return t.transpose(1, 2) if time_major else t
+        u, z = mk(d), mk(2 * d)[:, :d] if time_major else mk(d)  # z a strided slice, as in_proj's gate
+        dt = mk(d, 0.03, 0.05).abs() + 1e-3
+        B, C = mk(n), mk(n)
+        A = -torch.rand(d, n, generator=g) * 4 - 0.5
+        D = torch.randn(d, generator=g)
+        w = torch.randn(b, d, length, generator=g)
+        res = []
+        for fn in (st.TritonScan.apply, ss.sequential_scan):
+            ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C)]
+            extra = [D.clone().requires_grad_() if skip else None, z.clone().requires_grad_() if gate else None]
+            y = fn(*ins, *extra)
+            leaves = ins + [t for t in extra if t is not None]
+            res.append([y.detach(), *torch.autograd.grad((y * w).sum(), leaves)])
+        out["cases"].append({"shape": [b, d, n, length, skip, gate, time_major], "varies": float(res[1][0].std()),
+                             "nonzero_grads": sum(bool(t.abs().max() > 0) for t in res[1][1:]),
+                             "worst": max(rel(a, r) for a, r in zip(*res))})
+
+    # the trainer's Mamba on each scan: loss and every gradient
+    torch.manual_seed(0)
+    model = build_model("mamba", "smoke", 30)
+    ids = torch.randint(0, 30, (2, 21), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 21)
+    grads = {}
+    for choice in ("triton", "torch"):
+        os.environ["ICR_SCAN"] = choice
+        model.zero_grad()
+        loss = masked_loss(model(input_ids=ids).logits, ids, mask)
+        loss.backward()
+        grads[choice] = [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    out["model_worst"] = max(rel(a, b) for a, b in zip(grads["triton"], grads["torch"]))
+    out["model_grads"] = len(grads["torch"])
+
+    # the guard: equal here; a kernel that differs, or fails, is refused with a warning
+    out["verified"] = st.verified_on("cpu", ss.SelectiveScan)
+    right = st.TritonScan.apply
+    for name, wrong in (("differs", lambda *a: right(*a) * 1.001), ("fails", lambda *a: 1 / 0)):
+        st.TritonScan.apply = wrong
+        st.verified_on.cache_clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = [st.verified_on("cpu", ss.SelectiveScan), " ".join(str(c.message) for c in caught)]
+    print(json.dumps(out))
+""")
+
+
+def test_the_triton_scan_equals_the_sequential_one_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for case in out["cases"]:
+        assert case["varies"] > 0 and case["nonzero_grads"] >= 4, case
+        assert case["worst"] < 1e-5, case
+    assert out["model_grads"] > 10 and out["model_worst"] < 1e-5, out
+    assert out["verified"] is True
+    assert out["differs"][0] is False and "differs from the PyTorch scan" in out["differs"][1]
+    assert out["fails"][0] is False and "ZeroDivisionError" in out["fails"][1]
+
+
+def test_the_scan_is_chosen_by_device_and_icr_scan(monkeypatch):
+    u, A = torch.zeros(1, 4, 3), torch.zeros(4, 2)
+    monkeypatch.delenv("ICR_SCAN", raising=False)
+    assert ss.scan_implementation(u, A) == "torch"  # a CPU runs the PyTorch scan by default
+    monkeypatch.setenv("ICR_SCAN", "triton")
+    assert ss.scan_implementation(u, A) == "triton"
+    monkeypatch.setenv("ICR_SCAN", "fast")
+    with pytest.raises(ValueError, match="ICR_SCAN='fast'"):
+        ss.scan_implementation(u, A)
