@@ -109,3 +109,45 @@ def test_the_scan_is_chosen_by_device_and_icr_scan(monkeypatch):
     monkeypatch.setenv("ICR_SCAN", "fast")
     with pytest.raises(ValueError, match="ICR_SCAN='fast'"):
         ss.scan_implementation(u, A)
+
+
+AOT = textwrap.dedent("""
+    import inspect, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from harness.models import scan_triton as st
+
+    POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "dout", "state", "dtsum", "y", "ends", "starts", "g_in",
+                "scratch", "du", "ddt", "dz", "dB_part", "dC_part", "dA_part", "dD_part"}
+    BF16 = {"u", "z", "Bm", "Cm"}  # the mixer's activations under bf16 autocast
+
+    def build(kernel, constexprs, arch):
+        params = list(inspect.signature(kernel.fn).parameters)
+        signature = {p: "constexpr" if p in constexprs else ("*bf16" if p in BF16 else "*fp32") if p in POINTERS
+                     else "i32" for p in params}
+        src = ASTSource(kernel, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+
+    built = 0
+    for arch in (80, 90):  # A100, H100/H200
+        for flags in (dict(HAS_D=True, HAS_Z=True), dict(HAS_D=False, HAS_Z=False)):
+            tile = dict(K=st.CHUNK, BD=st.BLOCK_D, BN=16)
+            for mode in (0, 1, 2):
+                built += bool(build(st._chunk_scan, dict(MODE=mode, **flags, **tile), arch).asm["cubin"])
+            built += bool(build(st._chunk_backward, dict(**flags, **tile), arch).asm["cubin"])
+        for reverse in (False, True):
+            built += bool(build(st._carry, dict(REVERSE=reverse, BD=st.BLOCK_D, BN=16), arch).asm["cubin"])
+    print(built)
+""")
+
+
+def test_the_kernels_compile_for_nvidia_gpus_without_one(tmp_path):
+    """Every kernel variant compiled ahead of time to a cubin for sm_80 and sm_90 by Triton's own NVIDIA backend
+    (its bundled ptxas): a kernel that the interpreter runs but a GPU's compiler rejects fails here, on CPU."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-c", AOT], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert int(res.stdout.strip().splitlines()[-1]) == 2 * (2 * 4 + 2)

@@ -209,8 +209,8 @@ class TritonScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z):
         b, d, length = u.shape
-        n = A.shape[1]
-        grid, blocks, n_chunks, bn = _grid(u, n)
+        n, ctx.chunk = A.shape[1], CHUNK
+        grid, blocks, n_chunks, bn = _grid(u, n, ctx.chunk)
         a32 = A.float().contiguous()
         d32 = D.float().contiguous() if D is not None else a32
         zz = z if z is not None else u
@@ -218,7 +218,7 @@ class TritonScan(torch.autograd.Function):
         sums = u.new_empty((b, n_chunks, d), dtype=torch.float32)
         y = _time_major(u)
         strides = (*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(y))
-        flags = dict(HAS_D=D is not None, HAS_Z=z is not None, K=CHUNK, BD=BLOCK_D, BN=bn)
+        flags = dict(HAS_D=D is not None, HAS_Z=z is not None, K=ctx.chunk, BD=BLOCK_D, BN=bn)
         sizes = (length, d, n, n_chunks)
         _chunk_scan[grid](u, dt, zz, B, C, a32, d32, y, ends, sums, y, *sizes, *strides, MODE=0, **flags)
         starts = torch.empty_like(ends)
@@ -232,20 +232,20 @@ class TritonScan(torch.autograd.Function):
         u, dt, A, B, C, D, z, starts, sums = ctx.saved_tensors
         b, d, length = u.shape
         n = A.shape[1]
-        grid, blocks, n_chunks, bn = _grid(u, n)
+        grid, blocks, n_chunks, bn = _grid(u, n, ctx.chunk)
         a32 = A.float().contiguous()
         d32 = D.float().contiguous() if D is not None else a32
         zz = z if z is not None else u
         dout = dout.float()
         strides = (*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(dout))
-        flags = dict(HAS_D=D is not None, HAS_Z=z is not None, K=CHUNK, BD=BLOCK_D, BN=bn)
+        flags = dict(HAS_D=D is not None, HAS_Z=z is not None, K=ctx.chunk, BD=BLOCK_D, BN=bn)
         sizes = (length, d, n, n_chunks)
         ends = torch.empty_like(starts)  # the state gradient each chunk hands the one before it, from zero
         _chunk_scan[grid](u, dt, zz, B, C, a32, d32, dout, ends, sums, dout, *sizes, *strides, MODE=2, **flags)
         g_in = torch.empty_like(starts)
         _carry[(b, blocks)](ends, sums, a32, g_in, d, n, n_chunks, REVERSE=True, BD=BLOCK_D, BN=bn)
         du, ddt, dz = _time_major(u), _time_major(u), _time_major(u)
-        scratch = u.new_empty((b * blocks * n_chunks * CHUNK * BLOCK_D * bn,), dtype=torch.float32)
+        scratch = u.new_empty((b * blocks * n_chunks * ctx.chunk * BLOCK_D * bn,), dtype=torch.float32)
         dB_part = u.new_empty((b, length, blocks, n), dtype=torch.float32)
         dC_part = torch.empty_like(dB_part)
         dA_part = torch.empty_like(starts)
@@ -259,19 +259,20 @@ class TritonScan(torch.autograd.Function):
                 dz.to(z.dtype) if z is not None else None)
 
 
-def fits(u: torch.Tensor, n: int) -> bool:
+def fits(u: torch.Tensor, n: int, chunk: int | None = None) -> bool:
     """Whether every index the kernels form fits 32 bits (the scratch holds b·d·l·n states)."""
     b, d, length = u.shape
-    padded = triton.cdiv(d, BLOCK_D) * BLOCK_D * triton.cdiv(length, CHUNK) * CHUNK * triton.next_power_of_2(n)
+    chunk = chunk or CHUNK
+    padded = triton.cdiv(d, BLOCK_D) * BLOCK_D * triton.cdiv(length, chunk) * chunk * triton.next_power_of_2(n)
     return b * padded < 2**31
 
 
-def _grid(u, n):
+def _grid(u, n, chunk):
     """(launch grid, channel blocks, chunks, states padded to a power of two) for u [b, d, l]."""
     b, d, length = u.shape
-    if not fits(u, n):
+    if not fits(u, n, chunk):
         raise ValueError(f"the Triton scan indexes in 32 bits: {b} rows of {length} steps are too many at once")
-    blocks, n_chunks = triton.cdiv(d, BLOCK_D), triton.cdiv(length, CHUNK)
+    blocks, n_chunks = triton.cdiv(d, BLOCK_D), triton.cdiv(length, chunk)
     return (b, blocks, n_chunks), blocks, n_chunks, triton.next_power_of_2(n)
 
 
