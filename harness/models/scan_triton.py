@@ -5,8 +5,9 @@ in registers instead of materialised as [batch, channels, states, time] tensors.
 On a GPU the PyTorch scan is memory-bound: every vectorised step reads and writes a whole chunk's states, about
 30 passes over b·d·n·L floats per layer and training step (1.3 GB at batch 64 and 2,535 tokens). Here a
 program owns (row, block of channels, chunk) and walks its chunk's steps with the states in registers; the
-passes read the inputs (b·L·(3d + 2n) values) and write the outputs, and the backward writes one chunk's states
-to scratch once to read them in reverse. Kernels, one program per (row, channel block, chunk):
+passes read the inputs (b·L·(3d + 2n) values) and write the outputs; the backward writes each chunk's states to
+scratch once to read them back in reverse (its one pass over b·d·n·L floats). Kernels, one program per (row,
+channel block, chunk):
 
     ``_chunk_scan`` MODE 0: each chunk from zero, its end state and summed step sizes (forward pass 1)
                     MODE 1: each chunk from its exact start, the gated output (forward pass 3)
@@ -16,8 +17,8 @@ to scratch once to read them in reverse. Kernels, one program per (row, channel 
 
 Written by hand because no installable library has Mamba-1's scan in Triton (mamba-ssm's is CUDA C++; its
 Triton kernels are Mamba-2's, whose decay is a scalar per head). Tested against the sequential scan in Triton's
-CPU interpreter; on a GPU ``selective_scan`` uses it only after ``verified_on`` has compared it with the
-PyTorch scan on that device."""
+CPU interpreter and compiled for sm_80/sm_90 in the tests; on a GPU ``selective_scan`` uses it only after
+``verified_on`` has compared it with the PyTorch scan on that device."""
 from __future__ import annotations
 
 import functools
