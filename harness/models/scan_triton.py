@@ -38,6 +38,16 @@ def _load_row(ptr, row, t, offs, mask, s_b, s_k, s_l):
 
 
 @triton.jit
+def _tile(A, blk, dim, nst, BD: tl.constexpr, BN: tl.constexpr):
+    """A channel block's offsets and masks (channels, states, both) and its tile of A [dim, nst]."""
+    offs_d = blk * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    md, mn = offs_d < dim, offs_n < nst
+    mdn = md[:, None] & mn[None, :]
+    return offs_d, offs_n, md, mn, mdn, tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
+
+
+@triton.jit
 def _chunk_scan(u, dt, z, Bm, Cm, A, D, dout, state, dtsum, y,
                 L, dim, nst, n_chunks,
                 su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
@@ -45,11 +55,7 @@ def _chunk_scan(u, dt, z, Bm, Cm, A, D, dout, state, dtsum, y,
                 MODE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                 K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     row, blk, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_d = blk * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    md, mn = offs_d < dim, offs_n < nst
-    mdn = md[:, None] & mn[None, :]
-    a_log = tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
+    offs_d, offs_n, md, mn, mdn, a_log = _tile(A, blk, dim, nst, BD, BN)
     at = ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :]  # state[row, c] [dim, nst]
     t0 = c * K
     steps = tl.minimum(L - t0, K)
@@ -100,11 +106,7 @@ def _carry(ends, dtsum, A, starts, dim, nst, n_chunks,
     """starts[c] = the state entering chunk c: P_{c-1} starts[c-1] + ends[c-1], P = exp(A · summed dt); in
     REVERSE the gradient entering chunk c from the one after it, the same recurrence run from the last chunk."""
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs_d = blk * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    md, mn = offs_d < dim, offs_n < nst
-    mdn = md[:, None] & mn[None, :]
-    a_log = tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
+    offs_d, offs_n, md, mn, mdn, a_log = _tile(A, blk, dim, nst, BD, BN)
     h = tl.zeros((BD, BN), dtype=tl.float32)
     for i in range(0, n_chunks):
         if REVERSE:
@@ -127,11 +129,7 @@ def _chunk_backward(u, dt, z, Bm, Cm, A, D, dout, starts, g_in, scratch,
                     K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """dout is read with the sy strides; du, ddt and dz are written with the so strides."""
     row, blk, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_d = blk * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    md, mn = offs_d < dim, offs_n < nst
-    mdn = md[:, None] & mn[None, :]
-    a_log = tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
+    offs_d, offs_n, md, mn, mdn, a_log = _tile(A, blk, dim, nst, BD, BN)
     at = ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :]
     t0 = c * K
     steps = tl.minimum(L - t0, K)
