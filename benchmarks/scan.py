@@ -20,6 +20,7 @@ import resource
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -30,11 +31,8 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     from harness.models.selective_scan import selective_scan, sequential_scan
 
     def pytorch_scan(*args, **kwargs):
-        os.environ["ICR_SCAN"], before = "torch", os.environ.get("ICR_SCAN")
-        try:
+        with mock.patch.dict(os.environ, {"ICR_SCAN": "torch"}):
             return selective_scan(*args, **kwargs)
-        finally:
-            os.environ.pop("ICR_SCAN") if before is None else os.environ.__setitem__("ICR_SCAN", before)
 
     g = torch.Generator().manual_seed(0)
     d, n = 128, 16

@@ -22,6 +22,7 @@ CPU interpreter and compiled for sm_80/sm_90 in the tests; on a GPU ``selective_
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 
 import torch
@@ -84,7 +85,8 @@ def _chunk_scan(u, dt, z, Bm, Cm, A, D, dout, state, dtsum, y,
             uv = _load_row(u, row, t, offs_d, md, su_b, su_d, su_l)
             bv = _load_row(Bm, row, t, offs_n, mn, sB_b, sB_n, sB_l)
             h = a * h + (dtv * uv)[:, None] * bv[None, :]
-            total += dtv
+            if MODE == 0:
+                total += dtv
             if MODE == 1:
                 cv = _load_row(Cm, row, t, offs_n, mn, sC_b, sC_n, sC_l)
                 out = tl.sum(h * cv[None, :], axis=1)
@@ -207,55 +209,55 @@ class TritonScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z):
-        b, d, length = u.shape
-        n, ctx.chunk = A.shape[1], CHUNK
-        grid, blocks, n_chunks, bn = _grid(u, n, ctx.chunk)
-        a32 = A.float().contiguous()
-        d32 = D.float().contiguous() if D is not None else a32
-        zz = z if z is not None else u
-        ends = u.new_empty((b, n_chunks, d, n), dtype=torch.float32)
-        sums = u.new_empty((b, n_chunks, d), dtype=torch.float32)
+        ctx.chunk = CHUNK
         y = _time_major(u)
-        strides = (*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(y))
-        flags = dict(HAS_D=D is not None, HAS_Z=z is not None, K=ctx.chunk, BD=BLOCK_D, BN=bn)
-        sizes = (length, d, n, n_chunks)
-        _chunk_scan[grid](u, dt, zz, B, C, a32, d32, y, ends, sums, y, *sizes, *strides, MODE=0, **flags)
+        k = _launch(u, dt, A, B, C, D, z, y, ctx.chunk)
+        ends = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
+        sums = u.new_empty((k.rows, k.n_chunks, k.dim), dtype=torch.float32)
+        _chunk_scan[k.grid](*k.tensors, y, ends, sums, y, *k.sizes, *k.strides, MODE=0, **k.flags)
         starts = torch.empty_like(ends)
-        _carry[(b, blocks)](ends, sums, a32, starts, d, n, n_chunks, REVERSE=False, BD=BLOCK_D, BN=bn)
-        _chunk_scan[grid](u, dt, zz, B, C, a32, d32, y, starts, sums, y, *sizes, *strides, MODE=1, **flags)
+        _carry[k.grid[:2]](ends, sums, k.a32, starts, *k.sizes[1:], REVERSE=False, BD=BLOCK_D, BN=k.bn)
+        _chunk_scan[k.grid](*k.tensors, y, starts, sums, y, *k.sizes, *k.strides, MODE=1, **k.flags)
         ctx.save_for_backward(u, dt, A, B, C, D, z, starts, sums)
         return y.to(u.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         u, dt, A, B, C, D, z, starts, sums = ctx.saved_tensors
-        b, d, length = u.shape
-        n = A.shape[1]
-        grid, blocks, n_chunks, bn = _grid(u, n, ctx.chunk)
-        a32 = A.float().contiguous()
-        d32 = D.float().contiguous() if D is not None else a32
-        zz = z if z is not None else u
         dout = dout.float()
-        strides = (*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(dout))
-        flags = dict(HAS_D=D is not None, HAS_Z=z is not None, K=ctx.chunk, BD=BLOCK_D, BN=bn)
-        sizes = (length, d, n, n_chunks)
+        k = _launch(u, dt, A, B, C, D, z, dout, ctx.chunk)
         ends = torch.empty_like(starts)  # the state gradient each chunk hands the one before it, from zero
-        _chunk_scan[grid](u, dt, zz, B, C, a32, d32, dout, ends, sums, dout, *sizes, *strides, MODE=2, **flags)
+        _chunk_scan[k.grid](*k.tensors, dout, ends, sums, dout, *k.sizes, *k.strides, MODE=2, **k.flags)
         g_in = torch.empty_like(starts)
-        _carry[(b, blocks)](ends, sums, a32, g_in, d, n, n_chunks, REVERSE=True, BD=BLOCK_D, BN=bn)
+        _carry[k.grid[:2]](ends, sums, k.a32, g_in, *k.sizes[1:], REVERSE=True, BD=BLOCK_D, BN=k.bn)
         du, ddt, dz = _time_major(u), _time_major(u), _time_major(u)
-        scratch = u.new_empty((b * blocks * n_chunks * ctx.chunk * BLOCK_D * bn,), dtype=torch.float32)
-        dB_part = u.new_empty((b, length, blocks, n), dtype=torch.float32)
+        scratch = u.new_empty((k.rows * k.blocks * k.n_chunks * ctx.chunk * BLOCK_D * k.bn,), dtype=torch.float32)
+        dB_part = u.new_empty((k.rows, k.length, k.blocks, k.nst), dtype=torch.float32)
         dC_part = torch.empty_like(dB_part)
         dA_part = torch.empty_like(starts)
-        dD_part = u.new_empty((b, n_chunks, d), dtype=torch.float32)
-        _chunk_backward[grid](u, dt, zz, B, C, a32, d32, dout, starts, g_in, scratch,
-                              du, ddt, dz, dB_part, dC_part, dA_part, dD_part, *sizes, blocks,
-                              *strides, *_strides(du), **flags)
+        dD_part = torch.empty_like(sums)
+        _chunk_backward[k.grid](*k.tensors, dout, starts, g_in, scratch, du, ddt, dz, dB_part, dC_part, dA_part,
+                                dD_part, *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags)
         dB, dC = dB_part.sum(2).transpose(1, 2), dC_part.sum(2).transpose(1, 2)
         return (du.to(u.dtype), ddt.to(dt.dtype), dA_part.sum((0, 1)).to(A.dtype), dB.to(B.dtype),
                 dC.to(C.dtype), dD_part.sum((0, 1)).to(D.dtype) if D is not None else None,
                 dz.to(z.dtype) if z is not None else None)
+
+
+def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
+    """What every launch of one scan's kernels shares: the grid, the leading tensors (float32 A and D), the
+    sizes, the strides of the inputs and of ``out`` (read or written with the last stride triple), the flags."""
+    rows, dim, length = u.shape
+    nst = A.shape[1]
+    grid, blocks, n_chunks, bn = _grid(u, nst, chunk)
+    a32 = A.float().contiguous()
+    zz = z if z is not None else u
+    return types.SimpleNamespace(
+        rows=rows, dim=dim, length=length, nst=nst, grid=grid, blocks=blocks, n_chunks=n_chunks, bn=bn, a32=a32,
+        tensors=(u, dt, zz, B, C, a32, D.float().contiguous() if D is not None else a32),
+        sizes=(length, dim, nst, n_chunks),
+        strides=(*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(out)),
+        flags=dict(HAS_D=D is not None, HAS_Z=z is not None, K=chunk, BD=BLOCK_D, BN=bn))
 
 
 def fits(u: torch.Tensor, n: int, chunk: int | None = None) -> bool:
