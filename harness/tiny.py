@@ -121,20 +121,24 @@ def _family_configs():
 
     mamba = dict(state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
     hybrid = dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    ssd = dict(mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=16)
+    # head sizes scale with the width (16 at hidden 64; 32 at hidden 128, what vLLM's CPU attention takes)
+    ssd = lambda h: dict(mamba_d_state=8, mamba_n_heads=8, mamba_d_head=h // 4, mamba_n_groups=1,  # noqa: E731
+                         mamba_chunk_size=16)
     return {
         "gpt2": lambda v, h, std: T.GPT2Config(vocab_size=v, n_embd=h, n_layer=2, n_head=4, n_positions=4096,
                                                initializer_range=std, bos_token_id=0, eos_token_id=0),
         "mamba": make(T.MambaConfig, **mamba),
         "falcon_mamba": make(T.FalconMambaConfig, **mamba),
-        "mamba2": make(T.Mamba2Config, **mamba, num_heads=8, head_dim=16, n_groups=1, chunk_size=16),
+        "mamba2": lambda v, h, std: make(T.Mamba2Config, **mamba, num_heads=8, head_dim=h // 4, n_groups=1,
+                                         chunk_size=16)(v, h, std),
         "zamba2": make(T.Zamba2Config, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
                        mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, num_attention_heads=4,
                        num_key_value_heads=4, attention_head_dim=16, intermediate_size=128, chunk_size=16),
         "jamba": make(T.JambaConfig, **hybrid, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                       expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2),
-        "bamba": make(T.BambaConfig, **hybrid, attn_layer_indices=[1], **ssd),
-        "falcon_h1": make(T.FalconH1Config, **hybrid, head_dim=16, mamba_d_ssm=128, **ssd),
+        "bamba": lambda v, h, std: make(T.BambaConfig, **hybrid, attn_layer_indices=[1], **ssd(h))(v, h, std),
+        "falcon_h1": lambda v, h, std: make(T.FalconH1Config, **hybrid, head_dim=h // 4, mamba_d_ssm=2 * h,
+                                            **ssd(h))(v, h, std),
         "lfm2": make(T.Lfm2Config, **hybrid, layer_types=["conv", "full_attention"]),
         "recurrent_gemma": lambda v, h, std: make(
             T.RecurrentGemmaConfig, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -193,5 +193,6 @@ def fake_vllm_backend(inner: StepBackend, report_eos: bool = True):
         inner.tokenizer, inner.max_context, inner.device, {}
     backend.engine = FakeVLLMEngine(inner.model, inner.tokenizer, inner.device, report_eos)
     backend.continue_rows = backend.engine
+    backend.settings = {"enable_prefix_caching": True, "family": "fake"}
     backend.describe = inner.describe
     return backend

@@ -131,6 +131,12 @@ class Backend(ABC):
         raise NotImplementedError(f"the {self.name} backend does not score text (loglikelihood); use the "
                                   "transformers or phi-mamba backend")
 
+    @classmethod
+    def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
+        """What a run's settings hash holds for this backend beyond the flags (an engine's version and settings),
+        decided before the model loads; raising here refuses the run before anything is written."""
+        return {}
+
     def state_bytes(self, tokens: int) -> int | None:
         """Bytes of decoding state a sequence of ``tokens`` tokens holds; None where the backend keeps none of
         its own (vLLM)."""

@@ -12,6 +12,7 @@ from harness.backends import backend_class, graphs_used
 from harness.backends.base import resolve_device
 from harness.backends.fla_models import FlaError
 from harness.backends.tokenizer import TokenizerError
+from harness.backends.vllm_backend import VLLMError
 from harness.models import resolve_model
 
 log = logging.getLogger("harness")
@@ -31,20 +32,29 @@ def model_spec(model: str, tokenizer: str | None = None):
     return spec
 
 
-def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto"):
-    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
-    ``tokenizer`` the checkpoint's own or the registry's tokenizer)."""
-    spec = model_spec(model, tokenizer)
-    if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
-        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
+def backend_name(model: str, spec, backend: str = "auto") -> str:
+    """The backend that runs ``spec``: the registry's choice, or ``backend`` where it can run the checkpoint."""
     name = spec.backend if backend == "auto" else backend
     if spec.backend == "phi-mamba" and name != "phi-mamba":
         raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
+    return name
+
+
+def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
+                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto", engine_args: dict | None = None):
+    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
+    ``tokenizer`` the checkpoint's own or the registry's tokenizer; ``engine_args``: an engine's own settings,
+    ``--vllm-arg``)."""
+    spec = model_spec(model, tokenizer)
+    if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
+        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
+    name = backend_name(model, spec, backend)
     cls = backend_class(name)
     if cuda_graphs in ("on", True) and name != "phi-mamba":
         raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
     extra = {"cuda_graphs": True} if graphs_used(cuda_graphs, name, resolve_device(device)) else {}
+    if engine_args:
+        extra["engine_args"] = engine_args
     hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))
     try:
         return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
@@ -57,7 +67,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
                              f"{name} backend: {e}{hint}\nWhere the hub is unreachable, download once with "
                              f"`hf download {spec.path}` elsewhere and copy the HF cache (then HF_HUB_OFFLINE=1 "
                              "skips the network), or pass a local checkpoint directory to --model.") from e
-    except (ImportError, TokenizerError, FlaError):
+    except (ImportError, TokenizerError, FlaError, VLLMError):
         raise
     except Exception as e:  # a corrupt config, truncated weights, a tokenizer that does not parse, ...
         files = ", ".join(sorted(p.name for p in Path(spec.path).glob("*") if p.is_file())[:12]) \

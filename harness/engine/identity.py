@@ -165,7 +165,7 @@ def software_versions() -> dict[str, str]:
 LABELS = {"model_weights": "model weights", "model_config": "model config (config.json)",
           "tokenizer_files": "tokenizer files", "software": "package versions", "data_sha256": "data file",
           "template_sha256": "template", "dtype": "dtype", "device_type": "device type", "model": "model",
-          "scan": "Phi-Mamba scan path"}
+          "scan": "Phi-Mamba scan path", "vllm_engine": "vLLM (version and engine settings)"}
 
 
 def describe_changes(old: dict, new: dict) -> str:

