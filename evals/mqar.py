@@ -44,6 +44,7 @@ class MQAROptions(SyntheticOptions):
 class MQAR(SyntheticTask):
     Options = MQAROptions
     metrics = ("accuracy", "all_correct")
+    binary_metrics = ("all_correct",)  # accuracy: the share of a row's queries answered
     condition = "pairs"
     default_template = "mqar"
 

@@ -22,6 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from evals import task_class
 from harness.files import write_atomic
 from harness.report import load_run
 from harness.reports.paired import paired
@@ -95,7 +96,8 @@ def gaps(cells: list[TrainConfig]) -> str:
     out = []
     for arch in ("transformer", "hybrid"):
         d = paired(rows[arch], rows["mamba"], "accuracy", key=lambda r: r["key"], cluster=lambda r: r["id"],
-                   a=arch, b="mamba", condition=f"L={hi}")
+                   a=arch, b="mamba", condition=f"L={hi}",
+                   binary="accuracy" in task_class(at[arch].task).binary_metrics)
         if d is not None:
             verdict = "significant" if d.significant else "not significant"
             out.append(f"{arch.capitalize()} − Mamba at L={hi}: {100 * d.diff:+.0f} pts, 95% CI "

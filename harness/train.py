@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from pathlib import Path
 from evals import task_class, task_names
 from evals.synthetic import SyntheticTask
 from harness.engine.config import ConfigError, _f, word_negative_flags
+from harness.models.selective_scan import scan_choice_problem
 from harness.tools.procs import stop_on_sigterm
 from harness.training.config import LAUNCHERS, USER_ERRORS, TrainConfig
 
@@ -68,6 +71,28 @@ def build_parser():
     return word_negative_flags(ap)
 
 
+GRID_ONLY = ("jobs", "cells_per_gpu", "launcher", "slurm_partition", "timeout_min")  # TrainCliFlags for --grid
+
+
+def launch_checks(flags: TrainCliFlags) -> None:
+    """What can be known before anything is created: grid options given to one run, a scheduler that is not
+    here, a Mamba scan forced where it cannot run."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainCliFlags)}
+    given = [f"--{k.replace('_', '-')}" for k in GRID_ONLY if getattr(flags, k) != defaults[k]]
+    if given and not flags.grid:
+        raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to grids only (--grid paper "
+                          "or --grid smoke); a single run takes none of them")
+    if flags.grid and flags.launcher != "processes" and not flags.plan:
+        if importlib.util.find_spec("submitit") is None:
+            raise ConfigError(f"--launcher {flags.launcher} needs submitit: pip install 'icr-harness[cluster]'")
+        if flags.launcher == "slurm" and not (shutil.which("sbatch") and shutil.which("srun")):
+            raise ConfigError("--launcher slurm: SLURM is not here (no sbatch or srun on PATH); run on a SLURM "
+                              "login node, or use --launcher processes (this machine) or submitit-local")
+    problem = scan_choice_problem()
+    if problem:
+        raise ConfigError(problem)
+
+
 def main(argv=None) -> int:
     cfg, flags = build_parser().parse_args_into_dataclasses(argv)
     bad = [p for p in flags.task_arg if "=" not in p]
@@ -77,6 +102,11 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(cfg, task_args=dict(p.split("=", 1) for p in flags.task_arg))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    try:
+        launch_checks(flags)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     root = Path(cfg.output or f"runs/grid-{flags.grid}") if flags.grid else None
     from harness.training import (
         grid as grids,  # lazy: start-up time (--help and flag errors load no model code)
@@ -105,6 +135,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if flags.plan:
+            print("\ninterrupted: the projection was stopped; it trains nothing and wrote nothing", file=sys.stderr)
+            return 130
         where = root or cfg.output
         print(f"\ninterrupted: what finished is kept in {where} (finished runs whole, a run in progress up to its "
               "last evaluation); rerun the same command to continue from there", file=sys.stderr)

@@ -30,7 +30,8 @@ def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_pairs(right_wrong,
 def test_only_rows_scored_on_both_sides_pair_and_the_rest_are_counted():
     a = _rows([1, 1, 0, 1, 1], skipped={"q4"})
     b = _rows([0, 1, 0, 0], ids=["q0", "q1", "q2", "q9"])
-    d = paired(a, b, "em", key=lambda r: r["id"], cluster=lambda r: r["id"], a="A", b="B", condition="first")
+    d = paired(a, b, "em", key=lambda r: r["id"], cluster=lambda r: r["id"], a="A", b="B", condition="first",
+               binary=True)
     assert d.pairs == 3 and d.questions == 3  # q0, q1, q2
     assert (d.dropped_a, d.dropped_b) == (1, 1)  # q3 has no partner (q4 was skipped); q9 has none in A
     assert d.diff == pytest.approx(1 / 3) and d.discordant == (1, 0)
@@ -80,3 +81,80 @@ def test_the_report_states_paired_differences_with_counts_intervals_and_tests(ti
     assert pooled["pairs"] == 18 and pooled["questions"] == 6  # three rows of each question, one cluster
     for d in got:
         assert d["ci_low"] <= d["diff"] <= d["ci_high"] and 0 <= d["mcnemar_p"] <= 1
+
+
+# ------------------------------------------------------------ pairs are the same prompt; replicates really differ
+def _run_mqar(tiny_phi_dir, phi_backend, out, seed=1234, **task_args):
+    from harness.engine import run_eval
+    from tests.helpers import run_config
+
+    return run_eval(run_config(tiny_phi_dir, out, task="mqar", data=None, limit=None, max_new_tokens=8, seed=seed,
+                               task_args={"pairs": 4, "samples": 24, **task_args}), backend=phi_backend, progress=False)
+
+
+def test_rows_of_other_held_out_sets_never_pair(tiny_phi_dir, phi_backend, tmp_path, capsys):
+    """eval_seed 0 vs 1: the same ids, other questions. No paired difference, and a note that says why."""
+    from harness.report import main as report_main
+
+    a, b = tmp_path / "s0", tmp_path / "s1"
+    _run_mqar(tiny_phi_dir, phi_backend, a, eval_seed=0)
+    _run_mqar(tiny_phi_dir, phi_backend, b, eval_seed=1)
+    rows = [[json.loads(x) for x in open(d / "samples.jsonl")] for d in (a, b)]
+    assert {r["id"] for r in rows[0]} == {r["id"] for r in rows[1]}  # the ids repeat ...
+    assert not {r["prompt_sha256"] for r in rows[0]} & {r["prompt_sha256"] for r in rows[1]}  # ... the prompts not
+    assert report_main([str(a), str(b), "--out", str(tmp_path / "rep")]) == 0
+    got = json.loads((tmp_path / "rep" / "comparisons.json").read_text())
+    assert got["differences"] == []  # one condition (pairs=4): the only comparison would be between the runs
+    assert "McNemar" not in (tmp_path / "rep" / "report.md").read_text()
+    assert any("share an id but hold other questions" in n for n in got["notes"]), got["notes"]
+
+
+def test_a_seed_that_does_not_reach_the_data_is_no_replicate_and_a_copy_is_one_run(tiny_phi_dir, phi_backend,
+                                                                                   tmp_path):
+    import shutil
+
+    from harness.report import main as report_main
+
+    a, b = tmp_path / "seed1", tmp_path / "seed2"
+    for out, seed in ((a, 1), (b, 2)):
+        _run_mqar(tiny_phi_dir, phi_backend, out, seed=seed)
+    assert report_main([str(a), str(b), "--out", str(tmp_path / "rep")]) == 0
+    got = json.loads((tmp_path / "rep" / "comparisons.json").read_text())
+    assert got["seeds"] == [] and any("does not use" in n for n in got["notes"]), got
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "sd between seeds" not in text
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)
+    assert report_main([str(a), str(copy), str(a), "--out", str(tmp_path / "rep2")]) == 0
+    got = json.loads((tmp_path / "rep2" / "comparisons.json").read_text())
+    assert sum("counted once" in n for n in got["notes"]) == 2
+    assert len({d["condition"] for d in got["differences"]}) <= 1  # only the run's own first-vs-last
+
+
+def test_hotpotqa_seeds_that_change_the_prompts_are_pooled(tiny_phi_dir, phi_backend, tmp_path):
+    from harness.engine import run_eval
+    from harness.report import main as report_main
+    from tests.helpers import run_config
+
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"seed{seed}"
+        run_eval(run_config(tiny_phi_dir, out, limit=3, max_new_tokens=4, seed=seed), backend=phi_backend,
+                 progress=False)
+        runs.append(str(out))
+    assert report_main([*runs, "--out", str(tmp_path / "rep")]) == 0
+    got = json.loads((tmp_path / "rep" / "comparisons.json").read_text())
+    assert got["seeds"] and all(s["seeds"] == 2 for s in got["seeds"])
+
+
+def test_which_test_a_metric_gets_is_declared_not_read_from_its_values():
+    """F1 values that happen to be 0 or 1 get no McNemar test; EM does."""
+    a, b = _rows([1, 1, 0, 1, 0, 1]), _rows([0, 1, 0, 0, 1, 0])
+    f1 = paired(a, b, "em", key=lambda r: r["id"], cluster=lambda r: r["id"], a="A", b="B", condition="c")
+    em = paired(a, b, "em", key=lambda r: r["id"], cluster=lambda r: r["id"], a="A", b="B", condition="c",
+                binary=True)
+    assert f1.mcnemar_p is None and "McNemar" not in f1.line() and em.mcnemar_p is not None
+    from evals import task_class
+
+    assert task_class("hotpotqa").binary_metrics == ("em", "contains")
+    assert "accuracy" not in task_class("mqar").binary_metrics  # a share of queries per row

@@ -1,10 +1,12 @@
 """The token store: samples generated once, exactly the task's own samples and loss masks, shared by every
 run with the same data, visited in a seeded order that neither data workers nor a resume changes."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,3 +103,63 @@ def test_training_from_a_store_records_which_data_it_read(tmp_path):
     fresh = train_one(TrainConfig(**{**base, "store": None}, output=str(tmp_path / "b")).resolved(), progress=False)
     assert fresh["data"] == "fresh samples every step" and fresh["curve"] != res["curve"]
     assert json.loads((tmp_path / "a" / "result.json").read_text())["data"] == res["data"]
+
+
+# ------------------------------------------------------------------ a store is the data it claims to be
+def test_a_store_of_other_data_in_its_place_is_refused_by_the_cli(tmp_path, capsys):
+    """A direct store copied where the cot store lives: the run refuses it (it would train on direct data)."""
+    import shutil
+
+    from harness.train import main as train_main
+
+    direct = st.ensure_store(_task(setup="direct"), 40, tmp_path)
+    cot_path = tmp_path / f"istree-{st.json_digest(st.store_key(_task(setup='cot'), 40))}"
+    assert cot_path != direct.path
+    shutil.copytree(direct.path, cot_path)
+    rc = train_main(["--arch", "transformer", "--size", "smoke", "--nodes", "5", "--setup", "cot", "--samples", "64",
+                     "--batch-size", "16", "--store", "40", "--store-dir", str(tmp_path), "--report-to", "none",
+                     "--output", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: token store") and str(cot_path) in err and "setup" in err, err
+    assert not (tmp_path / "run" / "train_log.jsonl").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "offsets", "meta-gone"])
+def test_a_damaged_store_is_moved_aside_and_built_again(tmp_path, damage):
+    task = _task()
+    store = st.ensure_store(task, 60, tmp_path)
+    good = {n: (store.path / n).read_bytes() for n in st.FILES}
+    assert len(set(good["tokens.bin"])) > 3
+    tokens = store.path / "tokens.bin"
+    if damage == "truncate":  # the issue's `truncate -s -12 tokens.bin`
+        os.truncate(tokens, tokens.stat().st_size - 12)
+    elif damage == "flip":  # same size, other bytes: only the hash sees it
+        raw = bytearray(tokens.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        tokens.write_bytes(bytes(raw))
+        os.utime(tokens, ns=(1, 1))  # an old mtime, as a file damaged long after its build
+    elif damage == "offsets":
+        np.save(store.path / "offsets.npy", np.arange(10))
+    else:  # a folder without meta.json: a killed build's, never a store
+        (store.path / "meta.json").unlink()
+    again = st.ensure_store(task, 60, tmp_path)
+    assert {n: (again.path / n).read_bytes() for n in st.FILES} == good  # rebuilt to the same bytes
+    aside = list(tmp_path.glob(f"{store.path.name}.damaged-*"))
+    assert len(aside) == (0 if damage == "meta-gone" else 1)  # the damaged store kept, not deleted
+
+
+def test_a_killed_build_leaves_nothing_that_grows_and_stores_are_group_readable(tmp_path):
+    task = _task()
+    key = st.store_key(task, 30)
+    name = f"{task.cfg.task}-{st.json_digest(key)}"
+    for i in range(3):  # three builds killed with SIGKILL (their finally never ran)
+        (tmp_path / f".building-{name}-{i}").mkdir()
+        (tmp_path / f".building-{name}-{i}" / "tokens.bin").write_bytes(b"\0" * 100)
+    old = os.umask(0o022)
+    try:
+        store = st.ensure_store(task, 30, tmp_path)
+    finally:
+        os.umask(old)
+    assert not list(tmp_path.glob(".building-*"))
+    assert store.path.stat().st_mode & 0o055 == 0o055  # group and others may read and enter it
+    assert all((store.path / n).stat().st_mode & 0o044 == 0o044 for n in (*st.FILES, "meta.json"))

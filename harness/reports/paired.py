@@ -2,10 +2,12 @@
 makes ("first − last", "Phi-1.5 − Phi-Mamba at slot 7") with a confidence interval and a test.
 
 A difference is paired: only rows present, and scored, on both sides count (the rest are counted as dropped),
-so the noise the two sides share cancels. Its interval is a percentile bootstrap that resamples *questions*
+so the noise the two sides share cancels. Rows pair only where they are the same question: the same key *and*
+the same content (``same``: the instance's hash where both rows carry it, else the gold answer), never by id
+alone (a generated task's ids repeat across held-out sets). Its interval is a percentile bootstrap that resamples *questions*
 (clusters), not rows: where one question yields several rows (every slot of a sweep, several needle depths) its
-rows are correlated, and resampling rows would understate the spread. 0/1 metrics also get the exact McNemar
-test (``scipy.stats.binomtest`` on the discordant pairs). The bootstrap is seeded, so a report is reproducible.
+rows are correlated, and resampling rows would understate the spread. Metrics the task declares 0/1
+(``Task.binary_metrics``) also get the exact McNemar test (``scipy.stats.binomtest`` on the discordant pairs). The bootstrap is seeded, so a report is reproducible.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ class Difference:
     ci_high: float
     mcnemar_p: float | None = None  # 0/1 metrics
     discordant: tuple[int, int] | None = None  # (a right and b wrong, a wrong and b right)
+    mismatched: int = 0  # rows whose key both sides hold but whose content differs: not paired
+    unverified: int = 0  # pairs matched by key and gold only (rows written before instance hashes)
 
     @property
     def significant(self) -> bool:
@@ -47,9 +51,12 @@ class Difference:
     def line(self) -> str:
         pts = 100.0
         test = f", McNemar p = {_p(self.mcnemar_p)}" if self.mcnemar_p is not None else ""
+        extra = (f"; {self.mismatched} rows share a key but not the question: not paired" if self.mismatched else "") \
+            + (f"; {self.unverified} paired by id and gold only (rows without an instance hash)"
+               if self.unverified else "")
         return (f"{self.a} − {self.b} ({self.condition}): {pts * self.diff:+.1f} pts "
                 f"[{pts * self.ci_low:+.1f}, {pts * self.ci_high:+.1f}] (paired, {self.pairs} rows of "
-                f"{self.questions} questions{test}; dropped {self.dropped_a} + {self.dropped_b})")
+                f"{self.questions} questions{test}; dropped {self.dropped_a} + {self.dropped_b}{extra})")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "significant": self.significant}
@@ -59,13 +66,47 @@ def _p(p: float) -> str:
     return f"{p:.2g}" if p >= 1e-4 else "< 1e-4"
 
 
-def paired(a_rows: Iterable[dict], b_rows: Iterable[dict], metric: str, key, cluster, *, a: str, b: str,
-           condition: str, seed: int = 0) -> Difference | None:
-    """The paired difference of ``metric`` between two sets of rows matched by ``key(row)`` and clustered by
-    ``cluster(row)`` (the question). None when no row pairs."""
+def same_instance(ra: dict, rb: dict) -> bool | None:
+    """Whether two rows of one key hold the same instance: by its content hash where both carry one, else by
+    the gold answer (None: equal golds, unverified)."""
+    ha, hb = ra.get("instance_sha256"), rb.get("instance_sha256")
+    if ha is not None and hb is not None:
+        return ha == hb
+    return None if ra.get("gold") == rb.get("gold") else False
+
+
+def same_question(ra: dict, rb: dict) -> bool:
+    """Two conditions of one question within a run (its instances differ by design): the same gold answer."""
+    return ra.get("gold") == rb.get("gold")
+
+
+@dataclass
+class Pairing:
+    """Which keys pair between two sets of rows, and why the others do not."""
+
+    side_a: dict
+    side_b: dict
+    both: list
+    mismatched: int
+    unverified: int
+
+
+def pairing(a_rows: Iterable[dict], b_rows: Iterable[dict], key, same=same_instance) -> Pairing:
     side_a = {key(r): r for r in a_rows if not r.get("skipped")}
     side_b = {key(r): r for r in b_rows if not r.get("skipped")}
-    both = [k for k in side_a if k in side_b]
+    verdict = {k: same(side_a[k], side_b[k]) for k in side_a if k in side_b}
+    both = [k for k, v in verdict.items() if v is not False]
+    return Pairing(side_a, side_b, both, mismatched=sum(v is False for v in verdict.values()),
+                   unverified=sum(v is None for v in verdict.values()))
+
+
+def paired(a_rows: Iterable[dict], b_rows: Iterable[dict], metric: str, key, cluster, *, a: str, b: str,
+           condition: str, seed: int = 0, binary: bool = False, same=same_instance) -> Difference | None:
+    """The paired difference of ``metric`` between two sets of rows matched by ``key(row)`` where ``same`` says
+    they hold the same question, clustered by ``cluster(row)`` (the question); McNemar's test where ``binary``
+    (the task declares the metric 0/1). None when no row pairs (``pairing`` says why)."""
+    got = pairing(a_rows, b_rows, key, same)
+    side_a, side_b, both = got.side_a, got.side_b, got.both
     if not both:
         return None
     x = np.array([float(side_a[k]["scores"][metric]) for k in both])
@@ -74,8 +115,9 @@ def paired(a_rows: Iterable[dict], b_rows: Iterable[dict], metric: str, key, clu
     low, high = cluster_bootstrap_ci(x - y, groups, seed=seed)
     out = Difference(a=a, b=b, metric=metric, condition=condition, pairs=len(both), questions=len(set(groups)),
                      dropped_a=len(side_a) - len(both), dropped_b=len(side_b) - len(both), mean_a=float(x.mean()),
-                     mean_b=float(y.mean()), diff=float((x - y).mean()), ci_low=low, ci_high=high)
-    if set(np.unique(np.concatenate([x, y]))) <= {0.0, 1.0}:
+                     mean_b=float(y.mean()), diff=float((x - y).mean()), ci_low=low, ci_high=high,
+                     mismatched=got.mismatched, unverified=got.unverified)
+    if binary and set(np.unique(np.concatenate([x, y]))) <= {0.0, 1.0}:
         out.mcnemar_p, out.discordant = mcnemar(x, y)
     return out
 

@@ -62,3 +62,21 @@ def python_result(code: str, *, timeout: float, stdin: str | None = None, env: d
                          env=env, cwd=cwd)
     line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("RESULT ")), None)
     return (json.loads(line[len("RESULT "):]) if line else None), res
+
+
+def exit_description(code: int | None) -> str:
+    """How a cell's process ended, in words: a signal named (SIGKILL is most often the out-of-memory killer), or
+    its exit code."""
+    if code is None:
+        return "still running"
+    signum = -code if code < 0 else code - 128 if code > 128 else None
+    if signum:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        why = {"SIGKILL": " (out of memory, most often: the kernel's OOM killer; or killed by hand)",
+               "SIGTERM": " (stopped: a scheduler, a shutdown, or by hand)",
+               "SIGSEGV": " (a crash in native code)"}.get(name, "")
+        return f"killed by {name}{why}"
+    return f"exit code {code}"

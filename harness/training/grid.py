@@ -28,7 +28,7 @@ from harness.engine.config import ConfigError
 from harness.files import write_atomic
 from harness.models.istree import build_model
 from harness.reports.plotting import pyplot, save
-from harness.tools.procs import die_with_parent
+from harness.tools.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
 from harness.training.data import TrainTask, batch_from_tokens
 from harness.training.launch import run_on_scheduler
@@ -166,7 +166,7 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
                     bar.set_postfix_str(f"{len(results)} done, last {cell.name}: EM "
                                         f"{100 * res.get('teacher_forced_em', 0):.0f}%")
                 else:
-                    failed.append(f"{cell.name} (exit code {proc.exitcode})")
+                    failed.append(f"{cell.name} ({exit_description(proc.exitcode)})")
             now = 100.0 * sum(weight[c.output] * cell_fraction(c) for c in cells) / total
             if now > shown:
                 bar.update(now - shown)
@@ -302,6 +302,8 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
     threads, before = cell_threads(base, jobs), torch.get_num_threads()
     inline_data = (base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)) == 0
     rows = []
+    log.info("plan %s: measuring %d training steps of each of %d cells on %s (the bar's ETA is the projection's); "
+             "nothing is trained or kept", name, steps, len(cells), "CPU" if device.type == "cpu" else device_name(device))
     torch.set_num_threads(threads)  # measured as each cell will run
     try:
         for cell in tqdm(cells, desc=f"plan {name}", disable=not progress):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from harness.engine.config import ConfigError
+from harness.tools.procs import exit_description
 from harness.training.config import LAUNCHERS, TrainConfig
 from harness.training.trainer import finished_result, train_one
 
@@ -44,8 +45,16 @@ class CellJob:
 
 
 def job_error(e: Exception) -> str:
-    """The job's own error message out of submitit's report of it (a traceback, then log paths)."""
-    lines = [line for line in str(e).splitlines()
+    """How a scheduler's job died, out of submitit's report of it: the scheduler's state (OUT_OF_MEMORY, TIMEOUT,
+    CANCELLED, ...) or a signal where it names one, else the job's own error message."""
+    text = str(e)
+    state = re.search(r"state[:=]\s*'?([A-Z_]{4,})", text)
+    if state and state.group(1) not in ("COMPLETED", "RUNNING"):
+        return f"the scheduler ended it: {state.group(1)}"
+    code = re.search(r"(?:exit(?:ed with)? code|exitcode)[:= ]+(-?\d+)", text, re.IGNORECASE)
+    if code and int(code.group(1)) != 0:
+        return exit_description(int(code.group(1)))
+    lines = [line for line in text.splitlines()
              if line.strip() and not line.startswith(("-", " ", "You can check", "Traceback"))]
     for line in reversed(lines):
         found = re.match(r"^[\w.]+(?:Error|Exception|Interrupt)\w*: (.*)", line)

@@ -5,9 +5,13 @@ Generating IsTree samples in Python took 57% of a Transformer step at n=64 retri
 store, a batch is a few array slices. A store is keyed by its content (the task, its options and the sample
 count), built in worker processes in shards whose samples depend on the shard alone (so neither the worker
 count nor a crashed build changes a sample), written to a temporary folder and renamed into place under a file
-lock: two cells that need the same store build it once, and a half-written store is never read.
+lock: two cells that need the same store build it once, and a half-written store is never read. Opening a store
+checks it is the one asked for (its key) and whole (its files' sizes, and their hashes through the file-hash
+cache, so a multi-GB store is hashed once, not every run): another store put in its place is refused, a damaged one
+is moved aside and rebuilt (its samples depend on the key alone, so a resumed run reads the same data).
 
-  meta.json      the key, the vocabulary, the count (written last: a folder without it is not a store)
+  meta.json      the key, the vocabulary, the count, each file's size and SHA-256 (written last: a folder
+                 without it is not a store)
   tokens.bin     every sample's token ids, back to back (uint8 when the vocabulary fits, else uint16)
   masks.bin      the loss mask of every token (uint8), aligned with tokens.bin
   offsets.npy    where each sample starts (int64, one more entry than samples)
@@ -16,20 +20,30 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from evals.synthetic import loss_mask
+from harness.engine.identity import FileHashCache
 from harness.hashing import json_digest
+
+log = logging.getLogger("harness")
 
 SHARD = 2048  # samples a build worker draws from one seeded stream
 FORMAT = 1
+FILES = ("tokens.bin", "masks.bin", "offsets.npy")
+
+
+class StoreError(ValueError):
+    """A folder where a store should be holds something else; the message names the folder and the fix."""
 
 
 class TokenStore:
@@ -85,18 +99,62 @@ def store_key(task, samples: int) -> dict:
 
 
 def ensure_store(task, samples: int, root: Path, workers: int = 0) -> TokenStore:
-    """The store of ``samples`` samples of ``task`` under ``root``, built first if no run has built it."""
+    """The store of ``samples`` samples of ``task`` under ``root``, built first if no run has built it (or if the
+    one there is damaged); another store in its place is refused."""
     from filelock import FileLock
 
     key = store_key(task, samples)
     path = Path(root) / f"{task.cfg.task}-{json_digest(key)}"
-    if (path / "meta.json").exists():
+    if (path / "meta.json").exists() and _check(path, key) is None:
         return TokenStore(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if not (path / "meta.json").exists():  # another process may have built it while this one waited
+    with FileLock(str(path) + ".lock", mode=0o666):
+        for stale in path.parent.glob(f".building-{path.name}-*"):  # a build killed before it could clean up
+            shutil.rmtree(stale, ignore_errors=True)
+        damage = _check(path, key) if (path / "meta.json").exists() else "absent"
+        if damage not in (None, "absent"):
+            aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+            log.warning("token store %s is damaged (%s): moved to %s and built again", path, damage, aside)
+            os.replace(path, aside)
+        if damage is not None:
             _build(task, key, path, workers)
     return TokenStore(path)
+
+
+def _check(path: Path, key: dict) -> str | None:
+    """What is wrong with the store in ``path`` (None: it is the store of ``key``, whole). Raises StoreError for a
+    store of other data: that is not damage to repair but a folder someone put there."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable: {e}"
+    key = json.loads(json.dumps(key))  # as meta.json holds it (tuples as lists)
+    found = {k: meta.get(k) for k in key}
+    if found != key:
+        differ = ", ".join(f"{k} {found.get(k)!r} (this run: {key[k]!r})" for k in key if found.get(k) != key[k])
+        raise StoreError(f"token store {path} holds other data than this run's: {differ}. A store's folder is "
+                         f"named by its content; move that folder away (or delete it) and rerun to build this "
+                         f"run's store there")
+    itemsize = np.dtype(meta.get("dtype", "uint8")).itemsize
+    want = {"tokens.bin": meta.get("tokens", -1) * itemsize, "masks.bin": meta.get("tokens", -1),
+            "offsets.npy": None}
+    hashes = meta.get("sha256", {})
+    cache = FileHashCache()
+    for name in FILES:
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if want[name] is not None and file.stat().st_size != want[name]:
+            return f"{name} has {file.stat().st_size} bytes, not {want[name]}"
+        if name in hashes and cache.sha256(file) != hashes[name]:
+            return f"{name} is not the file that was built (SHA-256 differs)"
+    try:
+        offsets = np.load(path / "offsets.npy")
+    except (OSError, ValueError) as e:
+        return f"offsets.npy unreadable: {e}"
+    if len(offsets) != key["samples"] + 1 or int(offsets[-1]) != meta.get("tokens"):
+        return f"offsets.npy holds {len(offsets) - 1} samples of {int(offsets[-1])} tokens, not {key['samples']}"
+    return None
 
 
 def _build(task, key: dict, path: Path, workers: int) -> None:
@@ -105,7 +163,7 @@ def _build(task, key: dict, path: Path, workers: int) -> None:
     count = key["samples"]
     jobs = [(task.impl, key, shard, vocab, dtype, min(SHARD, count - shard * SHARD))
             for shard in range(-(-count // SHARD))]
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".building-{path.name}-", dir=path.parent))
     try:
         with _pool(workers) as pool:
             shards = pool.imap(_draw_shard, jobs) if pool else map(_draw_shard, jobs)
@@ -117,13 +175,24 @@ def _build(task, key: dict, path: Path, workers: int) -> None:
                     lengths.append(shard_lengths)
         offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
         np.save(tmp / "offsets.npy", offsets)
-        meta = {**key, "vocab": vocab, "dtype": np.dtype(dtype).name, "tokens": int(offsets[-1])}
+        cache = FileHashCache()
+        meta = {**key, "vocab": vocab, "dtype": np.dtype(dtype).name, "tokens": int(offsets[-1]),
+                "sha256": {name: cache.sha256(tmp / name) for name in FILES}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        _share(tmp)
         if path.exists():  # a half-built folder of a killed build (no meta.json): replaced
             shutil.rmtree(path)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _share(folder: Path) -> None:
+    """The permissions a folder made normally would have (``mkdtemp`` makes it private): a store in a cache that
+    a group shares is readable by that group, as far as the user's umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
 
 
 def _pool(workers: int):

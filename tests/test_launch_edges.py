@@ -1,0 +1,85 @@
+"""The trainer's switches and launchers fail with an ``error:`` line before anything is created, an interrupted
+projection says that nothing was kept, and a grid cell that died says how (real processes and signals)."""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.tools.procs import exit_description
+from harness.train import main as train_main
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--arch", "mamba", "--size", "smoke", "--nodes", "4", "--setup", "direct", "--samples", "32",
+         "--batch-size", "8", "--report-to", "none", "--no-progress"]
+
+
+def _refused(capsys, argv, out: Path) -> str:
+    capsys.readouterr()
+    rc = train_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error:") and "Traceback" not in err, err
+    assert not out.exists(), f"{out} was created before the error"
+    return err
+
+
+def test_the_triton_scan_forced_where_it_cannot_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ICR_SCAN", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a GPU is here: the Triton scan can run")
+    err = _refused(capsys, [*SMALL, "--output", str(tmp_path / "run")], tmp_path / "run")
+    assert "ICR_SCAN=triton" in err and "ICR_SCAN=auto or torch" in err
+    monkeypatch.setenv("ICR_SCAN", "fast")
+    assert "use auto, torch or triton" in _refused(capsys, [*SMALL, "--output", str(tmp_path / "r2")], tmp_path / "r2")
+
+
+def test_a_scheduler_that_is_not_here(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no sbatch, no srun
+    err = _refused(capsys, ["--grid", "smoke", "--launcher", "slurm", "--output", str(tmp_path / "grid")],
+                   tmp_path / "grid")
+    assert "slurm" in err.lower()
+
+
+@pytest.mark.parametrize("flag", [["--jobs", "2"], ["--launcher", "slurm"], ["--cells-per-gpu", "2"],
+                                  ["--slurm-partition", "gpu"], ["--timeout-min", "30"]])
+def test_grid_options_given_to_a_single_run(tmp_path, capsys, flag):
+    err = _refused(capsys, [*SMALL, *flag, "--output", str(tmp_path / "run")], tmp_path / "run")
+    assert flag[0] in err and "grids only" in err
+
+
+def test_an_interrupted_projection_says_nothing_was_kept(tmp_path):
+    out = tmp_path / "grid"
+    proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--grid", "smoke", "--plan", "--output", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen, t0 = "", time.monotonic()
+    while "measuring" not in seen and time.monotonic() - t0 < 120:  # it says up front what it measures
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen += line
+    assert "measuring" in seen and "nothing is trained" in seen, seen
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "trains nothing and wrote nothing" in err and "kept in" not in err
+    assert not (out / "results.md").exists()
+
+
+def _die(how: str):
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+
+
+@pytest.mark.parametrize("how, said", [("kill", "killed by SIGKILL (out of memory"), ("exit", "exit code 3")])
+def test_a_dead_cell_says_how_it_died(how, said):
+    proc = multiprocessing.get_context("spawn").Process(target=_die, args=(how,))
+    proc.start()
+    proc.join(60)
+    assert exit_description(proc.exitcode).startswith(said)
+    assert exit_description(128 + signal.SIGTERM).startswith("killed by SIGTERM")  # a shell's 143
