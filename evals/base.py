@@ -101,6 +101,12 @@ class Task(ABC):
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     metrics: ClassVar[tuple[str, ...]] = ("accuracy",)
+    # The metrics that are 0 or 1 on every row: paired differences of these get McNemar's exact test, the others
+    # the paired bootstrap only (whatever values a run happens to hold).
+    binary_metrics: ClassVar[tuple[str, ...]] = ("accuracy",)
+    # Whether ``--seed`` changes the task's instances (HotpotQA's distractors and random positions); where it does
+    # not, runs that differ only in --seed are the same run, never pooled as seed replicates.
+    seed_reaches_data: ClassVar[bool] = False
     condition: ClassVar[str] = "condition"  # what results are grouped by: a column of the results table
     default_template: ClassVar[str] = ""
     retrieval_template: ClassVar[str | None] = None  # with --retrieval; None: the task has no retrieval prompt
@@ -144,6 +150,12 @@ class Task(ABC):
     def record_fields(self, instance: Instance) -> dict[str, Any]:
         """Extra fields for the instance's samples.jsonl line (HotpotQA: where the gold paragraphs start)."""
         return {}
+
+    def evidence(self, instance: Instance) -> list[tuple[str, str]]:
+        """Texts of the prompt a reader should see marked, with a label each (HotpotQA: the gold paragraphs and
+        their slots, and the question): the engine records where they stand in the prompt, the HTML report's
+        sample explorer highlights them."""
+        return []
 
     def write_outputs(self, records: list[dict], out_dir: Path, conditions: list[str]) -> list[str]:
         """Task-specific files in the run directory (HotpotQA: official prediction files); their names."""

@@ -215,6 +215,8 @@ class HotpotQA(Task):
     stop = ["\n\n", "\nQuestion:", "\nParagraph:"]
     default_max_new_tokens = 96
     metrics = ("em", "f1", "contains")
+    binary_metrics = ("em", "contains")
+    seed_reaches_data = True
     official_scorer = "hotpot_evaluate_v1.py"
     condition = "position"
     axis_statistic = "gold_start"
@@ -311,6 +313,11 @@ class HotpotQA(Task):
 
     def record_fields(self, instance: Instance) -> dict[str, Any]:
         return {"gold_start": instance.meta["gold_start"]}
+
+    def evidence(self, instance: Instance) -> list[tuple[str, str]]:
+        golds = [(slot, p) for slot, p in enumerate(instance.paragraphs) if p.get("gold")]
+        return [*((p["text"], f"gold paragraph {k} of {len(golds)}: {p['title']} (slot {slot})")
+                  for k, (slot, p) in enumerate(golds, 1)), (instance.question, "question")]
 
     @classmethod
     def official_gold(cls, config: dict, resolved: dict, scored: dict[str, set[str]]) -> dict[str, list[dict]]:

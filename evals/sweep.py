@@ -106,6 +106,9 @@ class TaskSweep(Task):
     def record_fields(self, instance: Instance) -> dict[str, Any]:
         return self._part_of[instance.key].record_fields(instance)
 
+    def evidence(self, instance: Instance) -> list[tuple[str, str]]:
+        return self._part_of[instance.key].evidence(instance)
+
     def write_outputs(self, records, out_dir, conditions) -> list[str]:
         return self.parts[0].write_outputs(records, out_dir, conditions)
 

@@ -29,7 +29,9 @@ from harness.engine.results import format_markdown
 from harness.engine.runlog import SampleLog
 from harness.engine.stats import summarize
 from harness.files import write_atomic, write_json
-from harness.reports.paired import paired, seed_spread
+from harness.hashing import json_digest
+from harness.reports.html import write_html
+from harness.reports.paired import paired, pairing, same_question, seed_spread
 from harness.reports.plotting import pyplot, save
 
 # Run settings that name a run in a legend when they differ between the runs of one report, in this order
@@ -181,14 +183,16 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
 
 
 def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], keep_ids: set[str] | None = None
-                ) -> tuple[list, list[dict]]:
+                ) -> tuple[list, list[dict], list[str]]:
     """Paired differences (``harness.reports.paired``) of each task's plotted metric: within each run, its first
     condition on the plot's axis against its last; between runs, each later run against the first of its task,
-    per shared condition and over all of them (clustered by question); and runs that differ only in ``--seed``
-    pooled with their between-seed spread."""
-    diffs, seeds = [], []
+    per shared condition and over all of them (clustered by question); and runs that differ only in a ``--seed``
+    that reaches the task's data, pooled with their between-seed spread. Rows pair only where they hold the same
+    question; the notes say where runs were given that pair nothing or replicate nothing."""
+    diffs, seeds, notes = [], [], []
     for task, g in df.groupby("task", sort=False):
         metric = metrics[task]
+        binary = metric in task_class(task).binary_metrics
         dirs = list(dict.fromkeys(g["dir"]))
         label = dict(zip(g["dir"], g["run"]))
         rows, configs = {}, {}
@@ -197,13 +201,14 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
             rows[d] = [r for r in samples if keep_ids is None or r["id"] in keep_ids]
             configs[d] = _settings(results["config"])
         seed = 0
-        for d in dirs:  # first against last on the axis
+        for d in dirs:  # first against last on the axis: one question's two conditions
             order = g[g["dir"] == d].sort_values("x", na_position="last")["condition"].tolist()
             if len(order) >= 2:
                 first, last = order[0], order[-1]
                 got = paired([r for r in rows[d] if r["condition"] == first],
                              [r for r in rows[d] if r["condition"] == last], metric, key=lambda r: r["id"],
-                             cluster=lambda r: r["id"], a=first, b=last, condition=label[d], seed=seed)
+                             cluster=lambda r: r["id"], a=first, b=last, condition=label[d], seed=seed,
+                             binary=binary, same=same_question)
                 if got is not None:
                     diffs.append(got)
         base = dirs[0]
@@ -211,22 +216,101 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
             shared = [c for c in dict.fromkeys(g[g["dir"] == d]["condition"]) if c in set(g[g["dir"] == base]["condition"])]
             for c in shared + (["all"] if len(shared) > 1 else []):
                 pick = (lambda r: True) if c == "all" else (lambda r, c=c: r["condition"] == c)
-                got = paired([r for r in rows[d] if pick(r) and r["condition"] in shared],
-                             [r for r in rows[base] if pick(r) and r["condition"] in shared], metric,
-                             key=lambda r: (r["id"], r["condition"]), cluster=lambda r: r["id"],
-                             a=label[d], b=label[base], condition=c, seed=seed)
+                a_rows = [r for r in rows[d] if pick(r) and r["condition"] in shared]
+                b_rows = [r for r in rows[base] if pick(r) and r["condition"] in shared]
+                key = lambda r: (r["id"], r["condition"])  # noqa: E731
+                got = paired(a_rows, b_rows, metric, key=key, cluster=lambda r: r["id"], a=label[d], b=label[base],
+                             condition=c, seed=seed, binary=binary)
                 if got is not None:
                     diffs.append(got)
-        settings = {d: json.dumps({k: v for k, v in configs[d].items() if k not in ("seed", "output")},
-                                  sort_keys=True, default=str) for d in dirs}
-        for same in {v: [d for d in dirs if settings[d] == v] for v in settings.values()}.values():
-            if len(same) > 1:
-                for c in dict.fromkeys(g["condition"]):
-                    vals = g[(g["dir"].isin(same)) & (g["condition"] == c)][metric].dropna().tolist()
-                    if len(vals) > 1:
-                        seeds.append({"task": task, "metric": metric, "condition": c,
-                                      "runs": [label[d] for d in same], **seed_spread(vals)})
-    return diffs, seeds
+                elif c != "all":
+                    mismatched = pairing(a_rows, b_rows, key).mismatched
+                    notes.append(f"{label[d]} vs {label[base]} ({c}): no row pairs: " + (
+                        f"{mismatched} rows share an id but hold other questions (another eval_seed, data or "
+                        "tokenizer), so no paired difference is reported" if mismatched else
+                        "the runs share no scored question"))
+        if not shared_any(dirs, g):
+            notes.append(f"{task}: the runs share no condition; no paired difference between them")
+        seeds += _seed_replicates(task, metric, g, dirs, rows, configs, label, notes)
+    return diffs, seeds, notes
+
+
+def shared_any(dirs: list, g: pd.DataFrame) -> bool:
+    """Whether every later run shares a condition with the first (or there is one run)."""
+    base = set(g[g["dir"] == dirs[0]]["condition"])
+    return all(base & set(g[g["dir"] == d]["condition"]) for d in dirs[1:])
+
+
+def _seed_replicates(task: str, metric: str, g: pd.DataFrame, dirs: list, rows: dict, configs: dict, label: dict,
+                     notes: list[str]) -> list[dict]:
+    """Runs whose settings differ only in --seed, pooled, where the seed reaches the task's data and their rows
+    really differ; otherwise a note says why they were not pooled."""
+    settings = {d: json.dumps({k: v for k, v in configs[d].items() if k not in ("seed", "output")},
+                              sort_keys=True, default=str) for d in dirs}
+    out = []
+    for same in {v: [d for d in dirs if settings[d] == v] for v in settings.values()}.values():
+        if len(same) < 2:
+            continue
+        names = ", ".join(label[d] for d in same)
+        if not task_class(task).seed_reaches_data:
+            notes.append(f"{names} differ only in --seed, which task {task} does not use (its held-out sets are "
+                         "drawn with eval_seed): the same run, not seed replicates; not pooled")
+            continue
+        prompts = [frozenset(r.get("prompt_sha256") for r in rows[d]) for d in same]
+        if len(set(prompts)) < len(prompts):
+            notes.append(f"{names} differ only in --seed but some hold the very same prompts: not pooled as seed "
+                         "replicates")
+            continue
+        for c in dict.fromkeys(g["condition"]):
+            vals = g[(g["dir"].isin(same)) & (g["condition"] == c)][metric].dropna().tolist()
+            if len(vals) > 1:
+                out.append({"task": task, "metric": metric, "condition": c, "runs": [label[d] for d in same],
+                            **seed_spread(vals)})
+    return out
+
+
+def explorer_runs(runs: list[str], df: pd.DataFrame, keep_ids: set[str] | None) -> list[dict]:
+    """Each run's label, task and counted rows, for the HTML report's sample explorer."""
+    label = dict(zip(df["dir"], df["run"]))
+    out = []
+    for d in runs:
+        results, samples = load_run(d)
+        out.append({"label": label.get(str(d), str(d)), "dir": str(d), "task": results["task"],
+                    "condition_name": results["condition"],
+                    "rows": [r for r in samples if keep_ids is None or r["id"] in keep_ids]})
+    return out
+
+
+def markdown_table_html(table: str) -> str:
+    """A pipe table (``format_markdown``'s) as an HTML table, every cell escaped."""
+    import html
+
+    lines = [ln for ln in table.strip().splitlines() if ln.strip()]
+    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+    head, body = cells[0], cells[2:]
+    return ("<table><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+            + "</tbody></table>")
+
+
+def distinct_runs(run_dirs: list[str]) -> tuple[list[str], list[str]]:
+    """The run directories with each run once: a folder given twice, or a copy of a run (the same settings hash
+    and the same rows), is one run, named by the first folder given. Returns the runs and a note for each one
+    left out."""
+    kept, notes, seen = [], [], {}
+    for d in run_dirs:
+        results, samples = load_run(d)
+        ident = (results.get("config_hash"),
+                 json_digest(sorted((r["key"], r.get("generation"), r.get("prompt_sha256")) for r in samples)))
+        real = Path(d).resolve()
+        first = next((k for k, (p, i) in seen.items() if p == real or i == ident), None)
+        if first is not None:
+            notes.append(f"{d} is {'the same folder as' if seen[first][0] == real else 'a copy of'} {first}: "
+                         "counted once")
+            continue
+        seen[d] = (real, ident)
+        kept.append(d)
+    return kept, notes
 
 
 def plot(df: pd.DataFrame, metric: str, path: Path, subset: int | None = None) -> Path:
@@ -396,17 +480,18 @@ def main(argv=None) -> int:
             raise ReportError(f"--subset kept no question: none was answered correctly ({a.subset_metric or 'the first metric'} = 1) by "
                               f"every one of {', '.join(a.subset)}; check that these are oracle runs "
                               "(--distractors 0) of the same questions, or drop --subset")
-        df = merge(a.runs, keep)
+        runs, run_notes = distinct_runs(a.runs)
+        df = merge(runs, keep)
         if df.empty or not (df["n"] > 0).any():
             raise ReportError("no scored samples in the runs given" + (" after --subset" if keep else ""))
         plotted = {task: _metric_of(g, a.metric) for task, g in df.groupby("task", sort=False)}
         out = _report_dir(Path(a.out))
-        gold_files = write_official_gold(a.runs, Path(a.official_gold)) if a.official_gold else []
+        gold_files = write_official_gold(runs, Path(a.official_gold)) if a.official_gold else []
     except (ReportError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_atomic(out / "report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))
-    tables, pngs = [], []
+    tables, pngs, html_tables = [], [], []
     for task, g in df.groupby("task", sort=False):  # runs of different tasks never share a table or a figure
         metrics = tuple(_metrics(g))
         present = g.drop(columns=[c for c in g.columns if g[c].isna().all()  # another task's metric columns
@@ -414,6 +499,8 @@ def main(argv=None) -> int:
         name = g["condition_name"].iloc[0]
         shown = present.rename(columns={"condition": name})
         audits = {run: a for run, a in zip(g["run"], g["audit"]) if a}
+        html_tables.append((f"{task}: {metrics[0] if metrics else ''} by {name}",
+                            markdown_table_html(format_markdown(shown, metrics, id_cols=("run", name)))))
         tables.append((f"## {task}\n\n" if len(plotted) > 1 else "")
                       + format_markdown(shown, metrics, id_cols=("run", name))
                       + ("\n\naudit (rows generated again alone, unpadded, float32; agree/drawn): "
@@ -426,20 +513,27 @@ def main(argv=None) -> int:
             if column in g and g[column].notna().any():
                 pngs.append(plot_against(g, metric, column, out / f"{prefix}{metric}_vs_{name}.png"))
     header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
-    diffs, seeds = comparisons(a.runs, df, plotted, keep)
+    diffs, seeds, notes = comparisons(runs, df, plotted, keep)
+    notes = run_notes + notes
     if diffs:
         tables.append("## Paired differences (95% CI resampling questions; McNemar's exact test for 0/1 metrics)"
                       "\n\n" + "\n".join(f"- {'**' if d.significant else ''}{d.line()}{'**' if d.significant else ''}"
                                            for d in diffs))
     if seeds:
         tables.append("## Runs that differ only in --seed\n\n" + "\n".join(_seed_line(x) for x in seeds))
+    if notes:
+        tables.append("## Notes on the comparisons\n\n" + "\n".join(f"- {n}" for n in notes))
     table = header + "\n\n".join(tables)
     write_atomic(out / "report.md", table + "\n")
-    write_json(out / "comparisons.json", {"differences": [d.to_dict() for d in diffs], "seeds": seeds}, indent=2)
+    write_json(out / "comparisons.json", {"differences": [d.to_dict() for d in diffs], "seeds": seeds,
+                                          "notes": notes}, indent=2)
+    html = write_html(out / "report.html", title=f"icr-harness report: {', '.join(runs)}", tables=html_tables,
+                      pngs=pngs, diffs=diffs, seeds=[_seed_line(x) for x in seeds], notes=notes,
+                      runs=explorer_runs(runs, df, keep), plotted=plotted)
     write_atomic(out / MANIFEST, "".join(f"{p.name}\n" for p in [out / "report.md", out / "report.csv",
-                                                                  out / "comparisons.json", *pngs]))
+                                                                  out / "comparisons.json", html, *pngs]))
     print(table)
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {', '.join(map(str, pngs))}")
+    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {html} (sample explorer), {', '.join(map(str, pngs))}")
     for f in gold_files:
         print(f"official gold: {f}")
     return 0

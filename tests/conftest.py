@@ -9,6 +9,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# trio (selenium's dependency, for the HTML report's browser tests) registers a Hypothesis plugin that fails to
+# load (trio 0.35: no _hypothesis_plugin_setup); where Hypothesis is installed, its pytest plugin imports it at the
+# end of the session and the run dies after its summary. This project registers no Hypothesis plugins.
+os.environ.setdefault("HYPOTHESIS_NO_PLUGINS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ CASES = {
     "decode_bound.py": (["--lengths", "32,64", "--steps", "2"], "of bound"),
     "decode_scaling.py": (["--lengths", "32,64", "--steps", "2", "--hidden", "32", "--layers", "2"],
                           "decode-state memory"),
+    "html_report.py": (["--questions", "30"], "report.html:"),
     "kv_cache.py": (["--lengths", "40,300", "--steps", "4", "--hidden", "32", "--layers", "2"], "True"),
     "loglikelihood.py": (["--questions", "2", "--choices", "3", "--distractors", "1", "--hidden", "32", "--layers",
                           "1"], "True"),

