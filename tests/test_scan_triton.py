@@ -74,6 +74,9 @@ CHILD = textwrap.dedent("""
 
     # the guard: equal here; a kernel that differs, or fails, is refused with a warning
     out["verified"] = st.verified_on("cpu", ss.SelectiveScan)
+    # the classes the trainer launches: bf16 activations (its autocast), without the gate or the skip
+    out["verified_classes"] = [st.verified_on("cpu", ss.SelectiveScan, dtype, 16, skip, gate)
+                               for dtype, skip, gate in (("bfloat16", True, True), ("float32", False, False))]
     right = st.TritonScan.apply
     for name, wrong in (("differs", lambda *a: right(*a) * 1.001), ("fails", lambda *a: 1 / 0)):
         st.TritonScan.apply = wrong
@@ -95,7 +98,7 @@ def test_the_triton_scan_equals_the_sequential_one_in_the_interpreter():
         assert case["varies"] > 0 and case["nonzero_grads"] >= 4, case
         assert case["worst"] < 1e-5, case
     assert out["model_grads"] > 10 and out["model_worst"] < 1e-5, out
-    assert out["verified"] is True
+    assert out["verified"] is True and out["verified_classes"] == [True, True]
     assert out["differs"][0] is False and "differs from the PyTorch scan" in out["differs"][1]
     assert out["fails"][0] is False and "ZeroDivisionError" in out["fails"][1]
 

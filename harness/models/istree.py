@@ -40,7 +40,7 @@ from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
 from harness.models.causal_conv import causal_conv
 from harness.models.masks import block_attention_mask
-from harness.models.selective_scan import selective_scan
+from harness.models.selective_scan import note_scan, selective_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
 SIZES = {
@@ -86,6 +86,9 @@ class ScanMixer(MambaMixer):
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if cache_params is not None or mamba_kernels_run(hidden_states):
+            if cache_params is None:
+                note_scan("mamba-ssm", hidden_states.device.type, str(hidden_states.dtype).replace("torch.", ""),
+                          self.ssm_state_size)
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
         # them without copies, and the scan's own layout changes run along contiguous channels.

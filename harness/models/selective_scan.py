@@ -20,6 +20,7 @@ parallel options are mambapy (an extra package, unverified against the loop) and
 under ``torch.compile``)."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import threading
@@ -274,17 +275,50 @@ def _backward_rows(u, dt, B, C, dy, A, start):
 
 
 def _step_sizes(dt, delta_bias, delta_softplus):
-    """dt with mamba-ssm's bias and softplus applied (elementwise: left to autograd)."""
+    """dt with mamba-ssm's bias and softplus applied (elementwise: left to autograd), in float32 whatever the
+    input's precision, as mamba-ssm does: with Mamba's biases (-6.9 ... -2.3) a bf16 sum moved step sizes by up to
+    5% and doubled the scan's bf16 gradient error."""
+    dt = dt.float()
     if delta_bias is not None:
-        dt = dt + delta_bias.to(dt.dtype)[..., None]
-    return F.softplus(dt.float()) if delta_softplus else dt
+        dt = dt + delta_bias.float()[..., None]
+    return F.softplus(dt) if delta_softplus else dt
 
 
 def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """mamba-ssm's ``selective_scan_fn`` (no returned state): the skip term ``D`` and the gate ``z`` applied
     inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``). Runs
     ``scan_implementation``'s choice."""
-    return _scan_function(u, A).apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
+    scan = _scan_function(u, A, D is not None, z is not None)
+    note_scan(_NAMES[scan], u.device.type, str(u.dtype).replace("torch.", ""), A.shape[1])
+    return scan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
+
+
+_RAN: dict[tuple, None] = {}  # (implementation, device type, activation dtype, states) of every call, in order
+_NAMES: dict = {SelectiveScan: "torch"}
+
+
+def note_scan(impl: str, device: str, dtype: str, n: int) -> None:
+    """Record a scan that ran outside this module (mamba-ssm's fused kernels, in the trainer's mixer)."""
+    _RAN.setdefault((impl, device, dtype, n), None)
+
+
+def forget_scans() -> None:
+    """Start a new record (a trainer's run: cells trained one after another in one process keep apart)."""
+    _RAN.clear()
+
+
+def scans_run() -> list[dict]:
+    """Which scan ran in this process, on what and in which precision, and whether it was checked there against
+    the PyTorch scan (the Triton scan is used only after that check, unless ``ICR_SCAN=triton`` forces it): for a
+    trainer's result.json."""
+    out = []
+    for impl, device, dtype, n in _RAN:
+        row = {"scan": impl, "device": device, "dtype": dtype, "states": n}
+        if impl == "triton":
+            row["checked"] = os.environ.get("ICR_SCAN") != "triton"
+            row["checked_in"] = dtype if row["checked"] else None
+        out.append(row)
+    return out
 
 
 def scan_implementation(u: torch.Tensor, A: torch.Tensor) -> str:
@@ -293,10 +327,25 @@ def scan_implementation(u: torch.Tensor, A: torch.Tensor) -> str:
     Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan on that
     device (checked once per process), else the PyTorch scan. ``triton`` on a CPU needs ``TRITON_INTERPRET=1``
     (tests)."""
-    return "torch" if _scan_function(u, A) is SelectiveScan else "triton"
+    return _NAMES[_scan_function(u, A)]
 
 
-def _scan_function(u, A):
+def scan_choice_problem() -> str | None:
+    """Why ``ICR_SCAN`` cannot be honoured on this machine (None: it can), asked before a run creates anything."""
+    choice = os.environ.get("ICR_SCAN", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        return f"ICR_SCAN={choice!r}: use auto, torch or triton"
+    if choice != "triton":
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return "ICR_SCAN=triton: Triton is not installed (pip install triton); use ICR_SCAN=auto or torch"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("ICR_SCAN=triton: the Triton scan runs on a CUDA GPU and none is visible here (on a CPU only under "
+                "Triton's interpreter, TRITON_INTERPRET=1, for tests); use ICR_SCAN=auto or torch")
+    return None
+
+
+def _scan_function(u, A, skip: bool = True, gate: bool = True):
     choice = os.environ.get("ICR_SCAN", "auto")
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"ICR_SCAN={choice!r}: use auto, torch or triton")
@@ -308,8 +357,10 @@ def _scan_function(u, A):
         if choice == "triton":
             raise
         return SelectiveScan
-    if choice == "triton" or (scan_triton.fits(u, A.shape[1])
-                              and scan_triton.verified_on(str(u.device), SelectiveScan)):
+    _NAMES.setdefault(scan_triton.TritonScan, "triton")
+    dtype = str(u.dtype).replace("torch.", "")
+    if choice == "triton" or (scan_triton.fits(u, A.shape[1]) and scan_triton.verified_on(
+            str(u.device), SelectiveScan, dtype, A.shape[1], skip, gate)):
         return scan_triton.TritonScan
     return SelectiveScan
 

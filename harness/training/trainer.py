@@ -34,6 +34,7 @@ from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
 from harness.models.istree import build_model, trainable_parameters
+from harness.models.selective_scan import forget_scans, scans_run
 from harness.reports.plotting import pyplot, save
 from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
@@ -256,6 +257,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=acc.device)  # summed on the device: one host sync per log line
         first_bad = torch.full((), -1, dtype=torch.long, device=acc.device)  # first non-finite loss, no sync
         loss_n = 0
+        forget_scans()  # this run's scans only (a grid trains cells one after another in one process)
         self.model.train()
         bar = tqdm(total=self.steps, initial=st.step, desc=cfg.name, unit="step", dynamic_ncols=True,
                    disable=not (self.show and acc.is_main_process))
@@ -379,7 +381,9 @@ class Trainer:
                   "attempts": st.attempts, "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
                   "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
-                  "curve": st.curve}
+                  "curve": st.curve,
+                  # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
+                  "scans": scans_run()}
         if cfg.live_eval:
             t1 = time.perf_counter()
             live = _only(evaluate(model, tok, out, cfg.task, self.task.eval_args, cfg.eval_batch_size,
