@@ -210,6 +210,7 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
                              cluster=lambda r: r["id"], a=first, b=last, condition=label[d], seed=seed,
                              binary=binary, same=same_question)
                 if got is not None:
+                    got.task = task
                     diffs.append(got)
         base = dirs[0]
         for d in dirs[1:]:  # each run against the first, per condition and over all shared ones
@@ -222,6 +223,7 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
                 got = paired(a_rows, b_rows, metric, key=key, cluster=lambda r: r["id"], a=label[d], b=label[base],
                              condition=c, seed=seed, binary=binary)
                 if got is not None:
+                    got.task = task
                     diffs.append(got)
                 elif c != "all":
                     mismatched = pairing(a_rows, b_rows, key).mismatched

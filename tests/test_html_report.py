@@ -167,3 +167,24 @@ def test_sample_text_with_markup_is_shown_as_text(browser, report):
     assert browser.find_element(By.CSS_SELECTOR, "#detail .prediction").text == EVIL
     assert browser.execute_script("return window.PWNED === undefined")
     assert not browser.find_elements(By.CSS_SELECTOR, "#detail script, #detail img, #rows img")
+
+
+def test_runs_of_two_tasks_keep_apart_in_the_explorer(report, tiny_phi_dir, phi_backend, tmp_path):
+    """A report of a HotpotQA and an MQAR run: both label their lone run "tiny-phi"-like names; the explorer names
+    each with its task and every paired difference points at runs of its own task."""
+    import base64
+    import gzip
+    import re
+
+    _, runs = report
+    mqar = tmp_path / "mqar"
+    run_eval(run_config(tiny_phi_dir, mqar, task="mqar", data=None, limit=None, max_new_tokens=8,
+                        task_args={"pairs": 4, "samples": 6}), backend=phi_backend, progress=False)
+    assert report_main([str(runs[0]), str(mqar), str(runs[1]), "--out", str(tmp_path / "rep")]) == 0
+    page = (tmp_path / "rep" / "report.html").read_text()
+    packed = re.search(r'<script id="data" type="application/octet-stream">(.*?)</script>', page, re.S).group(1)
+    data = json.loads(gzip.decompress(base64.b64decode(packed.strip())))
+    labels = [r["label"] for r in data["runs"]]
+    assert len(set(labels)) == 3 and [r["task"] for r in data["runs"]] == ["hotpotqa", "mqar", "hotpotqa"]
+    assert data["diffs"] and all(data["runs"][i]["task"] == "hotpotqa" for d in data["diffs"] for i in d["runs"])
+    assert sum(r[0] == 1 for r in data["rows"]) == 6  # the MQAR run's rows

@@ -61,12 +61,14 @@ def explorer_data(runs: list[dict], plotted: dict[str, str], diffs: list) -> dic
     """What the page's script reads. ``runs``: label, dir, task, condition name, and the rows the report counted."""
     strings = Strings()
     out_runs, rows, by_label = [], [], {}
+    several = len({run["task"] for run in runs}) > 1
     for i, run in enumerate(runs):
         task = run["task"]
         metrics = list(task_class(task).metrics)
-        by_label[run["label"]] = i
-        out_runs.append({"label": run["label"], "dir": run["dir"], "task": task, "condition": run["condition_name"],
-                         "metrics": metrics, "metric": plotted[task]})
+        by_label[(task, run["label"])] = i  # labels tell a task's runs apart; two tasks' runs may share one
+        out_runs.append({"label": f"{run['label']} · {task}" if several else run["label"], "dir": run["dir"],
+                         "task": task, "condition": run["condition_name"], "metrics": metrics,
+                         "metric": plotted[task]})
         for rec in run["rows"]:
             generation = rec.get("generation") or ""
             cut = len(generation) > MAX_GENERATION
@@ -84,6 +86,7 @@ def explorer_data(runs: list[dict], plotted: dict[str, str], diffs: list) -> dic
 
 def _diff_entry(d, by_label: dict, runs: list[dict]) -> dict:
     """A paired difference and the rows behind it: (a key, b key) of every pair, discordant pairs first."""
+    by_label = {label: i for (task, label), i in by_label.items() if task == d.task}
     if d.a in by_label and d.b in by_label:  # two runs, one condition (or all shared ones)
         ra, rb = by_label[d.a], by_label[d.b]
         conds = None if d.condition == "all" else {d.condition}

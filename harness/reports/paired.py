@@ -41,6 +41,7 @@ class Difference:
     discordant: tuple[int, int] | None = None  # (a right and b wrong, a wrong and b right)
     mismatched: int = 0  # rows whose key both sides hold but whose content differs: not paired
     unverified: int = 0  # pairs matched by key and gold only (rows written before instance hashes)
+    task: str = ""  # the task whose runs these are (a report may hold several)
 
     @property
     def significant(self) -> bool:
