@@ -14,6 +14,7 @@ before the engine starts, so a run fails in seconds with an ``error:`` line, nev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata as md
 import json
 import logging
@@ -228,8 +229,6 @@ class VLLMBackend(Backend):
             raise VLLMError(f"vLLM is installed ({self.settings['vllm']}) but does not import: {type(e).__name__}: "
                             f"{e}. On a CPU its CUDA companions break it: pip uninstall -y torchvision torchaudio "
                             "torchcodec (nothing here uses them); `python -m harness.doctor` says more") from None
-        import dataclasses
-
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         kwargs = {k: v for k, v in self.settings.items() if k not in ("device", "family", "vllm", "in_process")}
         unknown = sorted(set(kwargs) - known)
@@ -242,8 +241,9 @@ class VLLMBackend(Backend):
             with _environ(**env):
                 self.llm = LLM(model=path, tokenizer=tokenizer or path, seed=0, **kwargs)
         except Exception as e:  # noqa: BLE001  the engine's own message, without its worker traceback
-            raise VLLMError(f"vLLM's engine did not start for {path} ({self.settings['vllm']}, {self.settings['device']}): "
-                            f"{type(e).__name__}: {str(e).strip()[:800]}\nIts memory is set with --vllm-arg "
+            raise VLLMError(f"vLLM's engine did not start for {path} ({self.settings['vllm']}, "
+                            f"{self.settings['device']}): {type(e).__name__}: {str(e).strip()[:800]}\nIts memory is "
+                            "set with --vllm-arg "
                             "kv_cache_memory_bytes=N (or gpu_memory_utilization=F); --verbose shows the traceback; "
                             "--backend transformers runs every family without vLLM") from e
         self.startup_s = time.perf_counter() - t0

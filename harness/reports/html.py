@@ -72,7 +72,8 @@ def explorer_data(runs: list[dict], plotted: dict[str, str], diffs: list) -> dic
         for rec in run["rows"]:
             generation = rec.get("generation") or ""
             cut = len(generation) > MAX_GENERATION
-            calls = [[c.get("pattern", ""), c.get("status", ""), c.get("result", "")] for c in rec.get("tool_calls") or []]
+            calls = [[c.get("pattern", ""), c.get("status", ""), c.get("result", "")]
+                     for c in rec.get("tool_calls") or []]
             rows.append([i, rec["key"], rec["id"], str(rec["condition"]), _outcome(rec, plotted[task]),
                          1 if calls else 0, str(rec.get("gold", "")), str(rec.get("prediction") or ""),
                          [rec.get("scores", {}).get(m) for m in metrics],
