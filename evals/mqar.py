@@ -95,6 +95,15 @@ class MQAR(SyntheticTask):
         return (f"Codes: {codes}\nRecall: {' '.join(self.key_names[pairs[i][0]] for i in asked)}\nAnswer:",
                 " ".join(str(pairs[i][1]) for i in asked))
 
+    def evidence(self, instance) -> list[tuple[str, str]]:
+        """Each queried key with its value, where the codes list it (the text format; the token format has none)."""
+        text = getattr(instance, "text", "")
+        if not text.startswith("Codes: ") or "\nRecall: " not in text:
+            return []
+        asked = text.split("\nRecall: ", 1)[1].split("\n", 1)[0].split()
+        return [(f"{key} {value}", f"queried key {i} of {len(asked)}: {key}")
+                for i, (key, value) in enumerate(zip(asked, instance.answer.split()), 1)]
+
     def score(self, instance, generation: str, answer_phrase: str | None = None) -> dict:
         gold = instance.answer.split()
         said = generation.replace(",", " ").split()[:len(gold)]

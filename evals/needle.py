@@ -123,6 +123,12 @@ class Needle(SyntheticTask):
                                                                       "needle_index": at, "context_tokens": tokens}))
         return out
 
+    def evidence(self, instance: Instance) -> list[tuple[str, str]]:
+        m = instance.meta
+        if "name" not in m:  # the token format: no text to mark
+            return []
+        return [(f"{m['name']}: {instance.answer}", f"needle: entry {m['needle_index'] + 1} of {m['entries']}")]
+
     @classmethod
     def axis_position(cls, condition: str, statistic=None) -> tuple[float | None, str | None]:
         """``length@depth``: the length on the x axis, one heatmap row per depth."""

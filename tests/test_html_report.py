@@ -187,4 +187,9 @@ def test_runs_of_two_tasks_keep_apart_in_the_explorer(report, tiny_phi_dir, phi_
     labels = [r["label"] for r in data["runs"]]
     assert len(set(labels)) == 3 and [r["task"] for r in data["runs"]] == ["hotpotqa", "mqar", "hotpotqa"]
     assert data["diffs"] and all(data["runs"][i]["task"] == "hotpotqa" for d in data["diffs"] for i in d["runs"])
-    assert sum(r[0] == 1 for r in data["rows"]) == 6  # the MQAR run's rows
+    mqar_rows = [r for r in data["rows"] if r[0] == 1]
+    assert len(mqar_rows) == 6  # the MQAR run's rows, each with its queried keys and values marked
+    for r in mqar_rows:
+        prompt = "".join(data["strings"][i] for i in r[9])
+        asked = prompt[prompt.rfind("Recall: ") + 8:].split("\n")[0].split()
+        assert [prompt[s:e] for s, e, _ in r[10]] == [f"{k} {v}" for k, v in zip(asked, r[6].split())]

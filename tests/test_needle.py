@@ -27,6 +27,8 @@ def test_books_fill_each_length_in_tokens_with_the_needle_at_its_depth(tiny_toke
         depth = float(ins.condition.split("@")[1])
         assert hit == [round(depth * (len(lines) - 1))]  # once, where the depth says
         assert ins.text.count(f"{ins.meta['name']}:") == 1
+        ((needle, label),) = task.evidence(ins)  # what the HTML report marks: the needle's own entry
+        assert lines[hit[0]] == needle and label == f"needle: entry {hit[0] + 1} of {len(lines)}"
     by = {(i.id, i.condition): i for i in inst}
     short, long = by[("needle0000", "64@1")], by[("needle0000", "256@1")]
     assert long.text.startswith(short.text + "\n")  # the same entries, a longer book
