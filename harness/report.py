@@ -25,7 +25,7 @@ import pandas as pd
 from evals import task_class
 from evals.base import DataError, instance_key
 from harness.engine.config import RunConfig
-from harness.engine.results import format_markdown
+from harness.engine.results import format_table
 from harness.engine.runlog import SampleLog
 from harness.engine.stats import summarize
 from harness.files import write_atomic, write_json
@@ -283,18 +283,6 @@ def explorer_runs(runs: list[str], df: pd.DataFrame, keep_ids: set[str] | None) 
     return out
 
 
-def markdown_table_html(table: str) -> str:
-    """A pipe table (``format_markdown``'s) as an HTML table, every cell escaped."""
-    import html
-
-    lines = [ln for ln in table.strip().splitlines() if ln.strip()]
-    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
-    head, body = cells[0], cells[2:]
-    return ("<table><thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
-            + "</tbody></table>")
-
-
 def distinct_runs(run_dirs: list[str]) -> tuple[list[str], list[str]]:
     """The run directories with each run once: a folder given twice, or a copy of a run (the same settings hash
     and the same rows), is one run, named by the first folder given. Returns the runs and a note for each one
@@ -501,10 +489,9 @@ def main(argv=None) -> int:
         name = g["condition_name"].iloc[0]
         shown = present.rename(columns={"condition": name})
         audits = {run: a for run, a in zip(g["run"], g["audit"]) if a}
-        html_tables.append((f"{task}: {metrics[0] if metrics else ''} by {name}",
-                            markdown_table_html(format_markdown(shown, metrics, id_cols=("run", name)))))
-        tables.append((f"## {task}\n\n" if len(plotted) > 1 else "")
-                      + format_markdown(shown, metrics, id_cols=("run", name))
+        table = format_table(shown, metrics, id_cols=("run", name))
+        html_tables.append((f"{task}: {metrics[0] if metrics else ''} by {name}", table.to_html(index=False)))
+        tables.append((f"## {task}\n\n" if len(plotted) > 1 else "") + table.to_markdown(index=False)
                       + ("\n\naudit (rows generated again alone, unpadded, float32; agree/drawn): "
                          + ", ".join(f"{run} {a}" for run, a in audits.items()) if audits else ""))
         metric = plotted[task]

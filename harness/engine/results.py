@@ -53,6 +53,10 @@ def metrics_table(by_condition: dict[str, dict], metrics: tuple[str, ...], condi
 
 
 def format_markdown(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]) -> str:
+    return format_table(df, metrics, id_cols).to_markdown(index=False)
+
+
+def format_table(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]):
     """Metrics in percent as 'mean ± SE'; ``answer found`` is the share of scored generations in which the
     answer rule found an answer (a low rate means format failures, not wrong answers)."""
     shown = df[[*id_cols, "n", "skipped"]].copy()
@@ -61,4 +65,4 @@ def format_markdown(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]) -> s
     for m in metrics:
         shown[m] = [(f"{100 * v:.1f} ± " + (f"{100 * s:.1f}" if s is not None and s == s else "n/a")) if v == v
                     else "n/a" for v, s in zip(df[m], df[f"{m}_se"])]  # one row: no spread to state
-    return shown.to_markdown(index=False)
+    return shown

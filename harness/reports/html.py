@@ -24,6 +24,7 @@ from typing import Any
 import jinja2
 
 from evals import task_class
+from harness.reports.paired import pairing, same_instance, same_question
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
 MAX_GENERATION = 100_000  # characters of a generation kept in the page (the rest is in samples.jsonl)
@@ -86,35 +87,25 @@ def explorer_data(runs: list[dict], plotted: dict[str, str], diffs: list) -> dic
 
 
 def _diff_entry(d, by_label: dict, runs: list[dict]) -> dict:
-    """A paired difference and the rows behind it: (a key, b key) of every pair, discordant pairs first."""
+    """A paired difference and the rows behind it: (a key, b key) of every pair, discordant pairs first. The
+    pairs are ``harness.reports.paired.pairing``'s, with the keys and tests ``harness.report.comparisons`` used."""
     by_label = {label: i for (task, label), i in by_label.items() if task == d.task}
     if d.a in by_label and d.b in by_label:  # two runs, one condition (or all shared ones)
         ra, rb = by_label[d.a], by_label[d.b]
-        conds = None if d.condition == "all" else {d.condition}
-        side = {ra: {}, rb: {}}
-        for r, bucket in side.items():
-            for rec in runs[r]["rows"]:
-                if not rec.get("skipped") and (conds is None or str(rec["condition"]) in conds):
-                    bucket[(rec["id"], str(rec["condition"]))] = rec
-        keys = [k for k in side[ra] if k in side[rb] and _same(side[ra][k], side[rb][k])]
-        pairs = [(side[ra][k], side[rb][k]) for k in keys]
-    else:  # one run, two conditions
-        r = by_label.get(d.condition)
-        rows = runs[r]["rows"] if r is not None else []
-        a = {rec["id"]: rec for rec in rows if str(rec["condition"]) == d.a and not rec.get("skipped")}
-        b = {rec["id"]: rec for rec in rows if str(rec["condition"]) == d.b and not rec.get("skipped")}
-        pairs = [(a[k], b[k]) for k in a if k in b and a[k].get("gold") == b[k].get("gold")]
+        pick = (lambda r: True) if d.condition == "all" else (lambda r: str(r["condition"]) == d.condition)
+        got = pairing([r for r in runs[ra]["rows"] if pick(r)], [r for r in runs[rb]["rows"] if pick(r)],
+                      key=lambda r: (r["id"], str(r["condition"])), same=same_instance)
+    else:  # one run, two conditions of each question
+        ra = rb = by_label.get(d.condition)
+        rows = runs[ra]["rows"] if ra is not None else []
+        got = pairing([r for r in rows if str(r["condition"]) == d.a], [r for r in rows if str(r["condition"]) == d.b],
+                      key=lambda r: r["id"], same=same_question)
+    pairs = [(got.side_a[k], got.side_b[k]) for k in got.both]
     metric = d.metric
     discordant = [p for p in pairs if p[0]["scores"].get(metric) != p[1]["scores"].get(metric)]
     rest = [p for p in pairs if p[0]["scores"].get(metric) == p[1]["scores"].get(metric)]
     return {"line": d.line(), "metric": metric, "significant": d.significant, "discordant": len(discordant),
-            "pairs": [[x["key"], y["key"], x["id"]] for x, y in discordant + rest],
-            "runs": [by_label.get(d.a, by_label.get(d.condition)), by_label.get(d.b, by_label.get(d.condition))]}
-
-
-def _same(a: dict, b: dict) -> bool:
-    ha, hb = a.get("instance_sha256"), b.get("instance_sha256")
-    return ha == hb if ha is not None and hb is not None else a.get("gold") == b.get("gold")
+            "pairs": [[x["key"], y["key"], x["id"]] for x, y in discordant + rest], "runs": [ra, rb]}
 
 
 def pack(data: dict) -> str:
