@@ -47,13 +47,28 @@ class ReportError(ValueError):
     pass
 
 
+_LOADED: dict[tuple, tuple[dict, list[dict]]] = {}  # one read per run and file state (a report reads each run
+# for its table, its comparisons and its HTML page; at the full dev set a run is ~180 MB of JSON lines)
+
+
 def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
-    """results.json and the samples it counted (its selection of ids and positions)."""
+    """results.json and the samples it counted (its selection of ids and positions); read again only when one of
+    the files changed. Callers read what it returns, never change it."""
     run_dir = Path(run_dir)
     res_file = run_dir / "results.json"
     if not res_file.is_file() or not (run_dir / "samples.jsonl").is_file():
         raise ReportError(f"{run_dir} is not a finished run directory (needs results.json and samples.jsonl); "
                           "run harness.eval into it first, or rerun it to finish")
+    stamp = (str(run_dir.resolve()), *((st.st_size, st.st_mtime_ns, st.st_ino) for st in
+                                       (res_file.stat(), (run_dir / "samples.jsonl").stat())))
+    if stamp not in _LOADED:
+        if len(_LOADED) >= 16:
+            _LOADED.clear()
+        _LOADED[stamp] = _read_run(run_dir, res_file)
+    return _LOADED[stamp]
+
+
+def _read_run(run_dir: Path, res_file: Path) -> tuple[dict, list[dict]]:
     try:
         results = json.loads(res_file.read_text())
     except ValueError as e:
