@@ -13,7 +13,7 @@ import argparse
 import statistics
 
 from evals import get_task
-from evals.hotpotqa import fixture_prompts
+from harness.tools.fixture_prompts import fixture_prompts
 from harness.engine.identity import cache_dir
 
 GPT2 = cache_dir() / "gpt2-bpe"

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from evals.hotpotqa import fixture_prompts
+from harness.tools.fixture_prompts import fixture_prompts
 from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
 

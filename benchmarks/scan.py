@@ -2,7 +2,6 @@
 
     python benchmarks/scan.py                 # CPU: the scan alone, then whole 0.5M Mamba training steps
     python benchmarks/scan.py --batch 64      # on a GPU (CUDA is used when present)
-    ICR_SCAN=torch python benchmarks/scan.py --batch 64   # a GPU's PyTorch scan instead of the Triton one
 
 Part 1 times one scan's forward+backward (one layer's shape: 128 channels, 16 states) at 48, 455 and 1,845
 tokens, the IsTree n=16 direct, n=16 retrieval and n=64 retrieval lengths. Part 2 times whole training steps
@@ -15,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
 import time
-from unittest import mock
 
 import torch
 
@@ -31,8 +28,7 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     from harness.models.selective_scan import selective_scan, sequential_scan
 
     def pytorch_scan(*args, **kwargs):
-        with mock.patch.dict(os.environ, {"ICR_SCAN": "torch"}):
-            return selective_scan(*args, **kwargs)
+        return selective_scan(*args, **kwargs, scan="torch")
 
     g = torch.Generator().manual_seed(0)
     d, n = 128, 16
@@ -61,18 +57,15 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
 def train_step(scan: str, nodes: int, setup: str, batch: int, device: str, steps: int) -> dict:
     """Seconds per training step of the 0.5M Mamba with ``scan``, and this process's peak memory."""
     from harness.models import istree
-    from harness.models.selective_scan import sequential_scan
     from harness.training.config import TrainConfig
     from harness.training.data import TrainTask, batch_from_tokens
     from harness.training.trainer import masked_loss
 
-    if scan == "sequential":
-        istree.ScanMixer.scan = staticmethod(sequential_scan)
     task = TrainTask(TrainConfig(arch="mamba", nodes=nodes, setup=setup, report_to="none").resolved())
     vocab = {t: i for i, t in enumerate(task.vocab)}
     stream = task.stream(seed=0)
     torch.manual_seed(0)
-    model = istree.build_model("mamba", "0.5M", len(task.vocab)).to(device)
+    model = istree.build_model("mamba", "0.5M", len(task.vocab), scan="auto" if scan == "parallel" else scan).to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     times, losses, tokens = [], [], 0
     for _ in range(steps + 1):

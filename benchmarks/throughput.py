@@ -128,7 +128,7 @@ def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float]:
 
 def run_vllm(model_dir: str, prompts: list[str], max_new: int, caching: bool) -> dict:
     """vLLM's greedy generations of ``prompts`` in a child process: engine start-up and generation timed apart."""
-    from harness.tools.procs import python_result
+    from harness.procs import python_result
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)

@@ -46,7 +46,7 @@ def main():
     paper = GRID_DEFAULTS["paper"]
     batch = 64
     print(f"device: {device_name(device)}; step measured at batch {a.measure_batch} over {a.steps} step(s), scaled to batch {batch}\n")
-    print(f"{'setup':10s} {'n':>3s} {'size':5s} {'arch':12s} {'tok/sample':>10s} {'samples/s':>10s} "
+    print(f"{'setup':10s} {'n':>3s} {'size':5s} {'arch':12s} {'padded tok':>10s} {'samples/s':>10s} "
           f"{'vs transformer':>15s} {'data share':>11s} {'store share':>12s} {'5M samples (h)':>15s}")
     hours: dict[tuple, float] = {}
     t_all = time.perf_counter()

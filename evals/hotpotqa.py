@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+from unittest import mock
 
 from evals import get_task, metrics
 from evals.base import DataError, Instance, OptionError, Task, ToolSpec, read_utf8
@@ -20,7 +21,6 @@ from evals.fixture import FIXTURE_PATH
 from evals.metrics import ANSWER_PHRASE
 from evals.registry import register_task
 from harness import hub
-from harness.engine.prompting import PromptTemplate
 from harness.files import write_atomic
 from harness.hashing import content_sha256
 from retrieval import RetrievalTool
@@ -74,12 +74,13 @@ _HOW_TO_GET = (
 
 
 def _load_from_hub(split: str) -> list[dict]:
-    if hub.offline():  # the cache only: no minute of retries
-        os.environ["HF_DATASETS_OFFLINE"] = "1"
+    # offline: the cache only, no minute of retries; set for this load alone (stdlib's patch.dict restores it)
+    offline = {"HF_DATASETS_OFFLINE": "1"} if hub.offline() else {}
     try:
-        import datasets
+        with mock.patch.dict(os.environ, offline):
+            import datasets  # lazy: an optional install, needed only for --data hub
 
-        ds = datasets.load_dataset("hotpot_qa", "distractor", split=split)
+            ds = datasets.load_dataset("hotpot_qa", "distractor", split=split)
     except Exception as e:  # offline, no cache, or a hub error: all end in the same advice
         raise DataError(f"could not load HotpotQA through `datasets` ({type(e).__name__}: {e}). {_HOW_TO_GET}") from e
     rows = [_from_hf_schema(r) for r in ds]
@@ -347,18 +348,6 @@ class HotpotQA(Task):
     def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict[str, Any]:
         answer, found = metrics.extract_answer(generation, answer_phrase or self.answer_phrase)
         return {"prediction": answer, "answer_found": found, **metrics.score(answer, instance.answer, found)}
-
-
-def fixture_prompts(distractors: int, questions: int | None = None, positions: str = "first,middle,last",
-                    template: str = "hotpotqa_cot") -> list[str]:
-    """The prompts a run on the bundled fixture renders (4-shot CoT, seed 1234), for measurements that need real
-    prompt lengths without a run: the GPU suite, benchmarks/context_fit.py."""
-    task = get_task("hotpotqa", data="fixture", distractors=distractors,
-                    **({"positions": positions} if distractors else {}))
-    rows = task.load()
-    tpl, tool = PromptTemplate(template), ToolSpec().template_vars()
-    return [tpl.render(**task.template_vars(i), tool=tool)
-            for i in task.instances(rows[:questions], seed=1234, pool_rows=rows)]
 
 
 def write_predictions(records: Iterable[dict], out_dir: Path, positions: list[str]) -> list[Path]:

@@ -6,6 +6,7 @@ speed and state memory at 512 / 2k / 8k tokens of context. Exit status 1 if any 
 
     python -m harness.doctor                       # what is here, and every check that can run here
     python -m harness.doctor --interpret-kernels   # also mamba-ssm's Triton kernels on CPU (interpreter; slow)
+    python -m harness.doctor --suite gpu --quick   # a lent GPU's first call: the decisive numbers in <= 420 s
 
 Checks: the Phi-Mamba reference path (chunked scan = recurrence, batched = alone); mamba-ssm kernels against
 the reference (CUDA, or Triton's interpreter on CPU with ``--interpret-kernels``; prompt scan, decode step,
@@ -30,7 +31,9 @@ from harness.tools.checks import (
     environment,
 )
 from harness.tools.gpu_suite import PARTS, run_suite
-from harness.tools.procs import python_result
+from harness.tools.quick_suite import BUDGET_S, run_quick
+from harness.models import kernels
+from harness.procs import python_result
 
 
 # --------------------------------------------------------------------------------------------------- cli
@@ -50,14 +53,17 @@ def paths(env: dict) -> dict:
 def _interpreted_kernel_check(cache: Path) -> dict:
     """The kernel check under Triton's CPU interpreter, in a child process (the interpreter must be switched
     on before triton is imported)."""
-    code = ("import json, sys\nfrom harness.models import kernels\n"
-            f"kernels.enable_cpu_interpreter(kernels.fetch_mamba_ssm_sources({str(cache)!r}))\n"
+    name = "phi-mamba: mamba-ssm kernels == reference (cpu, triton interpreter)"
+    try:
+        env = kernels.interpreter_env(kernels.fetch_mamba_ssm_sources(cache))
+    except OSError as e:
+        return {"name": name, "ok": False, "error": f"mamba-ssm's sources: {e}"}
+    code = ("import json, sys\nfrom harness.models import kernels\nkernels.enable_cpu_interpreter()\n"
             "from harness.tools.checks import check_phi_mamba_kernels\n"
             "print('RESULT ' + json.dumps(check_phi_mamba_kernels('cpu')))\n")
-    out, res = python_result(code, timeout=1800, cwd=Path(__file__).resolve().parent.parent)
+    out, res = python_result(code, timeout=1800, cwd=Path(__file__).resolve().parent.parent, env=env)
     if out is None:
-        return {"name": "phi-mamba: mamba-ssm kernels == reference (cpu, triton interpreter)", "ok": False,
-                "error": (res.stderr or res.stdout).strip()[-1500:]}
+        return {"name": name, "ok": False, "error": (res.stderr or res.stdout).strip()[-1500:]}
     out["name"] += ", triton interpreter"
     return out
 
@@ -78,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gpu: every parity check, throughput, decode and trainer measurement in one run, written to "
                          "--out as report.json and report.md (released shapes on CUDA, tiny sizes on CPU)")
     ap.add_argument("--out", default="reports/gpu-suite", help="where --suite writes its report")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --suite gpu: the decisive numbers first (the Triton scan, the trainer's steps and the "
+                         "grid's hours, the planner's sweep, decode against the bandwidth bound) within --budget "
+                         "seconds, each step in a child process under its own time limit")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"with --quick: seconds for the whole call (default {BUDGET_S}: one 10-minute GPU call with "
+                         "margin)")
     ap.add_argument("--part", default="all",
                     help="the suite's parts, comma-separated: parity, throughput, decode, trainer, or all (default). "
                          "On an H100 each part fits one 10-minute call; all of them do not")
@@ -86,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    if (a.quick or a.budget is not None) and a.suite != "gpu":
+        print("error: --quick and --budget go with --suite gpu", file=sys.stderr)
+        return 2
+    if a.budget is not None and not (a.quick and a.budget > 0):
+        print(f"error: --budget {a.budget:g}: give a positive number of seconds, with --quick", file=sys.stderr)
+        return 2
+    if a.suite == "gpu" and a.quick:
+        if a.part != "all":
+            print("error: --part goes with the full suite; --quick runs its own steps", file=sys.stderr)
+            return 2
+        return run_quick(Path(a.out), a.budget or BUDGET_S)
     if a.suite == "gpu":
         parts = PARTS if a.part == "all" else tuple(p.strip() for p in a.part.split(",") if p.strip())
         unknown = sorted(set(parts) - set(PARTS))

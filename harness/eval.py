@@ -18,7 +18,7 @@ from evals.base import options_help
 from evals.sweep import checked_options
 from harness.engine.config import ConfigError, RunConfig, word_negative_flags
 from harness.engine.runlog import RunDirError, SampleLog
-from harness.tools.procs import stop_on_sigterm
+from harness.procs import stop_on_sigterm
 
 
 @dataclasses.dataclass

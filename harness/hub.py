@@ -12,7 +12,6 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from harness.engine.identity import hub_snapshot
 
 log = logging.getLogger("harness")
 
@@ -81,3 +80,18 @@ def require(*needed: tuple[str | None, str]) -> None:
     absent = missing(*needed)
     if absent:
         raise unreachable_error(absent)
+
+
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The snapshot folder the HF cache resolves ``repo_id`` to (its name is the commit), or None if not cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        hit = try_to_load_from_cache(repo_id, "config.json")
+        if not isinstance(hit, str):
+            hit = try_to_load_from_cache(repo_id, "tokenizer_config.json")
+    except Exception:  # noqa: BLE001  a malformed id: the model load reports it
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None

@@ -23,8 +23,8 @@ from pathlib import Path
 from evals import task_class, task_names
 from evals.synthetic import SyntheticTask
 from harness.engine.config import ConfigError, _f, word_negative_flags
-from harness.models.selective_scan import scan_choice_problem
-from harness.tools.procs import stop_on_sigterm
+from harness.models.selective_scan import scan_choice_problem, scan_override
+from harness.procs import stop_on_sigterm
 from harness.training.config import LAUNCHERS, USER_ERRORS, TrainConfig
 
 
@@ -88,9 +88,6 @@ def launch_checks(flags: TrainCliFlags) -> None:
         if flags.launcher == "slurm" and not (shutil.which("sbatch") and shutil.which("srun")):
             raise ConfigError("--launcher slurm: SLURM is not here (no sbatch or srun on PATH); run on a SLURM "
                               "login node, or use --launcher processes (this machine) or submitit-local")
-    problem = scan_choice_problem()
-    if problem:
-        raise ConfigError(problem)
 
 
 def main(argv=None) -> int:
@@ -104,6 +101,9 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     try:
         launch_checks(flags)
+        problem = scan_choice_problem(scan_override(cfg.scan))  # a grid's cells are resolved later: asked here
+        if problem:
+            raise ConfigError(problem)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

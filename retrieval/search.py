@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from harness.tools.procs import die_with_parent
+from harness.procs import die_with_parent
 
 MAX_PATTERN_CHARS = 512
 CAPTURE = -1  # ``max_matches`` value asking for the first match's captured group instead of whole units

@@ -27,6 +27,7 @@ CASES = {
     "throughput.py": (["--questions", "2", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
                        "--hidden", "32", "--layers", "1"], "True"),
     "tool_timeouts.py": (["--rows", "3", "--timeout", "0.2"], "every row got [timeout]: True"),
+    "train_cli.py": (["--nodes", "4", "--batch", "2", "--steps", "1,2", "--size", "smoke"], "same losses: True"),
     "train_throughput.py": (["--sizes", "0.5M", "--nodes", "4", "--setups", "direct,retrieval", "--measure-batch",
                              "2", "--steps", "1", "--side-by-side", "2"], "cells side by side"),
 }

@@ -72,7 +72,7 @@ def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm
                                                                                           slice(6, 7)]
     src, _ = mamba_ssm_src
     code = ("import json, torch\nfrom harness.models import kernels\n"
-            f"kernels.enable_cpu_interpreter({str(src)!r})\n"
+            "kernels.enable_cpu_interpreter()\n"
             "from harness.tools.checks import _probe_prompts, _run_paths, _tiny_phi_mamba\n"
             "model, seqs = _tiny_phi_mamba([1], 'cpu'), _probe_prompts()\n"
             "whole = _run_paths(model, seqs, 3, 'kernel', 'cpu')\n"
@@ -82,7 +82,10 @@ def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm
             "varies = max((whole[0][0] - r).abs().max().item() for r in whole[0][1:])\n"
             "print('RESULT ' + json.dumps({'diff': diff, 'varies': varies, 'rows': len(seqs), "
             "'scans': [calls['chunk_scan'], kernels.CALLS['chunk_scan'] - calls['chunk_scan']]}))\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
+    from harness.models.kernels import interpreter_env
+
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env=interpreter_env(src))
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, res.stderr[-3000:]
     got = json.loads(line[len("RESULT "):])

@@ -39,6 +39,50 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     assert (out / "decode.png").stat().st_size > 10_000
 
 
+def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path):
+    """Every step (Triton scan in the interpreter, trainer steps and the grid's hours, the sweep, decode) with
+    numbers; then a budget too small for all of it: steps are stopped at their limit or skipped with the reason,
+    and the call ends within the budget."""
+    out = tmp_path / "quick"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    steps = report["steps"]
+    assert {k: s["status"] for k, s in steps.items()} == dict.fromkeys(("scan", "trainer", "sweep", "decode"),
+                                                                         "done"), steps
+    scan = steps["scan"]["rows"]
+    assert {(r["tokens"], r["dtype"]) for r in scan} == {(t, d) for t in (16, 33) for d in ("float32", "bfloat16")}
+    assert all(r["ok"] and r["max_rel_diff"] <= r["tolerance"] for r in scan)
+    trainer = steps["trainer"]["rows"]
+    assert {r["arch"] for r in trainer if "arch" in r} == {"transformer", "mamba", "hybrid"}
+    assert len([r for r in trainer if "step_s" in r]) == 6 and all(r["step_s"] > 0 for r in trainer if "step_s" in r)
+    assert [r["grid_hours"] > 0 for r in trainer if r.get("projection")] == [True]
+    assert {(r["model"], r["plan"]) for r in steps["sweep"]["rows"]} == {
+        (m, p) for m in ("phi", "phi-mamba") for p in ("auto", "batch", "none")}
+    assert all(r["same_as_none"] for r in steps["sweep"]["rows"])
+    assert {(r["model"], r["batch"]) for r in steps["decode"]["rows"]} == {(m, b) for m in ("phi", "phi-mamba")
+                                                                             for b in (1, 4)}
+    summary = {r["number"]: r for r in report["summary"]}
+    assert summary["Triton scan == PyTorch scan (every length, float32 and bf16)"]["met"] == "yes"
+    assert all(r["met"] in ("n/a", "yes") for r in report["summary"]), report["summary"]  # goals: GPU only
+    md = (out / "report.md").read_text()
+    assert "## The decisive numbers" in md and "projected:" in md and "(d) Decode" in md
+
+    # a budget that cannot hold it all: what runs is cut at its limit, what cannot start says why
+    small = tmp_path / "small"
+    res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--budget", "32",
+                          "--out", str(small)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    report = json.loads((small / "report.json").read_text())
+    assert report["seconds"] <= 32 + 5, report["seconds"]
+    statuses = {k: s["status"] for k, s in report["steps"].items()}
+    assert "skipped" in statuses.values() and list(statuses) == ["scan", "trainer", "sweep", "decode"], statuses
+    for s in report["steps"].values():
+        assert s["status"] == "done" or "budget" in s["reason"] or "limit" in s["reason"], s
+    assert "not measured" in {r["met"] for r in report["summary"]}
+
+
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path):
     """Its ops import; afterwards nothing else (transformers) can find a mamba_ssm with stand-in extensions."""
     from harness.engine.identity import cache_dir

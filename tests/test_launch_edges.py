@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools.procs import exit_description
+from harness.procs import exit_description
 from harness.train import main as train_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,9 +33,13 @@ def test_the_triton_scan_forced_where_it_cannot_run(tmp_path, capsys, monkeypatc
     if __import__("torch").cuda.is_available():
         pytest.skip("a GPU is here: the Triton scan can run")
     err = _refused(capsys, [*SMALL, "--output", str(tmp_path / "run")], tmp_path / "run")
-    assert "ICR_SCAN=triton" in err and "ICR_SCAN=auto or torch" in err
+    assert "--scan triton" in err and "--scan auto or torch" in err
+    monkeypatch.delenv("ICR_SCAN")
+    err = _refused(capsys, [*SMALL, "--scan", "triton", "--output", str(tmp_path / "r1")], tmp_path / "r1")
+    assert "--scan triton" in err
     monkeypatch.setenv("ICR_SCAN", "fast")
-    assert "use auto, torch or triton" in _refused(capsys, [*SMALL, "--output", str(tmp_path / "r2")], tmp_path / "r2")
+    err = _refused(capsys, [*SMALL, "--output", str(tmp_path / "r2")], tmp_path / "r2")
+    assert "use auto, torch, triton, sequential" in err
 
 
 def test_a_scheduler_that_is_not_here(tmp_path, capsys, monkeypatch):

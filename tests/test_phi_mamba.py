@@ -445,11 +445,14 @@ def test_goombalab_folders_default_to_phi_tokenizer_and_take_tokenizer_flag(tiny
 
 
 def test_dtype_auto_is_float32_for_the_phi_mamba_family():
+    from harness.backends import backend_class
     from harness.backends.base import resolve_dtype
 
-    assert resolve_dtype("auto", torch.device("cuda"), family="phi-mamba") == torch.float32
-    assert resolve_dtype("auto", torch.device("cpu"), family="transformers") == torch.float32
-    assert resolve_dtype("bfloat16", torch.device("cpu"), family="phi-mamba") == torch.bfloat16
+    phi_mamba, hf = backend_class("phi-mamba"), backend_class("transformers")
+    assert phi_mamba.float32_default and not hf.float32_default  # a capability of the class, asked by generic code
+    assert resolve_dtype("auto", torch.device("cuda"), phi_mamba.float32_default) == torch.float32
+    assert resolve_dtype("auto", torch.device("cpu"), hf.float32_default) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu"), phi_mamba.float32_default) == torch.bfloat16
 
 
 def test_real_head_shapes_for_speed_measurements(tmp_path, tiny_tokenizer):

@@ -58,14 +58,12 @@ CHILD = textwrap.dedent("""
                              "worst": max(rel(a, r) for a, r in zip(*res))})
 
     # the trainer's Mamba on each scan: loss and every gradient
-    torch.manual_seed(0)
-    model = build_model("mamba", "smoke", 30)
     ids = torch.randint(0, 30, (2, 21), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 21)
     grads = {}
     for choice in ("triton", "torch"):
-        os.environ["ICR_SCAN"] = choice
-        model.zero_grad()
+        torch.manual_seed(0)
+        model = build_model("mamba", "smoke", 30, scan=choice)
         loss = masked_loss(model(input_ids=ids).logits, ids, mask)
         loss.backward()
         grads[choice] = [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
@@ -103,15 +101,20 @@ def test_the_triton_scan_equals_the_sequential_one_in_the_interpreter():
     assert out["fails"][0] is False and "ZeroDivisionError" in out["fails"][1]
 
 
-def test_the_scan_is_chosen_by_device_and_icr_scan(monkeypatch):
+def test_the_scan_is_chosen_by_device_and_by_the_run(monkeypatch, caplog):
     u, A = torch.zeros(1, 4, 3), torch.zeros(4, 2)
-    monkeypatch.delenv("ICR_SCAN", raising=False)
     assert ss.scan_implementation(u, A) == "torch"  # a CPU runs the PyTorch scan by default
-    monkeypatch.setenv("ICR_SCAN", "triton")
-    assert ss.scan_implementation(u, A) == "triton"
-    monkeypatch.setenv("ICR_SCAN", "fast")
-    with pytest.raises(ValueError, match="ICR_SCAN='fast'"):
-        ss.scan_implementation(u, A)
+    assert ss.scan_implementation(u, A, "triton") == "triton"
+    assert ss.scan_implementation(u, A, "sequential") == "sequential"
+    with pytest.raises(ValueError, match="scan='fast'"):
+        ss.scan_implementation(u, A, "fast")
+    # the environment overrides a run's choice, and says so
+    monkeypatch.delenv("ICR_SCAN", raising=False)
+    assert ss.scan_override("torch") == "torch"
+    monkeypatch.setenv("ICR_SCAN", "sequential")
+    with caplog.at_level("WARNING", logger="harness"):
+        assert ss.scan_override("auto") == "sequential"
+    assert "ICR_SCAN=sequential overrides --scan auto" in caplog.text
 
 
 AOT = textwrap.dedent("""

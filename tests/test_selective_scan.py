@@ -258,5 +258,16 @@ def test_the_trainers_result_names_the_scan_that_ran(tmp_path):
     saved = json.loads((tmp_path / "m" / "result.json").read_text())["scans"]
     assert saved == res["scans"] and saved and {r["scan"] for r in saved} == {"torch"}  # a CPU: the PyTorch scan
     assert {r["dtype"] for r in saved} == {"float32"} and all(r["device"] == "cpu" for r in saved)
+    assert res["scan"] == "auto" and 0 < res["steps_seconds"] <= res["train_seconds"]
     plain = train_one(TrainConfig(arch="transformer", **base, output=str(tmp_path / "t")).resolved(), progress=False)
     assert plain["scans"] == []  # one process, two runs: the Transformer ran no scan
+    # the scan is the run's setting: the reference recurrence trains the same model to the same losses, and a
+    # finished run's directory refuses another scan by name
+    ref = train_one(TrainConfig(arch="mamba", **base, scan="sequential", output=str(tmp_path / "s")).resolved(),
+                    progress=False)
+    assert {r["scan"] for r in ref["scans"]} == {"sequential"} and ref["scan"] == "sequential"
+    ours, theirs = [r["loss"] for r in res["curve"]], [r["loss"] for r in ref["curve"]]
+    assert len(set(ours)) > 1 and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
+    from harness.engine.config import ConfigError
+    with pytest.raises(ConfigError, match="scan: 'sequential' there, 'auto' now"):
+        train_one(TrainConfig(arch="mamba", **base, output=str(tmp_path / "s")).resolved(), progress=False)

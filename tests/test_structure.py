@@ -9,8 +9,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("harness", "evals", "retrieval")
-TASK_MODULES = {"evals.hotpotqa", "evals.needle", "evals.mqar", "evals.istree", "evals.retrieval_tasks",
-                "evals.synthetic", "evals.fixture", "evals.metrics"}
+
+# The layers, lowest first: a module imports modules of its own layer or below, never above (docs/layout.md).
+# Groups are module-name prefixes; the longest matching prefix decides.
+LAYERS = [
+    ("leaves", ("harness", "harness.files", "harness.hashing", "harness.registry", "harness.hub", "harness.procs")),
+    ("models and the tool", ("harness.models", "retrieval")),
+    ("tasks and backends", ("evals", "harness.backends")),
+    ("reports", ("harness.reports",)),
+    ("engine", ("harness.engine",)),
+    ("training", ("harness.training",)),
+    ("CLIs and tools", ("harness.eval", "harness.train", "harness.report", "harness.doctor", "harness.demo",
+                        "harness.lm_eval", "harness.icr_lm", "harness.tiny", "harness.tools")),
+]
 
 
 def modules() -> dict[str, Path]:
@@ -129,7 +140,50 @@ def test_no_function_runs_past_80_lines():
     assert not long, "\n".join(long)
 
 
+def layer_of(module: str) -> int:
+    """The rank of the layer whose longest prefix matches ``module``."""
+    best = max(((len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} is in no layer of LAYERS: add it"
+    return best[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+                  for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_imports_run_down_the_layers():
+    graph, _ = import_graph()
+    assert upward_imports(graph) == []
+    # and the check catches one: a backend importing the engine, a task importing a backend
+    made_up = {**graph, "harness.backends.hf": graph["harness.backends.hf"] | {"harness.engine.run"},
+               "evals.mqar": {"harness.training.trainer"}}
+    assert len(upward_imports(made_up)) == 2
+
+
+def task_modules() -> set[str]:
+    """The registered tasks' modules and the evals modules only they import (not the task contract's)."""
+    from evals import task_class, task_names
+
+    graph, _ = import_graph()
+
+    def closure(start):
+        seen, todo = set(), list(start)
+        while todo:
+            m = todo.pop()
+            if m not in seen and m.startswith("evals"):
+                seen.add(m)
+                todo.extend(graph[m])
+        return seen
+
+    registered = {task_class(n).__module__ for n in task_names()}
+    return closure(registered) - closure({"evals", "evals.base", "evals.registry", "evals.sweep"})
+
+
 def test_the_engine_and_the_report_name_no_task():
+    TASK_MODULES = task_modules()
+    assert {"evals.hotpotqa", "evals.mqar", "evals.istree", "evals.needle"} <= TASK_MODULES
     graph, _ = import_graph()
     generic = [m for m in graph if m.startswith("harness.engine") or m in ("harness.report", "harness.reports")
                or m.startswith("harness.reports.")]
@@ -138,3 +192,11 @@ def test_the_engine_and_the_report_name_no_task():
     for m in generic:
         source = MODULES[m].read_text()
         assert '== "hotpotqa"' not in source and '!= "hotpotqa"' not in source, m
+
+
+def test_the_layout_page_names_every_module():
+    """docs/layout.md names each module by its file name, under its folder's line (package ``__init__`` files
+    aside)."""
+    page = (ROOT / "docs" / "layout.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for p in MODULES.values() if p.name != "__init__.py" and p.name not in page]
+    assert missing == [], f"docs/layout.md does not name: {', '.join(missing)}"

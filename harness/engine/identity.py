@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from harness.engine.results import versions
+from harness.hub import hub_snapshot
 from harness.files import write_atomic
 from harness.hashing import digest, file_digest
 
@@ -109,21 +110,6 @@ def folder_digest(folder: Path, kind: str, cache: FileHashCache | None = None) -
     if not files:
         return None
     return digest(*(f"{p.name}\0{cache.sha256(p)}\n" for p in files), length=16)
-
-
-def hub_snapshot(repo_id: str) -> Path | None:
-    """The snapshot folder the HF cache resolves ``repo_id`` to (its name is the commit), or None if not cached."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        hit = try_to_load_from_cache(repo_id, "config.json")
-        if not isinstance(hit, str):
-            hit = try_to_load_from_cache(repo_id, "tokenizer_config.json")
-    except Exception:  # noqa: BLE001  a malformed id: the model load reports it
-        return None
-    return Path(hit).parent if isinstance(hit, str) else None
 
 
 def source_identity(name: str | None, kinds: tuple[str, ...], cache: FileHashCache | None = None) -> dict:

@@ -40,7 +40,7 @@ from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
 from harness.models.causal_conv import causal_conv
 from harness.models.masks import block_attention_mask
-from harness.models.selective_scan import note_scan, selective_scan
+from harness.models.selective_scan import SCANS, note_scan, selective_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
 SIZES = {
@@ -77,15 +77,14 @@ class ScanMixer(MambaMixer):
     """transformers' Mamba mixer (same parameters, same checkpoints) whose cache-free pass over whole sequences,
     the trainer's forward and backward and its teacher-forced evaluation, runs the parallel ``selective_scan``
     instead of the library's per-token loop, and ``causal_conv`` in the projections' layout. Decoding with a
-    cache, and a GPU where mamba-ssm's fused kernels run, keep the library's own path. Owned here because
+    cache, and (under ``auto``) a GPU where mamba-ssm's fused kernels run, keep the library's own path. Owned here because
     transformers takes no argument for its scan; a trained model saves and loads as a plain
-    ``MambaForCausalLM``. ``scan`` is the function that runs (the benchmark sets the step-by-step reference to
-    compare)."""
+    ``MambaForCausalLM``. ``scan`` is the run's choice of scan (``selective_scan.SCANS``), set by ``build_model``."""
 
-    scan = staticmethod(selective_scan)
+    scan = "auto"
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        if cache_params is not None or mamba_kernels_run(hidden_states):
+        if cache_params is not None or (self.scan == "auto" and mamba_kernels_run(hidden_states)):
             if cache_params is None:
                 note_scan("mamba-ssm", hidden_states.device.type, str(hidden_states.dtype).replace("torch.", ""),
                           self.ssm_state_size)
@@ -97,9 +96,9 @@ class ScanMixer(MambaMixer):
         dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
                                dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in the scan, with the softplus
-        y = self.scan(x.transpose(1, 2), dt.transpose(1, 2), -torch.exp(self.A_log.float()), B.transpose(1, 2),
-                      C.transpose(1, 2), D=self.D.float(), z=gate.transpose(1, 2),
-                      delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
+        y = selective_scan(x.transpose(1, 2), dt.transpose(1, 2), -torch.exp(self.A_log.float()),
+                           B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(), z=gate.transpose(1, 2),
+                           delta_bias=self.dt_proj.bias.float(), delta_softplus=True, scan=self.scan)
         return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype))
 
 
@@ -110,12 +109,15 @@ def _masked(hidden_states, attention_mask):
     return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
 
 
-def own_scan_(backbone: MambaModel) -> None:
-    """Every mixer of a ``MambaModel`` made a ``ScanMixer``, weights kept (and the random stream untouched, so a
-    seed builds the same model as before)."""
+def own_scan_(backbone: MambaModel, scan: str = "auto") -> None:
+    """Every mixer of a ``MambaModel`` made a ``ScanMixer`` running ``scan``, weights kept (and the random stream
+    untouched, so a seed builds the same model as before)."""
+    if scan not in SCANS:
+        raise ValueError(f"scan={scan!r}: use {', '.join(SCANS)}")
     for block in backbone.layers:
         with torch.random.fork_rng(devices=[]):
             mixer = ScanMixer(block.mixer.config, layer_idx=block.mixer.layer_idx)
+        mixer.scan = scan
         mixer.load_state_dict(block.mixer.state_dict())
         block.mixer = mixer.to(next(block.mixer.parameters()).device)
 
@@ -203,9 +205,10 @@ AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM)
 
 
 def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192, d_model: int | None = None,
-                layers: int | None = None) -> PreTrainedModel:
+                layers: int | None = None, scan: str = "auto") -> PreTrainedModel:
     """A fresh model of the size table's shape (``d_model`` / ``layers`` override its width and depth; for the
-    hybrid, ``layers`` counts Mamba layers), initialised as the paper's code initialises it."""
+    hybrid, ``layers`` counts Mamba layers), initialised as the paper's code initialises it; its Mamba layers
+    run ``scan`` (``selective_scan.SCANS``)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; choose {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -229,14 +232,14 @@ def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192, d_m
     elif arch == "mamba":
         model = MambaForCausalLM(_mamba_config(vocab, *spec))
         mamba_ssm_init_(model.backbone)
-        own_scan_(model.backbone)
+        own_scan_(model.backbone, scan)
     else:
         d, n_layers, ffn = spec
         model = HybridForCausalLM(HybridConfig(vocab_size=vocab, hidden_size=d, mamba_layers=n_layers,
                                                attn_heads=HYBRID_ATTN_HEADS, attn_ffn=ffn,
                                                max_position_embeddings=max_positions))
         mamba_ssm_init_(model.backbone)
-        own_scan_(model.backbone)
+        own_scan_(model.backbone, scan)
         torch_default_init_(model.attn)
     freeze_sinusoidal_embedding(model)
     return model

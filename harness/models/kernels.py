@@ -42,8 +42,11 @@ def mamba_ssm_ops() -> types.SimpleNamespace | None:
         return None
     # float32 means IEEE float32: Triton's tl.dot otherwise rounds float32 inputs to TF32 on NVIDIA GPUs, which
     # moved the scan's logits by 4e-2 against the reference on an H100 (cuBLAS float32 stays IEEE: PyTorch's
-    # default). Read when a kernel compiles; a value the user set wins.
-    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    # default). Read when a kernel compiles; a value the user set (TRITON_F32_DEFAULT) wins.
+    from triton import knobs  # lazy: triton is an optional install
+
+    if os.environ.get("TRITON_F32_DEFAULT") is None:
+        knobs.language.fp32_default = "ieee"
     try:
         with carried_sources():
             from mamba_ssm.ops.triton.selective_state_update import (
@@ -115,13 +118,17 @@ def carried_sources():
             sys.modules.pop(name, None)
 
 
-def enable_cpu_interpreter(mamba_ssm_src: str | Path) -> None:
-    """Make mamba-ssm's Triton kernels runnable on CPU tensors under Triton's interpreter. Call it before
-    triton or mamba_ssm is imported; it changes this process only (tests and the doctor run it in a child)."""
-    if "triton" in sys.modules and not interpreting():
-        raise RuntimeError("enable_cpu_interpreter must run before triton is imported")
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["ICR_MAMBA_SSM_SRC"] = str(Path(mamba_ssm_src).resolve())  # imported as a carried tree is
+def interpreter_env(mamba_ssm_src: str | Path) -> dict:
+    """The environment of a child process that runs mamba-ssm's Triton kernels on CPU tensors under Triton's
+    interpreter (the interpreter is chosen when triton is imported, so only a new process can switch it on):
+    the source tree is imported as a carried tree is."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "ICR_MAMBA_SSM_SRC": str(Path(mamba_ssm_src).resolve())}
+
+
+def enable_cpu_interpreter() -> None:
+    """In a process started with ``interpreter_env``: make mamba-ssm's Triton kernels runnable on CPU tensors."""
+    if not (interpreting() and os.environ.get("ICR_MAMBA_SSM_SRC")):
+        raise RuntimeError("start this process with harness.models.kernels.interpreter_env(SOURCE_TREE)")
     triton_on_cpu()
     mamba_ssm_ops.cache_clear()
 

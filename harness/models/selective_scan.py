@@ -21,6 +21,7 @@ under ``torch.compile``)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import threading
@@ -284,22 +285,33 @@ def _step_sizes(dt, delta_bias, delta_softplus):
     return F.softplus(dt) if delta_softplus else dt
 
 
-def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+SCANS = ("auto", "torch", "triton", "sequential")
+SCAN_HELP = ("the trainer's Mamba scan: auto (the Triton kernels on a GPU where they pass their check, else the "
+             "PyTorch scan), torch, triton, or sequential (the step-by-step reference: slow, for comparisons)")
+
+
+def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan: str = "auto"):
     """mamba-ssm's ``selective_scan_fn`` (no returned state): the skip term ``D`` and the gate ``z`` applied
-    inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``). Runs
-    ``scan_implementation``'s choice."""
-    scan = _scan_function(u, A, D is not None, z is not None)
-    note_scan(_NAMES[scan], u.device.type, str(u.dtype).replace("torch.", ""), A.shape[1])
-    return scan.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
+    inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``). ``scan``
+    is one of ``SCANS`` (``scan_implementation`` says what ``auto`` runs)."""
+    if scan == "sequential":
+        note_scan("sequential", u.device.type, str(u.dtype).replace("torch.", ""), A.shape[1])
+        return sequential_scan(u, dt, A, B, C, D, z, delta_bias, delta_softplus)
+    fn = _scan_function(u, A, scan, D is not None, z is not None)
+    note_scan(_NAMES[fn], u.device.type, str(u.dtype).replace("torch.", ""), A.shape[1],
+              checked=scan != "triton" if fn is not SelectiveScan else None)
+    return fn.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
 
 
-_RAN: dict[tuple, None] = {}  # (implementation, device type, activation dtype, states) of every call, in order
+# (implementation, device type, activation dtype, states, checked) of every call, in order
+_RAN: dict[tuple, None] = {}
 _NAMES: dict = {SelectiveScan: "torch"}
 
 
-def note_scan(impl: str, device: str, dtype: str, n: int) -> None:
-    """Record a scan that ran outside this module (mamba-ssm's fused kernels, in the trainer's mixer)."""
-    _RAN.setdefault((impl, device, dtype, n), None)
+def note_scan(impl: str, device: str, dtype: str, n: int, checked: bool | None = None) -> None:
+    """Record a scan that ran (``checked``: the Triton scan ran after its check against the PyTorch scan, or was
+    forced by ``scan="triton"``); mamba-ssm's fused kernels, in the trainer's mixer, are recorded here too."""
+    _RAN.setdefault((impl, device, dtype, n, checked), None)
 
 
 def forget_scans() -> None:
@@ -309,57 +321,71 @@ def forget_scans() -> None:
 
 def scans_run() -> list[dict]:
     """Which scan ran in this process, on what and in which precision, and whether it was checked there against
-    the PyTorch scan (the Triton scan is used only after that check, unless ``ICR_SCAN=triton`` forces it): for a
+    the PyTorch scan (the Triton scan is used only after that check unless ``triton`` forces it): for a
     trainer's result.json."""
     out = []
-    for impl, device, dtype, n in _RAN:
+    for impl, device, dtype, n, checked in _RAN:
         row = {"scan": impl, "device": device, "dtype": dtype, "states": n}
         if impl == "triton":
-            row["checked"] = os.environ.get("ICR_SCAN") != "triton"
-            row["checked_in"] = dtype if row["checked"] else None
+            row["checked"] = bool(checked)
+            row["checked_in"] = dtype if checked else None
         out.append(row)
     return out
 
 
-def scan_implementation(u: torch.Tensor, A: torch.Tensor) -> str:
-    """"triton" (``harness/models/scan_triton.py``: fused kernels, states in registers) or "torch" (this module).
-    ``ICR_SCAN=torch`` or ``triton`` chooses; by default (``auto``) a CUDA tensor runs the Triton scan where
-    Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan on that
-    device (checked once per process), else the PyTorch scan. ``triton`` on a CPU needs ``TRITON_INTERPRET=1``
-    (tests)."""
-    return _NAMES[_scan_function(u, A)]
+def scan_implementation(u: torch.Tensor, A: torch.Tensor, scan: str = "auto") -> str:
+    """What ``scan`` runs on tensors like these: "triton" (``harness/models/scan_triton.py``: fused kernels,
+    states in registers), "torch" (this module) or "sequential". ``auto`` runs the Triton scan on a CUDA tensor
+    where Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan on that
+    device (checked once per process and launch class), else the PyTorch scan. ``triton`` on a CPU needs
+    ``TRITON_INTERPRET=1`` (tests)."""
+    return "sequential" if scan == "sequential" else _NAMES[_scan_function(u, A, scan)]
 
 
-def scan_choice_problem() -> str | None:
-    """Why ``ICR_SCAN`` cannot be honoured on this machine (None: it can), asked before a run creates anything."""
-    choice = os.environ.get("ICR_SCAN", "auto")
-    if choice not in ("auto", "torch", "triton"):
-        return f"ICR_SCAN={choice!r}: use auto, torch or triton"
-    if choice != "triton":
+def scan_override(configured: str) -> str:
+    """The scan a run uses: ``configured`` (its ``--scan``), unless the environment's ``ICR_SCAN`` names another,
+    which then overrides it and says so in the log (once per process and value)."""
+    forced = os.environ.get("ICR_SCAN")
+    if not forced or forced == configured:
+        return configured
+    if forced not in _LOGGED_OVERRIDES:
+        _LOGGED_OVERRIDES.add(forced)
+        logging.getLogger("harness").warning("ICR_SCAN=%s overrides --scan %s (recorded as the run's scan)", forced,
+                                             configured)
+    return forced
+
+
+_LOGGED_OVERRIDES: set[str] = set()
+
+
+def scan_choice_problem(scan: str) -> str | None:
+    """Why ``scan`` cannot be honoured on this machine (None: it can), asked before a run creates anything."""
+    if scan not in SCANS:
+        return f"--scan {scan!r} (or ICR_SCAN): use {', '.join(SCANS)}"
+    if scan != "triton":
         return None
     if importlib.util.find_spec("triton") is None:
-        return "ICR_SCAN=triton: Triton is not installed (pip install triton); use ICR_SCAN=auto or torch"
+        return "--scan triton: Triton is not installed (pip install triton); use --scan auto or torch"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("ICR_SCAN=triton: the Triton scan runs on a CUDA GPU and none is visible here (on a CPU only under "
-                "Triton's interpreter, TRITON_INTERPRET=1, for tests); use ICR_SCAN=auto or torch")
+        return ("--scan triton: the Triton scan runs on a CUDA GPU and none is visible here (on a CPU only under "
+                "Triton's interpreter, TRITON_INTERPRET=1, for tests); use --scan auto or torch")
     return None
 
 
-def _scan_function(u, A, skip: bool = True, gate: bool = True):
-    choice = os.environ.get("ICR_SCAN", "auto")
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"ICR_SCAN={choice!r}: use auto, torch or triton")
-    if choice == "torch" or (choice == "auto" and not u.is_cuda):
+def _scan_function(u, A, scan: str = "auto", skip: bool = True, gate: bool = True):
+    if scan not in SCANS or scan == "sequential":
+        raise ValueError(f"scan={scan!r}: use auto, torch or triton")
+    if scan == "torch" or (scan == "auto" and not u.is_cuda):
         return SelectiveScan
     try:
         from harness.models import scan_triton  # lazy: imports triton, which a CPU install may lack
     except ImportError:
-        if choice == "triton":
+        if scan == "triton":
             raise
         return SelectiveScan
     _NAMES.setdefault(scan_triton.TritonScan, "triton")
     dtype = str(u.dtype).replace("torch.", "")
-    if choice == "triton" or (scan_triton.fits(u, A.shape[1]) and scan_triton.verified_on(
+    if scan == "triton" or (scan_triton.fits(u, A.shape[1]) and scan_triton.verified_on(
             str(u.device), SelectiveScan, dtype, A.shape[1], skip, gate)):
         return scan_triton.TritonScan
     return SelectiveScan

@@ -1,1 +1,2 @@
-"""Process and machine helpers: process lifetimes and signals (``procs``), the GPU check suite (``gpu_suite``)."""
+"""The machine's own checks and measurements: parity checks (``checks``), the GPU suites (``gpu_suite``,
+``quick_suite``) and the prompts they measure with (``fixture_prompts``)."""

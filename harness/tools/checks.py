@@ -21,7 +21,7 @@ from harness.models import kernels
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 from harness.tiny import build_tokenizer, make_tiny_model
-from harness.tools.procs import python_result
+from harness.procs import python_result
 
 TOL = 1e-3  # max |logit difference| on tiny random models (float32)
 
@@ -184,15 +184,17 @@ def check_vllm(tmp: Path, device: str = "cuda") -> dict:
             "ok": same == len(prompts)}
 
 
-def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,)) -> list[dict]:
-    """Phi-Mamba and hybrid decode ms/token and state memory at 512 / 2k / 8k tokens, against Phi's KV cache
-    (and both replayed from CUDA graphs on a GPU), each with the memory-bandwidth bound: measured copy bandwidth
-    over the bytes a batch-1 step must read (every weight once, and the decoding state)."""
+def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
+                 archs=("phi-mamba", "hybrid-phi-mamba", "phi")) -> list[dict]:
+    """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; the
+    recurrent ones also replayed from CUDA graphs on a GPU) at 512 / 2k / 8k tokens, each with the
+    memory-bandwidth bound: measured copy bandwidth over the bytes a step must read (every weight once, and
+    the decoding state)."""
     hidden, layers = (2048, 24) if size == "real" else (128, 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
-    family = ("phi-mamba", "hybrid-phi-mamba")
-    runs = [(a, False) for a in (*family, "phi")] + ([(a, True) for a in family] if device == "cuda" else [])
+    family = [a for a in archs if a != "phi"]
+    runs = [(a, False) for a in archs] + ([(a, True) for a in family] if device == "cuda" else [])
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from evals.hotpotqa import fixture_prompts
+from harness.tools.fixture_prompts import fixture_prompts
 from harness.backends.generation import GenRequest, common_prefix
 from harness.backends.loading import load_backend
 from harness.backends.planner import plan_batches
@@ -36,7 +36,7 @@ from harness.tools.checks import (
     environment,
     free_memory,
 )
-from harness.tools.procs import python_result
+from harness.procs import python_result
 from harness.training.config import TrainConfig
 from harness.training.data import TrainTask, batch_from_tokens
 from harness.training.grid import grid_cells, measure_cell
@@ -48,7 +48,7 @@ PARITY_ARCHS = ("phi", "phi-mamba", "hybrid-phi-mamba")
 INIT_STD = {"real": 0.05, "tiny": 0.5}  # large enough that generations differ between prompts
 
 
-def _model(tmp: Path, arch: str, size: str, tok, **kw) -> str:
+def model_path(tmp: Path, arch: str, size: str, tok, **kw) -> str:
     return str(make_tiny_model(tmp / f"{arch}-{size}", arch, tokenizer=tok, max_positions=4096,
                                init_std=INIT_STD[size], real_heads=size == "real" and arch != "phi", **SIZES[size],
                                **kw))
@@ -231,7 +231,8 @@ def throughput(path: str, arch: str, device: str, dtype: str, prompts: list[str]
 PLANS = ("auto", "tree-rows", "tree-block", "batch", "none")
 
 
-def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> list[dict]:
+def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int,
+               plans: tuple[str, ...] = PLANS) -> list[dict]:
     """The all-slot sweep (gold at every slot) through each prefill plan and the default (``auto``, its cost
     model measured inside the timing, as a run does): seconds, tokens prefilled, speed against ``batch``, and
     whether its generations are ``none``'s."""
@@ -240,7 +241,7 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
     backend.generate([GenRequest(p, 2) for p in prompts[:2]])  # first-call costs out of the timings
     runs = {}
-    for plan in PLANS:
+    for plan in plans:
         backend.__dict__.pop("_prefill_costs", None)
         sync()
         t = time.perf_counter()
@@ -401,7 +402,7 @@ def _models_part(step, report: dict, parts, device: str, size: str, tmp: Path, t
     new = 32 if size == "real" else 12
     dtypes = ["float32", "bfloat16"] if cuda else ["float32"]
     for arch in PARITY_ARCHS:
-        path = _model(tmp, arch, size, tok)
+        path = model_path(tmp, arch, size, tok)
         if "parity" in parts:
             for dtype in dtypes:
                 step(report["checks"], f"{arch} {dtype}: {PARITY}", generation_parity,

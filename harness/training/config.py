@@ -11,6 +11,7 @@ from evals import istree, task_class
 from evals.base import OptionError, make_options
 from harness.engine.config import ConfigError, _f
 from harness.engine.runlog import RunDirError
+from harness.models.selective_scan import SCAN_HELP, SCANS, scan_choice_problem, scan_override
 from harness.training.state import TrainingError
 
 DEFAULT_LR = {"transformer": 1e-3, "mamba": 3e-4, "hybrid": 3e-4}
@@ -23,7 +24,9 @@ USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
 RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
-                   "precision", "bucket", "checkpoint", "store")
+                   "precision", "bucket", "checkpoint", "store", "scan")
+# Result-deciding settings added after runs were made: a run directory that predates one ran with this value.
+ADDED_SETTINGS = {"scan": "auto"}
 CHECKPOINTS = ("last", "best")
 
 # How a grid's cells are run: processes on this machine, or submitit jobs (its local executor, or SLURM).
@@ -64,6 +67,8 @@ class TrainConfig:
                                "for retrieval)")
     precision: str = _f("auto", "auto (bf16 autocast on CUDA, float32 elsewhere), fp32 or bf16",
                         choices=["auto", "fp32", "bf16"])
+    scan: str = _f("auto", SCAN_HELP + "; the environment's ICR_SCAN overrides it, with a log line",
+                   choices=list(SCANS))
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
                         "(less padding; 1 = off, as the paper)")
@@ -92,6 +97,7 @@ class TrainConfig:
         if values["lr"] is None:
             values["lr"] = fill.get("lr") or DEFAULT_LR[self.arch]
         values["task_args"] = self._typed_task_args()
+        values["scan"] = scan_override(values["scan"])
         cfg = TrainConfig(**values)
         cfg = dataclasses.replace(cfg, output=cfg.output or f"runs/{cfg.name}")
         cfg.validate()
@@ -131,5 +137,8 @@ class TrainConfig:
             bad("--workers", self.workers, "use 0 (generate in the training process) or more")
         if self.seed < 0:
             bad("--seed", self.seed, "use 0 or more")
+        problem = scan_choice_problem(self.scan)
+        if problem:
+            raise ConfigError(problem)
 
 

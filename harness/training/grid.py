@@ -26,13 +26,12 @@ from tqdm.auto import tqdm
 from evals import istree
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
-from harness.models.istree import build_model
 from harness.reports.plotting import pyplot, save
-from harness.tools.procs import die_with_parent, exit_description
+from harness.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
-from harness.training.data import TrainTask, batch_from_tokens
+from harness.training.data import TrainingBatches, TrainTask
 from harness.training.launch import run_on_scheduler
-from harness.training.trainer import masked_loss, train_one
+from harness.training.trainer import new_model, optimizer_step, train_one, uses_bf16
 
 log = logging.getLogger("harness")
 
@@ -246,41 +245,46 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
 
 
 # ------------------------------------------------------------------------------------------ planning
-def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3) -> dict:
-    """Seconds per optimizer step and per sample of data generation, measured on a few real batches of the
-    cell (one warm-up step first), and the forward-only seconds of one batch (for the evaluations)."""
+def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32) -> dict:
+    """Seconds per optimizer step (the trainer's own ``optimizer_step``: its model, scan, precision, loss and
+    optimizer) and per sample of data generation, and the forward-only seconds of one batch (for evaluations).
+
+    Steps cost what their padded length costs, and a cell's lengths vary widely (IsTree retrieval: 2x between
+    batches), so a few steps on whatever batches come first misstate the mean by as much. ``draws`` batches are
+    drawn as the trainer draws them (``TrainingBatches``: the run's seed, bucketing and batch), and the ``steps``
+    timed steps (after one warm-up) run on the batches at evenly spaced quantiles of padded length: their mean is
+    a stratified estimate of the run's mean step."""
     task = TrainTask(cell)
-    vocab = {t: i for i, t in enumerate(task.vocab)}
-    torch.manual_seed(0)
-    model = build_model(cell.arch, cell.size, len(task.vocab), d_model=cell.d_model, layers=cell.layers).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    data = task.stream(seed=0)
+    torch.manual_seed(cell.seed)
+    model = new_model(cell, task).to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cell.lr or 1e-4)
+    source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
     t = time.perf_counter()
-    samples = [[next(data) for _ in range(batch)] for _ in range(steps + 1)]
-    gen_s = (time.perf_counter() - t) / ((steps + 1) * batch)
+    drawn = [b for k in range(-(-max(draws, steps) // cell.bucket)) for b in source.pool(k)]
+    gen_s = (time.perf_counter() - t) / (len(drawn) * batch)
+    drawn.sort(key=lambda b: b[0].shape[1])
+    picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
+    middle = drawn[len(drawn) // 2]
     cuda = device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
-    for i, s in enumerate(samples):
-        if i == 1:
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        ids, mask = batch_from_tokens(s, vocab, device)
-        with autocast:
-            loss = masked_loss(model(input_ids=ids).logits, ids, mask)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(cell, device))
+    times = []
+    for ids, mask in [middle, *picked]:
+        ids, mask = ids.to(device), mask.to(device)
+        sync()
+        t0 = time.perf_counter()
+        optimizer_step(model, opt, ids, mask, autocast)
+        sync()
+        times.append(time.perf_counter() - t0)
+    ids = middle[0].to(device)
+    sync()
     t1 = time.perf_counter()
     with torch.no_grad(), autocast:
         model(input_ids=ids)
-    if cuda:
-        torch.cuda.synchronize()
-    return {"step_s": step_s, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
-            "tokens": sum(len(x) for x in samples[-1]) / batch}
+    sync()
+    return {"step_s": sum(times[1:]) / steps, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
+            "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
+            "padded_lengths": [int(b[0].shape[1]) for b in picked]}
 
 
 def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | None = None, steps: int = 3,
@@ -315,7 +319,7 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
             train_h = n_steps * m["step_s"] * scale / 3600
             eval_h = n_evals * cell.eval_samples / batch * m["forward_s"] / 3600
             data_h = cell.samples * m["gen_s_per_sample"] / 3600
-            rows.append({"cell": cell.name, "tokens/sample": round(m["tokens"]),
+            rows.append({"cell": cell.name, "padded tokens/sample": round(m["tokens"]),
                          "step ms": 1000 * m["step_s"] * scale, "data share": data_h / (train_h + data_h),
                          "train h": train_h, "eval h": eval_h, "data h (1 worker)": data_h,
                          "cell h": train_h + eval_h + (data_h if inline_data else 0.0)})

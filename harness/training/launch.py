@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from harness.engine.config import ConfigError
-from harness.tools.procs import exit_description
+from harness.procs import exit_description
 from harness.training.config import LAUNCHERS, TrainConfig
 from harness.training.trainer import finished_result, train_one
 

@@ -52,19 +52,23 @@ class Progress:
     best_samples: int = 0  # samples the kept checkpoint had seen (0: none kept yet)
     best_state: dict | None = None  # CPU copy of the best weights (--checkpoint best only)
     first_loss: float | None = None
-    train_s: float = 0.0
+    train_s: float = 0.0  # the training loop's wall time, its evaluations included (not its saves)
     data_s: float = 0.0
+    eval_s: float = 0.0  # of train_s: the teacher-forced evaluations
     attempts: int = 1
 
 
-def check_settings(out: Path, settings: dict, overwrite: bool) -> None:
-    """Refuse a directory that holds (or held, killed) a training run of other settings; record ours."""
+def check_settings(out: Path, settings: dict, overwrite: bool, added: dict | None = None) -> None:
+    """Refuse a directory that holds (or held, killed) a training run of other settings; record ours. ``added``:
+    settings recorded only since some release, with the value a run that predates them had."""
     path = out / SETTINGS_FILE
     if path.exists():
         try:
             prev = json.loads(path.read_text())
         except (OSError, ValueError):
             prev = {}
+        if prev:
+            prev = {**(added or {}), **prev}
         if prev != settings and not overwrite:
             raise RunDirError(f"{out} holds a training run of other settings: {describe_changes(prev, settings)}. "
                               "Use another --output, or --overwrite to start over (its files are moved aside, "

@@ -36,7 +36,7 @@ from harness.files import write_json
 from harness.models.istree import build_model, trainable_parameters
 from harness.models.selective_scan import forget_scans, scans_run
 from harness.reports.plotting import pyplot, save
-from harness.training.config import PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
+from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
 from harness.training.state import (
     Progress,
@@ -66,6 +66,29 @@ def masked_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> 
     logits, tgt, m = logits[:, :-1].float(), ids[:, 1:], mask[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
     return (ce * m.reshape(-1)).sum() / m.sum().clamp_min(1)
+
+
+def uses_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether a run trains under bf16 autocast: ``--precision bf16``, or ``auto`` on CUDA."""
+    return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+
+def new_model(cfg: TrainConfig, task: TrainTask):
+    """The run's fresh model (the current torch seed draws its weights), its Mamba layers on the run's scan."""
+    return build_model(cfg.arch, cfg.size, len(task.vocab), max_positions=max(4096, 2 * task.max_len),
+                       d_model=cfg.d_model, layers=cfg.layers, scan=cfg.scan)
+
+
+def optimizer_step(model, opt, ids: torch.Tensor, mask: torch.Tensor, autocast, backward=None) -> torch.Tensor:
+    """One training step as the trainer takes it (and the planner times it): forward under ``autocast``, the
+    masked loss in float32, backward (``backward``: accelerate's, in a run), the update; returns the loss."""
+    with autocast:
+        logits = model(input_ids=ids).logits
+    loss = masked_loss(logits, ids, mask)
+    (backward or torch.Tensor.backward)(loss)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 @torch.no_grad()
@@ -153,15 +176,14 @@ class Trainer:
                               f"{acc.num_processes} processes")
         self.per_process = cfg.batch_size // acc.num_processes
         cuda = acc.device.type == "cuda"
-        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+        self.bf16 = uses_bf16(cfg, acc.device)
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg.seed)
         self.task = TrainTask(cfg)
         self.vocab = {t: i for i, t in enumerate(self.task.vocab)}
-        model = build_model(cfg.arch, cfg.size, len(self.task.vocab), max_positions=max(4096, 2 * self.task.max_len),
-                            d_model=cfg.d_model, layers=cfg.layers)
+        model = new_model(cfg, self.task)
         self.n_params = trainable_parameters(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
         self.model, self.opt = acc.prepare(model, opt)
@@ -199,7 +221,7 @@ class Trainer:
     def run(self, overwrite: bool) -> dict:
         cfg, acc = self.cfg, self.acc
         if acc.is_main_process:
-            check_settings(self.out, {k: getattr(cfg, k) for k in RESULT_DECIDING}, overwrite)
+            check_settings(self.out, {k: getattr(cfg, k) for k in RESULT_DECIDING}, overwrite, ADDED_SETTINGS)
         acc.wait_for_everyone()
         resumed = load_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, acc.num_processes)
         if resumed is not None:
@@ -269,13 +291,8 @@ class Trainer:
                 ids, mask = next(batches)
                 ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
                 st.data_s += time.perf_counter() - t_data
-                with self.autocast():
-                    logits = self.model(input_ids=ids).logits
-                loss = masked_loss(logits, ids, mask)
-                acc.backward(loss)
-                self.opt.step()
+                loss = optimizer_step(self.model, self.opt, ids, mask, self.autocast(), acc.backward)
                 self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
                 loss_sum += loss.detach()
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()), step, first_bad)
                 loss_n += 1
@@ -293,7 +310,9 @@ class Trainer:
                 loss_sum.zero_()
                 loss_n = 0
                 if evaluate_now:
+                    t_eval = time.perf_counter()
                     self.evaluate(row)
+                    st.eval_s += time.perf_counter() - t_eval
                     bar.set_postfix(loss=f"{row['loss']:.4f}", em=f"{100 * row['eval_em']:.1f}%")
                 else:
                     bar.set_postfix(loss=f"{row['loss']:.4f}")
@@ -305,10 +324,10 @@ class Trainer:
                 if evaluate_now:  # the state a killed run resumes from: everything up to this step
                     st.step = step + 1
                     st.train_s += time.perf_counter() - t0
-                    t0 = time.perf_counter()
                     if acc.is_main_process:
                         save_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, st,
                                    acc.num_processes)
+                    t0 = time.perf_counter()  # saves are not training time
         bar.close()
 
     def evaluate(self, row: dict) -> None:
@@ -380,6 +399,8 @@ class Trainer:
                   "data": str(self.store.path) if self.store else "fresh samples every step",
                   "attempts": st.attempts, "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
                   "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
+                  # every optimizer step's wall time (the loop without evaluations and saves): the planner predicts it
+                  "steps_seconds": round(st.train_s - st.eval_s, 3),
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)

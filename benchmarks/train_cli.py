@@ -1,0 +1,89 @@
+"""The trainer as users run it: ``python -m harness.train``'s marginal step with the parallel scan against the
+step-by-step one, and the planner's projected step beside it, side by side in one run.
+
+    python benchmarks/train_cli.py                       # CPU: 0.5M Mamba, n=32 retrieval, batch 8, 2 threads
+    python benchmarks/train_cli.py --batch 64 --threads 0  # on a GPU
+
+For each scan (``--scan auto``, the parallel scan the trainer runs, and ``--scan sequential``, the step-by-step
+reference) the real CLI trains the cell twice in fresh directories, for ``--steps`` A and B optimizer steps; the
+marginal step is the difference of their ``steps_seconds`` (result.json: the loop without its evaluations and
+saves) over B - A, so start-up, warm-up and the final evaluation cancel. The projection is
+``harness.training.grid.measure_cell`` (what ``--plan`` and ``benchmarks/train_throughput.py`` use) on the same
+cell, in a fresh process. Both scans train to the same losses (checked)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def cli_run(cell: list[str], steps: int, batch: int, out: Path) -> dict:
+    args = [sys.executable, "-m", "harness.train", *cell, "--batch-size", str(batch), "--samples", str(steps * batch),
+            "--eval-samples", str(batch), "--eval-every", str(steps * batch), "--no-live-eval", "--report-to", "none",
+            "--no-progress", "--output", str(out)]
+    res = subprocess.run(args, capture_output=True, text=True, env=PROJECT_ENV, cwd=ROOT)
+    if res.returncode:
+        sys.exit(f"error: {' '.join(args[2:])} failed: {res.stderr.strip()[-1500:]}")
+    return json.loads((out / "result.json").read_text())
+
+
+def projection(cell: list[str], batch: int, steps: int) -> float:
+    code = ("import json, sys, torch; from harness.train import build_parser; "
+            "from harness.training.grid import measure_cell; "
+            "cfg, _ = build_parser().parse_args_into_dataclasses(sys.argv[1:]); cfg = cfg.resolved(); "
+            "cfg.threads and torch.set_num_threads(cfg.threads); "
+            "dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu'); "
+            f"print(json.dumps(measure_cell(cfg, dev, {batch}, {steps})))")
+    res = subprocess.run([sys.executable, "-c", code, *cell, "--batch-size", str(batch), "--report-to", "none"],
+                         capture_output=True, text=True, env=PROJECT_ENV, cwd=ROOT)
+    if res.returncode:
+        sys.exit(f"error: the projection failed: {res.stderr.strip()[-1500:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])["step_s"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="mamba")
+    ap.add_argument("--nodes", type=int, default=32)
+    ap.add_argument("--setup", default="retrieval")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", default="2,8", help="the two runs' optimizer steps, A,B (B > A)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of every run (0: torch's default)")
+    ap.add_argument("--size", default="0.5M")
+    a = ap.parse_args()
+    short, long = map(int, a.steps.split(","))
+    cell = ["--arch", a.arch, "--size", a.size, "--nodes", str(a.nodes), "--setup", a.setup, "--precision", "fp32"]
+    cell += ["--threads", str(a.threads)] if a.threads else []
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        for scan in ("auto", "sequential"):
+            runs = [cli_run([*cell, "--scan", scan], n, a.batch, Path(d) / f"{scan}-{n}") for n in (short, long)]
+            ran = sorted({s["scan"] for s in runs[1]["scans"]}) or ["(no Mamba layer)"]
+            marginal = (runs[1]["steps_seconds"] - runs[0]["steps_seconds"]) / (long - short)
+            rows[scan] = {"ran": "+".join(ran), "marginal": marginal,
+                          "losses": [r["loss"] for r in runs[1]["curve"]]}
+            print(f"{scan:10s} ({rows[scan]['ran']}): harness.train marginal step {marginal:.3f} s "
+                  f"({short} vs {long} steps)", flush=True)
+        projected = projection([*cell, "--scan", "auto"], a.batch, 3)
+    par, seq = rows["auto"], rows["sequential"]
+    same = max(abs(x - y) / abs(y) for x, y in zip(par["losses"], seq["losses"])) < 1e-4
+    print(f"\n{a.size} {a.arch}, n={a.nodes} {a.setup}, batch {a.batch}, float32, "
+          f"{a.threads or 'default'} threads\n")
+    print("| | seconds per step |\n|---|---|")
+    print(f"| harness.train, parallel scan ({par['ran']}) | {par['marginal']:.3f} |")
+    print(f"| harness.train, sequential scan | {seq['marginal']:.3f} |")
+    print(f"| planner's projection (measure_cell) | {projected:.3f} |")
+    print(f"\nparallel vs sequential through the CLI: {seq['marginal'] / par['marginal']:.2f}x")
+    print(f"projection / CLI: {projected / par['marginal']:.2f} (the goal: 0.85 ... 1.15)")
+    print(f"both scans trained to the same losses: {same}")
+
+
+if __name__ == "__main__":
+    main()

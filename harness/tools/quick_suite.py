@@ -1,0 +1,318 @@
+"""``python -m harness.doctor --suite gpu --quick``: the decisive GPU numbers in one call of at most
+``BUDGET_S`` seconds (a lent GPU gives 10 minutes a command), the most decisive first.
+
+Each step runs in a child process under a hard time limit, the smaller of its own cap and what is left of the
+budget (less a reserve for the table); a step that would not get ``MIN_STEP_S`` is skipped with that reason, a
+step stopped at its limit keeps the rows it wrote, and the report (``report.json``, ``report.md``) is rewritten
+after every step, so a call cut off still leaves what it measured. On a GPU the models have the paper's and the
+released checkpoints' shapes; without one the same steps run at tiny sizes on the CPU (the tests run them, so
+the suite cannot rot between GPU sessions) and the goals are marked as not applicable.
+
+The steps: (a) the trainer's Triton scan against its PyTorch scan, forward and backward, at the IsTree lengths
+in float32 and in bf16 (the trainer's autocast), times and largest differences; (b) training steps of the 0.5M
+Transformer, Mamba and hybrid at n=16 direct and n=64 retrieval through the trainer's own step and data
+(``measure_cell``) and the paper grid's projected hours from them; (c) the all-slot HotpotQA sweep under the
+planner's ``auto``, ``batch`` and ``none`` on Phi- and Phi-Mamba-shaped models, outputs compared; (d) decode
+tokens/s against the memory-bandwidth bound at batch 1 and 64 with a 2k context."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from harness.files import write_atomic
+from harness.models.istree import build_model, trainable_parameters
+from harness.models.selective_scan import SelectiveScan
+from harness.tiny import build_tokenizer
+from harness.tools.checks import decode_table, environment
+from harness.tools.fixture_prompts import fixture_prompts
+from harness.tools.gpu_suite import model_path, plan_sweep
+from harness.training.config import TrainConfig
+from harness.training.data import TrainingBatches, TrainTask
+from harness.training.grid import GRID_DEFAULTS, GRIDS, measure_cell
+
+BUDGET_S = 420  # the whole call on an H100, start-up and model building included: 10-minute calls, with margin
+MIN_STEP_S = 20  # a step given less than this is skipped: it could not start its models and measure
+RESERVE_S = 10  # kept back from the last step for the table
+# Steps in the order they decide things, each with its cap in seconds (a GPU's; on a CPU the sizes are tiny).
+STEPS = {"scan": 60, "trainer": 150, "sweep": 110, "decode": 80}
+GOALS = {"grid_h100_hours": 24.0, "auto_over_batch": 1.3, "decode_of_bound_b1": 0.5, "decode_of_bound_b64": 0.6}
+PAPER_RUNS = 81
+
+
+def sizes(cuda: bool) -> dict:
+    """What each step measures: the real shapes on a GPU, tiny ones on a CPU."""
+    if cuda:
+        return {"scan": {"lengths": [48, 455, 1845], "batch": 64, "channels": 128, "states": 16, "repeats": 3},
+                "trainer": {"size": "0.5M", "cells": [(16, "direct"), (64, "retrieval")], "batch": 64, "steps": 2,
+                            "draws": 8},
+                "sweep": {"questions": 4, "slots": 11, "size": "real", "new": 16},
+                "decode": {"context": 2048, "batches": [1, 64], "steps": 8, "size": "real"}}
+    return {"scan": {"lengths": [16, 33], "batch": 2, "channels": 24, "states": 4, "repeats": 1},  # interpreted
+            "trainer": {"size": "smoke", "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
+                        "draws": 2},
+            "sweep": {"questions": 1, "slots": 3, "size": "tiny", "new": 6},
+            "decode": {"context": 64, "batches": [1, 4], "steps": 2, "size": "tiny"}}
+
+
+# -- the steps (each runs in its own child process; ``emit`` saves its rows as it goes) ---------------------------
+def scan_step(device: str, spec: dict, emit) -> None:
+    """The Triton scan against the PyTorch scan, forward and backward, per length and precision: seconds of
+    each (the best of ``repeats`` after a warm-up on a GPU) and the largest relative difference over the output and every gradient."""
+    from harness.models import scan_triton  # lazy: imports triton, which a CPU install may lack
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    d, n, b = spec["channels"], spec["states"], spec["batch"]
+    for length in spec["lengths"]:
+        for dtype in ("float32", "bfloat16"):
+            g = torch.Generator().manual_seed(length)
+            act = getattr(torch, dtype)  # the activations autocast hands the scan; step sizes stay float32
+            u, z = (torch.randn(b, d, length, generator=g).to(device, act) for _ in range(2))
+            dt = (torch.rand(b, d, length, generator=g) * 0.1 + 0.001).to(device)
+            B, C = (torch.randn(b, n, length, generator=g).to(device, act) for _ in range(2))
+            A = (-torch.arange(1, n + 1.0).expand(d, n)).contiguous().to(device)
+            D = torch.ones(d, device=device)
+            weight = torch.randn(b, d, length, generator=g).to(device)
+            out, secs = {}, {}
+            for name, scan in (("triton", scan_triton.TritonScan), ("torch", SelectiveScan)):
+                best = math.inf
+                for _ in range(spec["repeats"] + (device == "cuda")):
+                    leaves = [t.detach().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+                    sync()
+                    t = time.perf_counter()
+                    y = scan.apply(*leaves)
+                    grads = torch.autograd.grad((y.float() * weight).sum(), leaves)
+                    sync()
+                    best = min(best, time.perf_counter() - t)
+                out[name], secs[name] = [y.detach().float(), *(x.float() for x in grads)], best
+            worst = max(((x - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                        for x, r in zip(out["triton"], out["torch"]))
+            emit({"tokens": length, "batch": b, "dtype": dtype, "triton_ms": round(1e3 * secs["triton"], 2),
+                  "torch_ms": round(1e3 * secs["torch"], 2), "speedup": round(secs["torch"] / secs["triton"], 2),
+                  "max_rel_diff": float(f"{worst:.2e}"), "tolerance": scan_triton.TOLERANCE[dtype],
+                  "ok": worst <= scan_triton.TOLERANCE[dtype]})
+
+
+def trainer_step(device: str, spec: dict, emit) -> None:
+    """Training steps of each architecture at two cells through the trainer's own step and data, then the
+    paper grid's projected hours (one row with ``projection``)."""
+
+    dev = torch.device(device)
+    measured = {}
+    for arch in ("transformer", "mamba", "hybrid"):
+        for nodes, setup in spec["cells"]:
+            cell = TrainConfig(arch=arch, size=spec["size"], nodes=nodes, setup=setup, report_to="none").resolved()
+            m = measure_cell(cell, dev, spec["batch"], spec["steps"], draws=spec["draws"])
+            measured[arch, nodes, setup] = m
+            emit({"arch": arch, "size": spec["size"], "cell": f"n={nodes} {setup}", "batch": spec["batch"],
+                  "padded_tokens": round(m["tokens"]), "step_s": round(m["step_s"], 4),
+                  "samples_per_s": round(spec["batch"] / m["step_s"], 1)})
+    hours, how = grid_projection(measured, spec, dev)
+    emit({"projection": True, "grid_hours": round(hours, 1), "how": how})
+
+
+def grid_projection(measured: dict, spec: dict, device: torch.device) -> tuple[float, str]:
+    """The paper grid's hours, one run at a time at batch 64: each cell's step interpolated linearly in mean
+    padded tokens between its architecture's two measured cells (scaled to batch 64 and, for 1M and 2M, by
+    trainable parameters), times 5M/64 steps, plus 50 teacher-forced evaluations of 5,000 samples (a forward
+    pass taken as a third of a step)."""
+
+    paper, grid = GRID_DEFAULTS["paper"], GRIDS["paper"]
+    batch, scale = 64, 64 / spec["batch"]
+    tokens = {}
+    for nodes in grid["nodes"]:
+        for setup in grid["setup"]:
+            cfg = TrainConfig(nodes=nodes, setup=setup, report_to="none").resolved()
+            source = TrainingBatches(TrainTask(cfg), spec["batch"], cfg.seed, 0)
+            tokens[nodes, setup] = sum(source.pool(k)[0][0].shape[1] for k in range(spec["draws"])) / spec["draws"]
+    params = {}
+
+    def n_params(arch, size, nodes):
+        if (arch, size, nodes) not in params:
+            params[arch, size, nodes] = trainable_parameters(build_model(arch, size, nodes + 17))
+        return params[arch, size, nodes]
+
+    total = 0.0
+    for arch in grid["arch"]:
+        (l0, s0), (l1, s1) = sorted((m["tokens"], m["step_s"]) for (a, *_), m in measured.items() if a == arch)
+        for nodes in grid["nodes"]:
+            for setup in grid["setup"]:
+                x = tokens[nodes, setup]
+                step = (s0 + (s1 - s0) * (x - l0) / max(l1 - l0, 1e-9)) * scale
+                for size in grid["size"]:
+                    ratio = n_params(arch, size, nodes) / n_params(arch, spec["size"], nodes)
+                    steps = paper["samples"] / batch
+                    evals = paper["samples"] // paper["eval_every"] * paper["eval_samples"] / batch
+                    total += max(step, 0.0) * ratio * (steps + evals / 3) / 3600
+    where = "" if device.type == "cuda" else " (CPU, tiny models: not the paper's sizes)"
+    return total, (f"{PAPER_RUNS} runs of 5M samples at batch 64, one at a time, each cell's step interpolated in "
+                   f"padded tokens between its architecture's two measured cells{where}")
+
+
+def sweep_step(device: str, spec: dict, emit) -> None:
+    """The all-slot HotpotQA sweep through ``auto``, ``batch`` and ``none`` on Phi and Phi-Mamba shapes."""
+
+    slots = ",".join(str(k) for k in range(spec["slots"]))
+    prompts = fixture_prompts(spec["slots"] - 1, spec["questions"], positions=slots)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    with tempfile.TemporaryDirectory() as d:
+        tok = build_tokenizer()
+        for arch in ("phi", "phi-mamba"):
+            path = model_path(Path(d), arch, spec["size"], tok)
+            for row in plan_sweep(path, arch, device, dtype, prompts, spec["new"], plans=("auto", "batch", "none")):
+                emit(row)
+
+
+def decode_step(device: str, spec: dict, emit) -> None:
+    """Decode tokens/s of Phi (transformers) and Phi-Mamba against the memory-bandwidth bound."""
+    for row in decode_table(device, spec["size"], (spec["context"],), spec["steps"], tuple(spec["batches"]),
+                            archs=("phi", "phi-mamba")):
+        emit(row)
+
+
+STEP_FUNCTIONS = {"scan": scan_step, "trainer": trainer_step, "sweep": sweep_step, "decode": decode_step}
+
+
+def child(name: str, rows_path: str) -> None:
+    """One step, its rows rewritten to ``rows_path`` after each (what a kill at the limit leaves)."""
+    cuda = torch.cuda.is_available()
+    rows: list = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        write_atomic(Path(rows_path), json.dumps(rows, default=str))
+
+    STEP_FUNCTIONS[name]("cuda" if cuda else "cpu", sizes(cuda)[name], emit)
+
+
+# -- the parent: budget, report --------------------------------------------------------------------------------------
+def run_quick(out: Path, budget: float = BUDGET_S) -> int:
+    """The steps in order within ``budget`` seconds; exit status 1 if a comparison failed."""
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"environment": environment(), "device": "cuda" if cuda else "cpu", "budget_s": budget,
+              "sizes": sizes(cuda), "steps": {}}
+
+    def save() -> None:
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
+        write_atomic(out / "report.md", render(report))
+
+    for name, cap in STEPS.items():
+        left = budget - (time.perf_counter() - t0) - RESERVE_S
+        limit = min(cap, left)
+        if limit < MIN_STEP_S:
+            report["steps"][name] = {"status": "skipped", "rows": [],
+                                     "reason": f"{max(left, 0):.0f} s left of the {budget:.0f} s budget; it needs at "
+                                               f"least {MIN_STEP_S} s"}
+            save()
+            continue
+        report["steps"][name] = run_child(name, out / f"{name}.rows.json", limit)
+        step = report["steps"][name]
+        print(f"[{time.perf_counter() - t0:5.0f}s] {name}: {step['status']} ({step['seconds']} s, "
+              f"{len(step['rows'])} rows)" + (f": {step['reason']}" if step.get("reason") else ""), flush=True)
+        save()
+    report["summary"] = summary(report)
+    save()
+    print(render(report))
+    print(f"wrote {out / 'report.json'}, {out / 'report.md'}")
+    failed = [r for s in report["steps"].values() for r in s["rows"] if r.get("ok") is False]
+    return 1 if failed else 0
+
+
+def run_child(name: str, rows_path: Path, limit: float) -> dict:
+    """One step in a child process, killed at ``limit`` seconds: its status, time and the rows it wrote."""
+    rows_path.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"  # a CPU runs the Triton scan in Triton's interpreter (tiny sizes)
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "harness.tools.quick_suite", name, str(rows_path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=limit)
+        status = "done" if proc.returncode == 0 else "failed"
+        reason = None if proc.returncode == 0 else f"exit {proc.returncode}: {err.strip()[-800:]}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        status, reason = "stopped", f"stopped at its limit of {limit:.0f} s; the rows before are kept"
+    rows = json.loads(rows_path.read_text()) if rows_path.exists() else []
+    return {"status": status, "seconds": round(time.perf_counter() - t, 1), "limit_s": round(limit),
+            "reason": reason, "rows": rows}
+
+
+def summary(report: dict) -> list[dict]:
+    """The decisive numbers against their goals (judged on a GPU only: a CPU's tiny sizes decide nothing)."""
+    steps, gpu = report["steps"], report["device"] == "cuda"
+    rows = []
+
+    def goal(name: str, value, target: float, higher: bool = True) -> None:
+        met = None if value is None or not gpu else (value >= target if higher else value <= target)
+        rows.append({"number": name, "value": value, "goal": f"{'>=' if higher else '<='} {target:g}",
+                     "met": {None: "n/a" if value is not None else "not measured", True: "yes", False: "no"}[met]})
+
+    scan, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
+    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16)",
+                 "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
+                 "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
+                 if scan else "not measured"})
+    proj = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("projection")]
+    goal("paper grid, H100-hours (81 runs)", proj[0]["grid_hours"] if proj else None, GOALS["grid_h100_hours"],
+         higher=False)
+    sweep = steps.get("sweep", {}).get("rows", [])
+    for model in dict.fromkeys(r["model"] for r in sweep):
+        mine = {r["plan"]: r for r in sweep if r["model"] == model}
+        ratio = round(mine["batch"]["seconds"] / mine["auto"]["seconds"], 2) if {"auto", "batch"} <= set(mine) else None
+        goal(f"sweep {model}: auto over batch", ratio, GOALS["auto_over_batch"])
+        rows.append({"number": f"sweep {model}: auto and batch == none", "value": all(r["same_as_none"] for r in
+                                                                                   mine.values()), "goal": "True",
+                     "met": "yes" if all(r["same_as_none"] for r in mine.values()) else "no"})
+    decode = [r for r in steps.get("decode", {}).get("rows", []) if "of_bound" in r and r["model"] == "phi"]
+    for b, key in ((1, "decode_of_bound_b1"), (max([r.get("batch", 1) for r in decode], default=64),
+                                                "decode_of_bound_b64")):
+        value = next((r["of_bound"] for r in decode if r.get("batch", 1) == b), None)
+        goal(f"Phi decode at batch {b}: share of the bandwidth bound", value, GOALS[key])
+    return rows
+
+
+def render(report: dict) -> str:
+    env = report["environment"]
+    card = env.get("gpu", "CPU (tiny sizes)")
+    lines = [f"# Quick GPU suite on {card}: {report.get('seconds')} s of a {report['budget_s']:.0f} s budget", "",
+             ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    if report.get("summary"):
+        lines += ["## The decisive numbers", "", pd.DataFrame(report["summary"]).to_markdown(index=False), ""]
+    titles = {"scan": "(a) Triton scan against the PyTorch scan, forward + backward",
+              "trainer": "(b) Training steps through the trainer's own step and data",
+              "sweep": "(c) The all-slot HotpotQA sweep: auto, batch, none",
+              "decode": "(d) Decode against the memory-bandwidth bound"}
+    for name, title in titles.items():
+        step = report["steps"].get(name)
+        lines += [f"## {title}", ""]
+        if step is None:
+            lines += ["not reached", ""]
+            continue
+        lines.append(f"{step['status']} in {step.get('seconds', 0)} s (limit {step.get('limit_s', '-')} s)"
+                     + (f": {step['reason']}" if step.get("reason") else ""))
+        table = [r for r in step["rows"] if not r.get("projection")]
+        if table:
+            lines += ["", pd.DataFrame(table).fillna("").to_markdown(index=False)]
+        lines += [f"\nprojected: **{r['grid_hours']} hours** for the paper grid on {card} ({r['how']})"
+                  for r in step["rows"] if r.get("projection")]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    child(sys.argv[1], sys.argv[2])
