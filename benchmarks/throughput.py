@@ -31,6 +31,7 @@ from evals.hotpotqa import HotpotQA, load_rows, parse_positions
 from harness.backends.generation import GenRequest, first_stop
 from harness.backends.prefix_tree import PrefixTree
 from harness.backends.loading import load_backend
+from harness.backends.planner import forget_costs
 from harness.engine.prompting import PromptTemplate
 from harness.tiny import make_tiny_model
 
@@ -48,12 +49,12 @@ PLANS = ("auto", "tree-rows", "tree-block", "batch", "none")
 def run_harness(backend, prompts, max_new, plan: str):
     """The engine's path: every request to ``generate_all`` with the batch size and plan a run would use."""
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
-    backend.__dict__.pop("_prefill_costs", None)  # auto measures its cost model inside the timing, as a run does
+    forget_costs(backend)  # auto measures its cost model inside the timing, as a run does
     t0 = time.perf_counter()
     gen = backend.generate_all([GenRequest(p, max_new, STOP, prompt_ids=i) for p, i in zip(prompts, ids)],
                                batch_size="auto", prefix_reuse=plan)
     out = [r.text for r in gen.results(len(prompts))]
-    return out, time.perf_counter() - t0, gen.info
+    return out, time.perf_counter() - t0, gen.plan
 
 
 def run_generate(model, tok, prompts, max_new):
@@ -202,9 +203,9 @@ def main():
     print(f"{'transformers.generate, one sample at a time':48s} {t_gen:8.2f} {n / t_gen:10.2f} {'1.00x':>12s} "
           f"{1 / bound:9.0%} {prompt_tokens:10d} -")
     for p, (out, t, info) in plans.items():
-        label = f"icr-harness generate_all, plan {p}" + (f" -> {_name(info)}" if p == "auto" else "")
+        label = f"icr-harness generate_all, plan {p}" + (f" -> {info.ran}" if p == "auto" else "")
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} "
-              f"{info['prefill_tokens']:10d} {out == gen}")
+              f"{info.prefill_tokens:10d} {out == gen}")
     if lme is None:
         print("lm-eval: not installed (pip install lm-eval) - rows skipped")
     else:
@@ -226,21 +227,17 @@ def main():
     auto = plans.get("auto")
     if auto is not None and vllm:
         best = vllm[True]["generate_s"]
-        print(f"\nharness default ({_name(auto[2])}) vs vLLM: {best / auto[1]:.2f}x vLLM's speed with prefix "
+        print(f"\nharness default ({auto[2].ran}) vs vLLM: {best / auto[1]:.2f}x vLLM's speed with prefix "
               f"caching on, {vllm[False]['generate_s'] / auto[1]:.2f}x with it off (> 1: the harness is faster)")
     if auto is not None:
         print(f"\nbound (prompt tokens / prefix tree's distinct tokens): {bound:.2f}x; the default plan "
-              f"({_name(auto[2])}) reaches {t_gen / auto[1]:.2f}x = {t_gen / auto[1] / bound:.0%} of it (goal >= 80%)"
+              f"({auto[2].ran}) reaches {t_gen / auto[1]:.2f}x = {t_gen / auto[1] / bound:.0%} of it (goal >= 80%)"
               + (f", {t_lme / auto[1]:.2f}x lm-eval hf's speed (goal > 1)" if lme is not None else ""))
         timed = {p: t for p, (_, t, _) in plans.items() if p != "auto"}
         if timed:
             fastest = min(timed, key=timed.get)
-            print(f"fastest forced plan: {fastest} ({timed[fastest]:.2f} s); auto picked {_name(auto[2])} "
-                  f"(estimates: {auto[2].get('plan_estimates_s')})")
-
-
-def _name(info: dict) -> str:
-    return f"tree-{info['tree_prefill']}" if info.get("tree_prefill") else info["prefix_reuse"]
+            print(f"fastest forced plan: {fastest} ({timed[fastest]:.2f} s); auto picked {auto[2].ran} "
+                  f"(estimates: {auto[2].to_json().get('plan_estimates_s')})")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ class Task(ABC):
     retrieval_template: ClassVar[str | None] = None  # with --retrieval; None: the task has no retrieval prompt
     stop: list[str] = []
     include_stop: ClassVar[bool] = False  # score the generation with the stop string that ended it
-    needs_tokenizer: ClassVar[bool] = False  # the engine sets ``self.tokenizer`` (the model's) before instances()
+    needs_tokenizer: ClassVar[bool] = False  # the engine passes the model's tokenizer to the constructor
     default_max_new_tokens: int = 32
     # How harness.report shows the task (it names no task; these say it). The first of ``metrics`` is the one
     # drawn and the one ``--subset`` asks to be 1. The x axis: a per-condition statistic of the rows (HotpotQA:
@@ -124,8 +124,10 @@ class Task(ABC):
     series_label: ClassVar[str | None] = None
     official_scorer: ClassVar[str | None] = None  # the task's own scoring script, if it has one (see official_gold)
 
-    def __init__(self, data: str | None = None, split: str | None = None, **options):
-        self.data, self.split = data, split
+    def __init__(self, data: str | None = None, split: str | None = None, tokenizer=None, **options):
+        """``tokenizer``: the model's, for a task that ``needs_tokenizer`` (given at construction; a task is not
+        changed afterwards)."""
+        self.data, self.split, self.tokenizer = data, split, tokenizer
         self.options = make_options(self.Options, options, self.name)
 
     @abstractmethod
@@ -171,10 +173,10 @@ class Task(ABC):
         return f"{option}={value}"
 
     @classmethod
-    def axis_position(cls, condition: str, statistic: float | None = None) -> tuple[float | None, str | None]:
-        """Where a condition sits on the report's plot, and its series (None: one line per run): the axis
-        statistic where the task has one, else ``NAME=VALUE``'s value (pairs, nodes, length) or the condition
-        itself as a number."""
+    def axis_position(cls, condition: str, statistic: float | None = None) -> tuple[float | None, float | None]:
+        """Where a condition sits on the report's plot, as numbers: its x (the axis statistic where the task has
+        one, else ``NAME=VALUE``'s value (pairs, nodes, length) or the condition itself) and, for a two-part
+        condition, its heatmap row (None: one line per run)."""
         if statistic is not None and statistic == statistic:
             return float(statistic), None
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 from unittest import mock
 
-from evals import get_task, metrics
+from evals import metrics
 from evals.base import DataError, Instance, OptionError, Task, ToolSpec, read_utf8
 from evals.fixture import FIXTURE_PATH
 from evals.metrics import ANSWER_PHRASE

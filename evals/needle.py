@@ -61,11 +61,7 @@ class Needle(SyntheticTask):
     axis_label = "context length (model tokens)"
     series_label = "needle depth (0 = start)"
     default_template = "needle"
-    needs_tokenizer = True  # the engine sets ``self.tokenizer`` (the backend's) before ``instances``
-
-    def __init__(self, data=None, split=None, **options):
-        super().__init__(data, split, **options)
-        self.tokenizer = None
+    needs_tokenizer = True  # text contexts are measured in the model's tokens
 
     def max_new_tokens(self, as_tokens: bool) -> int:
         return 2 if as_tokens else 8
@@ -100,7 +96,8 @@ class Needle(SyntheticTask):
         if o.format == "tokens":
             return self._token_instances(rows)
         if self.tokenizer is None:
-            raise OptionError("task 'needle' measures lengths in the model's tokens; the engine must set its tokenizer")
+            raise OptionError("task 'needle' measures lengths in the model's tokens; construct it with the model's "
+                              "tokenizer")
         out = []
         for r in rows:
             book = self._book(r["seed"], 16 + max(o.lengths) // 4)  # >= 4 tokens per entry
@@ -130,10 +127,10 @@ class Needle(SyntheticTask):
         return [(f"{m['name']}: {instance.answer}", f"needle: entry {m['needle_index'] + 1} of {m['entries']}")]
 
     @classmethod
-    def axis_position(cls, condition: str, statistic=None) -> tuple[float | None, str | None]:
+    def axis_position(cls, condition: str, statistic=None) -> tuple[float | None, float | None]:
         """``length@depth``: the length on the x axis, one heatmap row per depth."""
         length, depth = condition.split("@", 1)
-        return float(length), f"depth {depth}"
+        return float(length), float(depth)
 
     def record_fields(self, instance: Instance) -> dict:
         return {k: instance.meta[k] for k in ("entries", "needle_index", "context_tokens") if k in instance.meta}

@@ -26,7 +26,7 @@ def get_task(name: str, **kwargs):
     """``kwargs``: ``data``, ``split`` and the task's own options (fields of its ``Options``). Several values of
     a sweepable option (``pairs="16,32"`` or ``[16, 32]``) give one task over all of them (evals.sweep)."""
     cls = task_class(name)
-    options = {k: v for k, v in kwargs.items() if k not in ("data", "split")}
+    options = {k: v for k, v in kwargs.items() if k not in ("data", "split", "tokenizer")}
     key = sweep_field(cls.Options, options)
     if key is not None:
         return TaskSweep(cls, key, **kwargs)

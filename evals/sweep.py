@@ -59,9 +59,9 @@ TASK_SETTINGS = tuple(k for k, v in vars(Task).items() if not k.startswith("_") 
 class TaskSweep(Task):
     """Sub-tasks of one task class differing in one option, seen by the engine as one task."""
 
-    def __init__(self, cls: type, key: str, data=None, split=None, **options):
-        self.parts = [cls(data, split, **{**options, key: v}) for v in sweep_values(options[key])]
-        self.key, self.data, self.split = key, data, split
+    def __init__(self, cls: type, key: str, data=None, split=None, tokenizer=None, **options):
+        self.parts = [cls(data, split, tokenizer=tokenizer, **{**options, key: v}) for v in sweep_values(options[key])]
+        self.key, self.data, self.split, self.tokenizer = key, data, split, tokenizer
         first = self.parts[0]
         self.name, self.Options = cls.name, cls.Options
         swept = [getattr(p.options, key) for p in self.parts]
@@ -85,8 +85,6 @@ class TaskSweep(Task):
     def instances(self, rows, *, seed: int, pool_rows=None) -> list[Instance]:
         out = []
         for i, part in enumerate(self.parts):
-            if self.needs_tokenizer:
-                part.tokenizer = self.tokenizer
             mine = [r["parts"][str(i)] for r in rows if str(i) in r["parts"]]
             pool = [r["parts"][str(i)] for r in (pool_rows or rows) if str(i) in r["parts"]]
             for ins in part.instances(mine, seed=seed, pool_rows=pool):

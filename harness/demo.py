@@ -24,7 +24,7 @@ from pathlib import Path
 
 from evals import task_class
 from harness.files import write_atomic
-from harness.report import load_run
+from harness.reports.runs import load_run
 from harness.reports.paired import paired
 from harness.reports.plotting import pyplot, save
 from harness.training.config import USER_ERRORS, TrainConfig

@@ -66,7 +66,7 @@ class EachBatch:
                 self.calls += 1
                 yield item
 
-        return Generation(gen.info, batches())
+        return Generation(gen.plan, batches())
 
 
 class _Row:

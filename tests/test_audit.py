@@ -24,4 +24,4 @@ def test_an_audit_of_a_cpu_run_agrees_and_a_tampered_row_is_found(tiny_phi_dir, 
     assert audit["rows"] == len(rows) and audit["agree"] == len(rows) - 1
     (bad,) = audit["differ"]
     assert bad["key"] == rows[2]["key"] and bad["char"] == 5 and bad["run"].startswith(rows[2]["generation"][:6])
-    assert audit["reference"] == {"batch": 1, "prefix_reuse": False, "cuda_graphs": False, "dtype": "float32"}
+    assert audit["reference"] == {"batch": 1, "prefix_reuse": "none", "cuda_graphs": False, "dtype": "float32"}

@@ -157,7 +157,7 @@ def test_a_row_without_a_settings_hash_is_never_accepted(ckpt, tmp_path, phi_bac
 
 
 def test_the_report_counts_only_rows_of_the_runs_settings(ckpt, tmp_path, phi_backend):
-    from harness.report import ReportError, load_run
+    from harness.reports.runs import ReportError, load_run
 
     out = tmp_path / "run"
     run_eval(_cfg(ckpt, out), backend=phi_backend, progress=False)

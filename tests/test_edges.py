@@ -16,7 +16,7 @@ from harness.engine.runlog import RunLock, SampleLog
 from harness.files import write_atomic
 from harness.eval import main as eval_main
 from harness.report import main as report_main
-from harness.report import merge
+from harness.reports.runs import merge
 from tests.helpers import run_config
 
 

@@ -174,5 +174,22 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_phi_dir, tmp_path, ca
                     "--output", str(tmp_path / "v")])
     assert rc == 2
     assert "icr-harness[vllm]" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="Phi-Mamba checkpoint"):
+    with pytest.raises(ValueError, match="checkpoint of the phi-mamba backend's own kind"):
         load_backend("phi-mamba", backend="vllm")
+
+
+def test_every_flag_is_in_the_settings_hash_or_marked_as_never_changing_a_row():
+    """``NOT_RESULT_DECIDING`` is the one list of flags left out of the hash (and of report labels); every other
+    flag is hashed as itself or as what it resolves to, so a new flag must take a side."""
+    import dataclasses
+
+    from harness.engine.config import NOT_RESULT_DECIDING, RunConfig
+
+    hashed = RunConfig(task="hotpotqa", model="phi-1.5", device="cpu").resolved("d" * 16, "t" * 16)
+    flags = {f.name for f in dataclasses.fields(RunConfig)}
+    assert not set(NOT_RESULT_DECIDING) & set(hashed)
+    resolved_as = {"data": "data_sha256", "template": "template_sha256", "device": "device_type"}
+    chooses_rows = {"limit", "ids"}  # which rows exist, not what a row holds
+    elsewhere = {"vllm_arg", "cuda_graphs"}  # the backend's run_identity; cuda_graphs where graphs run
+    assert flags - set(hashed) - set(NOT_RESULT_DECIDING) == set(resolved_as) | chooses_rows | elsewhere
+    assert all(v in hashed for v in resolved_as.values())

@@ -146,7 +146,7 @@ def test_the_tree_runs_only_where_segments_equal_a_whole_prefill(family_backend)
     if not b.family.segments_exact:
         assert worst > 1e-5, f"{b.family.name}: segments now equal a whole prefill; let the tree run it"
         gen = b.generate_all(_requests(b.tokenizer)[:3], prefix_reuse="tree")
-        assert gen.info["prefix_reuse"] != "tree" and "segments" in gen.info["plan_reason"]
+        assert gen.plan.mode != "tree" and "segments" in gen.plan.reason
 
 
 def test_every_listed_family_is_in_the_matrix():
@@ -159,7 +159,7 @@ def test_unlisted_attention_model_is_inspected_as_masked(tiny_llama_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     model.config.model_type = "some_new_attention_model"
     fam = family_of(model)
-    assert fam.padding == "masked" and fam.prefix_reuse
+    assert fam.padding == "masked" and fam.copied_prefix_exact
 
 
 def test_unlisted_recurrent_model_runs_alone(tmp_path, tiny_tokenizer, caplog):
@@ -171,7 +171,7 @@ def test_unlisted_recurrent_model_runs_alone(tmp_path, tiny_tokenizer, caplog):
     model.config.model_type = "some_new_hybrid"
     with caplog.at_level("WARNING", logger="harness"):
         fam = family_of(model)
-    assert fam.padding == "alone" and not fam.prefix_reuse
+    assert fam.padding == "alone" and not fam.copied_prefix_exact
     assert "families.py" in caplog.text
 
 

@@ -8,8 +8,7 @@ from tests.helpers import run_config
 
 
 def _instances(tok, **opts):
-    task = get_task("needle", **opts)
-    task.tokenizer = tok
+    task = get_task("needle", tokenizer=tok, **opts)
     return task, task.instances(task.load(), seed=0)
 
 

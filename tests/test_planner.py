@@ -2,7 +2,7 @@
 choose from the cost model, and the choice, its reason and its estimates are reported."""
 import pytest
 
-from harness.backends.planner import Costs, make_plan, measure_costs
+from harness.backends.planner import Costs, forget_costs, make_plan, measure_costs
 from harness.backends.prefix_tree import PrefixTree
 from tests.test_prefix_tree import _sweep_prompts
 
@@ -24,8 +24,11 @@ def test_auto_takes_the_plan_the_cost_model_prices_lowest(phi_backend):
         assert "fastest by the measured cost model" in plan.reason
     assert cpu.name == "tree-rows" and gpu.name != "tree-rows"
     assert cpu.estimates["none"] > cpu.estimates["batch"]  # fewer tokens, at the same rates
-    info = cpu.info()
+    record = cpu.record()  # the typed record and what results.json holds of it
+    assert record.ran == "tree-rows" and record.mode == "tree" and record.asked == "auto"
+    info = record.to_json()
     assert info["prefix_reuse"] == "tree" and info["tree_prefill"] == "rows" and info["prefix_reuse_asked"] == "auto"
+    assert list(info)[:4] == ["prefix_reuse", "prefix_reuse_asked", "plan_reason", "tree_prefill"]
 
 
 def test_a_plan_asked_for_is_kept_where_possible_and_falls_back_with_its_reason(phi_backend, hybrid_backend):
@@ -52,8 +55,10 @@ def test_the_tree_plans_order_batches_depth_first(phi_backend):
 
 
 def test_the_cost_model_is_measured_once_per_backend_and_shape(phi_backend):
-    phi_backend.__dict__.pop("_prefill_costs", None)
+    forget_costs(phi_backend)
     first = measure_costs(phi_backend, 64, 2)
     assert first.call > 0 and first.row_token >= 0 and first.batch_token >= 0
     assert measure_costs(phi_backend, 64, 2) is first
     assert first.describe()["measured_at"] == [2, 64]
+    forget_costs(phi_backend)  # the planner's cache, not the backend's attributes, holds it
+    assert measure_costs(phi_backend, 64, 2) is not first and "_prefill_costs" not in vars(phi_backend)

@@ -37,11 +37,11 @@ def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
     plain_results = plain.results(len(reqs))
     reused = backend.generate_all(reqs, batch_size=4, prefix_reuse="batch")
     reused_results = reused.results(len(reqs))
-    assert reused.info["prefix_reuse"] == "batch"
+    assert reused.plan.ran == "batch"
     assert_varied([r.token_ids for r in plain_results])
     assert [r.token_ids for r in reused_results] == [r.token_ids for r in plain_results]
     # the prefix was not recomputed per batch
-    assert reused.info["prefill_tokens"] < plain.info["prefill_tokens"] - 2 * len(shared)
+    assert reused.plan.prefill_tokens < plain.plan.prefill_tokens - 2 * len(shared)
 
 
 def test_prefix_reuse_with_tool_calls(phi_backend):

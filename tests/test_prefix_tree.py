@@ -71,8 +71,8 @@ def _modes(backend, make_requests, batch=4):
     for mode in ("none", "batch", "tree-rows", "tree-block"):
         gen = backend.generate_all(make_requests(), batch_size=batch, prefix_reuse=mode)
         results = gen.results(len(make_requests()))
-        assert gen.info["prefix_reuse"] == mode.split("-")[0] and gen.info.get("tree_prefill") in (None, mode[5:])
-        out[mode] = (results, gen.info["prefill_tokens"])
+        assert gen.plan.mode == mode.split("-")[0] and (gen.plan.ran == mode or mode == "tree")
+        out[mode] = (results, gen.plan.prefill_tokens)
     return out
 
 
@@ -111,7 +111,7 @@ def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
                                            prefix_memory=budget)
             got = gen.results(len(prompts))
             assert [r.token_ids for r in got] == plain, f"budget {budget}, {mode}"
-            info = gen.info  # within the budget; everything freed at the end
+            info = gen.plan.to_json()  # within the budget; everything freed at the end
             assert info["prefix_snapshot_peak_bytes"] <= budget and info["prefix_snapshot_left_bytes"] == 0
             if mode == "tree-rows":
                 computed[budget] = info["prefill_tokens"]

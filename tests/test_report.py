@@ -3,7 +3,7 @@ from pathlib import Path
 
 from harness.engine import run_eval
 from harness.report import main as report_main
-from harness.report import merge, oracle_subset
+from harness.reports.runs import merge, oracle_subset
 from tests.helpers import run_config
 
 
@@ -53,7 +53,7 @@ def test_three_runs_are_three_labelled_lines_with_readable_ticks(tiny_phi_dir, t
     matplotlib.use("Agg")
     from unittest import mock
 
-    from harness.report import plot
+    from harness.reports.figures import plot
 
     runs = [tmp_path / "phi-k10", tmp_path / "llama-k10", tmp_path / "llama-k20"]
     _run(tiny_phi_dir, phi_backend, runs[0], distractors=10, positions=["first", "middle", "last"])
@@ -163,9 +163,9 @@ def _figure(monkeypatch):
                                                for ax in fig.axes]})
         return real(fig, path, dpi, tight)
 
-    import harness.report as report
+    import harness.reports.figures as figures_module
 
-    monkeypatch.setattr(report, "save", grab)  # the name the report draws with
+    monkeypatch.setattr(figures_module, "save", grab)  # the name the report draws with
     return figures
 
 

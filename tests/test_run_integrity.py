@@ -237,7 +237,7 @@ def test_broken_checkpoints_data_and_selections_are_error_lines(tiny_phi_dir, tm
 # ----------------------------------------------------------------------------------- outputs and reruns
 def test_a_narrower_rerun_drops_stale_prediction_files_and_reports_its_own_selection(tiny_phi_dir, phi_backend,
                                                                                        tmp_path):
-    from harness.report import merge
+    from harness.reports.runs import merge
 
     run_eval(_cfg(tiny_phi_dir, tmp_path, limit=6), backend=phi_backend, progress=False)
     assert sorted(p.name for p in (tmp_path / "predictions").iterdir()) == ["first.json", "last.json"]

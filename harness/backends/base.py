@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -75,13 +76,44 @@ def state_nbytes(state: Any) -> int:
     return total
 
 
+@dataclass
+class PlanRecord:
+    """What a ``generate_all`` chose (the prefill plan, and why) and, once its batches have run, what prefill
+    cost: ``results.json``'s timings (``to_json``)."""
+
+    ran: str  # the plan that ran: tree-rows, tree-block, batch, none, or an engine's own ("vllm prefix caching")
+    asked: str  # --prefix-reuse as given
+    reason: str | None = None
+    estimates_s: dict[str, float] | None = None  # auto: each candidate's predicted prefill seconds
+    costs: dict | None = None  # auto: the measured cost model
+    prompt_tokens: int | None = None
+    tree_tokens: int | None = None
+    prefix_memory_bytes: int | None = None  # the tree's snapshot budget
+    prefill_tokens: int | None = None  # once run: tokens prefilled
+    snapshots: dict[str, int] = field(default_factory=dict)  # once run: the tree's snapshot bytes and recomputes
+
+    @property
+    def mode(self) -> str:
+        """The plan's family: ``tree`` for both of the tree's prefills."""
+        return "tree" if self.ran.startswith("tree-") else self.ran
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prefix_reuse": self.mode, "prefix_reuse_asked": self.asked}
+        optional = {"plan_reason": self.reason, "tree_prefill": self.ran[5:] if self.mode == "tree" else None,
+                    "plan_estimates_s": {k: round(v, 4) for k, v in self.estimates_s.items()} if self.estimates_s else None,
+                    "prefill_costs": self.costs, "prompt_tokens": self.prompt_tokens, "tree_tokens": self.tree_tokens,
+                    "prefix_memory_bytes": self.prefix_memory_bytes, "prefill_tokens": self.prefill_tokens}
+        out.update((k, v) for k, v in optional.items() if v is not None)
+        return {**out, **self.snapshots}
+
+
 class Generation:
     """What ``Backend.generate_all`` returns: iterate it for (request indices, their results), batch by batch, in
-    the order the backend computes them; ``info`` says what was chosen (the prefill plan, and why) and, once the
-    iteration has ended, what prefill cost (``results.json``'s timings)."""
+    the order the backend computes them; ``plan`` says what was chosen and, once the iteration has ended, what
+    prefill cost."""
 
-    def __init__(self, info: dict[str, Any], batches: Iterator[tuple[list[int], list[GenResult]]]):
-        self.info, self._batches = info, batches
+    def __init__(self, plan: PlanRecord, batches: Iterator[tuple[list[int], list[GenResult]]]):
+        self.plan, self._batches = plan, batches
 
     def __iter__(self) -> Iterator[tuple[list[int], list[GenResult]]]:
         return self._batches

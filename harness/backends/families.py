@@ -43,7 +43,7 @@ class Family:
     segments_exact: bool = True  # a prompt fed in cached segments (one-token ones included) equals it fed whole
 
     @property
-    def prefix_reuse(self) -> bool:
+    def copied_prefix_exact(self) -> bool:
         """Copying a prefilled prefix and feeding each row's suffix as a right-padded block is exact and pays."""
         return self.padding == "masked" and not self.module_state
 

@@ -1,6 +1,7 @@
 """Batched greedy decoding shared by every backend.
 
-A backend supplies a *stepper* (prefill a left-padded batch, feed one token per row, drop rows); this module
+A backend supplies the step contract (``harness.backends.step.StepBackend``: prefill a left-padded batch, feed one
+token per row, drop rows); this module
 owns everything above it: stop strings, EOS, ``max_new_tokens``, the context limit, and the tool loop. Tool
 results are fed back through the same steps as *forced* tokens, so a row that is searching and a row that is
 still reasoning share each forward pass, and generation continues from the cache or recurrent
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: the step contract (step.py) imports this module
+    from harness.backends.step import StepBackend
 
 
 class Tool(Protocol):
@@ -28,26 +32,6 @@ class Tool(Protocol):
     max_calls: int
 
     def __call__(self, text: str, start: int = 0) -> str: ...
-
-
-class Stepper(Protocol):
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Run a left-padded batch; return last-position logits [B, V] and a decoding state."""
-
-    def step(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Feed a right-padded block per row ([B, L]; usually L = 1). ``attention_mask`` covers everything so
-        far, its last L columns being the block's. Returns logits at each row's last real token, [B, V]."""
-
-    def select(self, state: Any, keep: torch.Tensor) -> Any:
-        """Keep only the rows at indices ``keep`` (finished rows leave the batch)."""
-
-    def expand(self, state: Any, n: int) -> Any:
-        """A fresh copy of a one-row state repeated ``n`` times (the shared prefix, copied into each row)."""
-
-    def merge(self, states: Sequence[Any], lengths: Sequence[int]) -> Any:
-        """One batch state from one-row, unpadded states of ``lengths`` tokens each (prompts prefilled through
-        the prefix tree): attention keys and values left-padded to the longest (the mask hides the pads),
-        recurrent state stacked. Optional: only the prefix tree needs it."""
 
 
 @dataclass
@@ -200,7 +184,7 @@ class Started:
 
 
 @torch.inference_mode()
-def greedy_generate(stepper: Stepper, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
+def greedy_generate(stepper: StepBackend, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
                     max_context: int | None = None, start: Started | None = None, stats: dict | None = None
                     ) -> list[GenResult]:
     """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order.

@@ -53,7 +53,7 @@ class TransformersBackend(StepBackend):
         return self.family.padding != "alone"
 
     def prefix_exact(self) -> bool:
-        return self.family.prefix_reuse
+        return self.family.copied_prefix_exact
 
     @torch.inference_mode()
     def tree_unsupported(self) -> str | None:
@@ -131,7 +131,7 @@ class TransformersBackend(StepBackend):
 
     def block_logits(self, state, input_ids, attention_mask):
         """Every position's logits of a right-padded block (families whose blocks are masked in every layer)."""
-        if not self.family.prefix_reuse:
+        if not self.family.copied_prefix_exact:
             raise NotImplementedError(f"{self.family.name}: a block after a copied state is not exact")
         block_mask = attention_mask[:, -input_ids.shape[1]:]
         pos = state["pos"][:, None] + block_mask.cumsum(-1)

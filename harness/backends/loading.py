@@ -36,16 +36,18 @@ def backend_name(model: str, spec, backend: str = "auto") -> str:
     """The backend that runs ``spec``: the registry's choice, or ``backend`` where it can run the checkpoint."""
     name = spec.backend if backend == "auto" else backend
     if name != spec.backend and backend_class(spec.backend).own_checkpoints:
-        raise ValueError(f"{model} is a {spec.backend} checkpoint; only --backend {spec.backend} (or auto) runs it")
+        raise ValueError(f"{model} is a checkpoint of the {spec.backend} backend's own kind, not a transformers "
+                         f"model; only --backend {spec.backend} (or auto) runs it")
     return name
 
 
 def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto", engine_args: dict | None = None):
+                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto", engine_args: dict | None = None,
+                 spec=None):
     """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
     ``tokenizer`` the checkpoint's own or the registry's tokenizer; ``engine_args``: an engine's own settings,
-    ``--vllm-arg``)."""
-    spec = model_spec(model, tokenizer)
+    ``--vllm-arg``; ``spec``: ``model_spec``'s answer for these, where the caller has it already)."""
+    spec = spec or model_spec(model, tokenizer)
     if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
         log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
     name = backend_name(model, spec, backend)

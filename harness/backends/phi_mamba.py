@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -36,7 +35,7 @@ class PhiMambaBackend(StepBackend):
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
         on_device = torch.empty(0, device=self.device)
-        self.scan_path = (f"mamba-ssm triton kernels, float32 dots {os.environ.get('TRITON_F32_DEFAULT', 'tf32')}"
+        self.scan_path = (f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
                           if kernels.require("auto", on_device) else "pytorch reference")
         self.graphs = None
         if cuda_graphs:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from harness.backends.base import Generation, count, counters
+from harness.backends.base import Generation, PlanRecord, count, counters
 from harness.backends.generation import (
     GenRequest,
     GenResult,
@@ -74,11 +75,21 @@ class Costs:
                 "token_us_batched": round(self.batch_token * 1e6, 3), "measured_at": [self.rows, self.length]}
 
 
+# The cost models measured so far, per backend (its entry goes with it), then length and rows.
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget_costs(backend: StepBackend) -> None:
+    """Measure ``backend``'s cost model again at its next ``auto`` plan (a benchmark times ``auto`` as a fresh
+    run pays it)."""
+    _COSTS.pop(backend, None)
+
+
 @torch.inference_mode()
 def measure_costs(backend: StepBackend, length: int, rows: int) -> Costs:
     """The cost model's rates, measured once per backend, length and rows (a few prefills of throwaway
     tokens; nothing is counted as the run's work)."""
-    cache = backend.__dict__.setdefault("_prefill_costs", {})
+    cache = _COSTS.setdefault(backend, {})
     if (length, rows) in cache:
         return cache[(length, rows)]
     vocab = max(3, len(backend.tokenizer) - 1)
@@ -140,15 +151,9 @@ class Plan:
     def name(self) -> str:
         return f"tree-{self.tree_prefill}" if self.mode == "tree" else self.mode
 
-    def info(self) -> dict:
-        out = {"prefix_reuse": self.mode, "prefix_reuse_asked": self.asked, "plan_reason": self.reason}
-        if self.tree_prefill:
-            out["tree_prefill"] = self.tree_prefill
-        if self.estimates:
-            out["plan_estimates_s"] = {k: round(v, 4) for k, v in self.estimates.items()}
-        if self.costs is not None:
-            out["prefill_costs"] = self.costs.describe()
-        return out
+    def record(self) -> PlanRecord:
+        return PlanRecord(ran=self.name, asked=self.asked, reason=self.reason, estimates_s=self.estimates or None,
+                          costs=self.costs.describe() if self.costs is not None else None)
 
 
 def _tree_shape(tree: PrefixTree) -> tuple[int, int, list[int]]:
@@ -251,27 +256,27 @@ def generate_all(backend: StepBackend, requests: Sequence[GenRequest], batch_siz
                 for r in requests]
     ids = [list(r.prompt_ids) for r in requests]
     if not requests:
-        return Generation({"prefix_reuse": "none", "prefix_reuse_asked": prefix_reuse}, iter(()))
+        return Generation(PlanRecord(ran="none", asked=prefix_reuse), iter(()))
     plan = make_plan(backend, ids, max(r.max_new_tokens for r in requests), batch_size, prefix_reuse)
     sizes = [len(b) for b in plan.batches]
     log.info("prefill plan: %s for %d prompts in %d batches of %d-%d%s", plan.name, len(ids), len(sizes), min(sizes),
              max(sizes), f" ({plan.reason})" if plan.reason else "")
-    info = plan.info()
-    info.update(prompt_tokens=sum(map(len, ids)), tree_tokens=(plan.tree or PrefixTree(ids)).tree_tokens)
+    record = plan.record()
+    record.prompt_tokens, record.tree_tokens = sum(map(len, ids)), (plan.tree or PrefixTree(ids)).tree_tokens
     if plan.mode == "tree":
         budget = default_budget(backend.device) if prefix_memory == "auto" else (
             prefix_memory if isinstance(prefix_memory, int) else parse_bytes(prefix_memory))
-        info["prefix_memory_bytes"] = budget
-        log.info("prefix tree: %d prompt tokens, %d distinct (snapshots within %.2f GiB)", info["prompt_tokens"],
-                 info["tree_tokens"], budget / 2 ** 30)
-    return Generation(info, _run(backend, requests, plan, info))
+        record.prefix_memory_bytes = budget
+        log.info("prefix tree: %d prompt tokens, %d distinct (snapshots within %.2f GiB)", record.prompt_tokens,
+                 record.tree_tokens, budget / 2 ** 30)
+    return Generation(record, _run(backend, requests, plan, record))
 
 
-def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, info: dict
+def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, record: PlanRecord
          ) -> Iterator[tuple[list[int], list[GenResult]]]:
     stats = counters(backend)
     before = stats.get("prefill_tokens", 0)
-    states = PrefixStates(backend, plan.tree, info["prefix_memory_bytes"]) if plan.mode == "tree" else None
+    states = PrefixStates(backend, plan.tree, record.prefix_memory_bytes) if plan.mode == "tree" else None
     prefix = None
     try:
         for batch in plan.batches:
@@ -282,10 +287,10 @@ def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, info: dic
             yield batch, greedy_generate(backend, backend.tokenizer, reqs, device=backend.device,
                                          max_context=backend.max_context, start=start, stats=stats)
     finally:
-        info["prefill_tokens"] = stats.get("prefill_tokens", 0) - before
+        record.prefill_tokens = stats.get("prefill_tokens", 0) - before
         if states is not None:
-            info.update(prefix_snapshot_peak_bytes=states.peak, prefix_snapshot_left_bytes=states.used,
-                        prefix_snapshots_recomputed=states.skipped)
+            record.snapshots = {"prefix_snapshot_peak_bytes": states.peak, "prefix_snapshot_left_bytes": states.used,
+                                "prefix_snapshots_recomputed": states.skipped}
 
 
 @torch.inference_mode()

@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 
 from harness import hub
-from harness.backends.base import Backend, Generation, resolve_device, resolve_dtype
+from harness.backends.base import Backend, Generation, PlanRecord, resolve_device, resolve_dtype
 from harness.backends.generation import GenRequest, chunked_generate
 from harness.backends.scoring import scoring_window
 
@@ -248,16 +248,16 @@ class VLLMBackend(Backend):
         few-shot prefix and everything resubmitted after a tool call where that is exact), through the shared
         state machine (``chunked_generate``); ``batch_size`` and ``prefix_reuse`` are vLLM's to decide."""
         caching = self.settings["enable_prefix_caching"]
-        info = {"prefix_reuse": "vllm prefix caching" if caching else "none", "prefix_reuse_asked": prefix_reuse,
-                "plan_reason": "vLLM schedules its own batches and caches shared prefixes in blocks" if caching else
-                f"vLLM's prefix caching is not exact for family {self.settings['family']!r}: off"}
+        record = PlanRecord(ran="vllm prefix caching" if caching else "none", asked=prefix_reuse,
+                            reason="vLLM schedules its own batches and caches shared prefixes in blocks" if caching
+                            else f"vLLM's prefix caching is not exact for family {self.settings['family']!r}: off")
 
         def everything():
             if requests:
                 yield list(range(len(requests))), chunked_generate(self.continue_rows, self.tokenizer, requests,
                                                                    max_context=self.max_context)
 
-        return Generation(info, everything())
+        return Generation(record, everything())
 
     def continue_rows(self, seqs: list[list[int]], max_tokens: list[int], stops: list[list[str]]) -> list[list[int]]:
         from vllm import SamplingParams

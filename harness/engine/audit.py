@@ -40,7 +40,7 @@ def audit_rows(cfg, backend, records: list[dict], request: Callable[[str], GenRe
             differ.append({"key": rec["key"], **first_difference(ref.tokenizer, rec["generation"], out.text),
                            "run": rec["generation"][:300], "reference": out.text[:300]})
     result = {"rows": len(chosen), "agree": len(chosen) - len(differ), "differ": differ[:20],
-              "reference": {"batch": 1, "prefix_reuse": False, "cuda_graphs": False, "dtype": _dtype(ref)}}
+              "reference": {"batch": 1, "prefix_reuse": "none", "cuda_graphs": False, "dtype": _dtype(ref)}}
     log.info("audit: %d of %d rows generated again alone, unpadded, in float32 agree%s", result["agree"],
              result["rows"], f" (first difference in {differ[0]['key']} at token {differ[0]['token']})"
              if differ else "")

@@ -38,6 +38,12 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+# The flags that decide how rows are computed, never what they hold (outputs are identical across them): left out
+# of the settings hash (``RunConfig.resolved``) and of a report's run labels. Every other flag is in the hash, as
+# itself or as what it resolves to (a test keeps the two in step).
+NOT_RESULT_DECIDING = ("output", "overwrite", "audit", "batch_size", "prefix_reuse", "prefix_memory")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Every flag of ``harness.eval`` except the task's own options (``task_args``, see ``evals``), defined

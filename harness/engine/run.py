@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from evals import get_task
-from evals.base import KEY_SEPARATOR, DataError, Instance, ToolSpec, read_utf8
+from evals import get_task, task_class
+from evals.base import KEY_SEPARATOR, DataError, Instance, Task, ToolSpec, read_utf8
 from harness import hub
 from harness.backends.generation import GenRequest
 from harness.backends import backend_class
@@ -45,20 +46,20 @@ from harness.engine.runlog import (
     write_run_meta,
 )
 from harness.engine.stats import summarize
+from harness.models.registry import ModelSpec
 from harness.files import write_atomic, write_json
 from harness.hashing import content_sha256, digest, json_digest
 
 log = logging.getLogger("harness")
 
-def _load_tokenizer(cfg: RunConfig):
+def _load_tokenizer(spec: ModelSpec, task: str):
     """The tokenizer the model will use, loaded before the model (a task builds its prompts with it)."""
-    spec = model_spec(cfg.model, cfg.tokenizer)
     name = spec.tokenizer or spec.path
     hub.require((name, "tokenizer"))
     try:
         return load_tokenizer(name)
     except OSError as e:
-        raise ModelLoadError(f"task {cfg.task!r} needs the model's tokenizer and {name!r} could not be loaded "
+        raise ModelLoadError(f"task {task!r} needs the model's tokenizer and {name!r} could not be loaded "
                              f"({e}); pass --tokenizer with a local copy") from e
 
 
@@ -130,91 +131,132 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
     return EvalRun(cfg, backend, progress).run()
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run as ``prepare`` fixed it before any file is written: the resolved config, the model's spec and
+    backend (resolved once), the task (built with all it needs, never changed afterwards), the template, the
+    selected rows, their instances and prompts, what each row asks of the backend (stop strings, the scorer's
+    options, the tool's settings) and the settings hash with what it hashes."""
+
+    cfg: RunConfig
+    spec: ModelSpec
+    backend_name: str
+    engine_args: dict
+    task: Task
+    template: PromptTemplate
+    rows: list[dict]
+    instances: list[Instance]
+    prompts: dict[str, str]
+    stop: list[str]
+    score_kw: dict
+    tool_spec: ToolSpec
+    resolved: dict
+    config_hash: str
+
+    def with_identity(self, identity: dict) -> "PreparedRun":
+        """The same run with the model's identity as loading found it (a hub model fetched to a commit)."""
+        resolved = {**self.resolved, **identity}
+        return dataclasses.replace(self, resolved=resolved, config_hash=settings_hash(resolved))
+
+
+def prepare(cfg: RunConfig, backend=None, dist=None) -> tuple[PreparedRun, Any]:
+    """Everything that can be checked before a file is written (flags, data, the template on every prompt, the
+    model's identity), and the settings hash; returns the prepared run and the backend (``backend``, or the model
+    loaded here when a hub model must be fetched before its identity is known)."""
+    cfg.validate()
+    engine_args = parse_engine_args(cfg.vllm_arg)
+    spec = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
+    name = backend_name(cfg.model, spec, cfg.backend)
+    absent = hub.missing((spec.path, "model"), (spec.tokenizer, "tokenizer")) if backend is None else []
+    tokenizer = None
+    if task_class(cfg.task).needs_tokenizer:  # e.g. contexts measured in the model's tokens
+        tokenizer = backend.tokenizer if backend is not None else _load_tokenizer(spec, cfg.task)
+    task = get_task(cfg.task, data=cfg.data, split=cfg.split, tokenizer=tokenizer, **cfg.task_args)
+    if cfg.retrieval and task.retrieval_template is None and not cfg.template:
+        raise ConfigError(f"--retrieval: task {cfg.task!r} has no retrieval prompt; pass --template with one")
+    template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
+    # Resolved once: the task's complete options, the template, the budget; run.json records this config.
+    cfg = dataclasses.replace(cfg, task_args=dataclasses.asdict(task.options), template=_absolute(cfg.template) or
+                              template.name, template_sha256=template.sha256, data=_absolute(cfg.data),
+                              ids=_absolute(cfg.ids), output=_absolute(cfg.output, always=True),
+                              max_new_tokens=cfg.max_new_tokens or task.default_max_new_tokens)
+    answer_phrase = template.declared("answer_phrase")
+    tool_spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
+                         max_chars=cfg.tool_max_chars)
+    all_rows = _load_rows(task, spec, absent)
+    if not all_rows:
+        raise DataError(f"--data {cfg.data or cfg.task}: the data holds no rows; give a file with at least one "
+                        "question")
+    rows = select_rows(all_rows, cfg.ids, cfg.limit)
+    if not rows:
+        raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
+                        f"--limit/--ids ({cfg.ids or cfg.limit})")
+    instances = task.instances(rows, seed=cfg.seed, pool_rows=all_rows)
+    _check_unique(instances, cfg.data)
+    prompts = _render(task, template, instances, tool_spec)
+    identity = model_identity(spec.path, spec.tokenizer)
+    if awaits_download(spec.path, spec.tokenizer, identity) and backend is None:
+        # a hub model not in the HF cache: loading it downloads it, and then its commit is known
+        backend = _load_model(cfg, dist, spec)
+        identity = model_identity(spec.path, spec.tokenizer)
+    selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
+    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
+    resolved.update(identity)
+    resolved.update(backend_class(name).run_identity(spec.path, cfg.device, cfg.dtype, engine_args))
+    return PreparedRun(cfg=cfg, spec=spec, backend_name=name, engine_args=engine_args, task=task, template=template,
+                       rows=rows, instances=instances, prompts=prompts,
+                       stop=cfg.stop if cfg.stop is not None else task.stop,
+                       score_kw={"answer_phrase": answer_phrase} if answer_phrase else {}, tool_spec=tool_spec,
+                       resolved=resolved, config_hash=settings_hash(resolved)), backend
+
+
+def _load_rows(task: Task, spec: ModelSpec, absent: list) -> list[dict]:
+    """The task's data; offline, everything missing (model, tokenizer, data) is named in one error."""
+    why = (f"{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
+           f"{spec.tokenizer}'s (--tokenizer picks another)." if spec.tokenizer and Path(spec.path).is_dir()
+           else "")
+    try:
+        rows = task.load()
+    except DataError as e:
+        raise (hub.unreachable_error(absent, also=str(e), why=why) if absent else e) from None
+    if absent:
+        raise hub.unreachable_error(absent, why=why)
+    return rows
+
+
+def _render(task: Task, template: PromptTemplate, instances: list[Instance], tool_spec: ToolSpec) -> dict[str, str]:
+    tool_vars = tool_spec.template_vars()
+    prompts = {i.key: template.render(**task.template_vars(i), tool=tool_vars) for i in instances}
+    empty = [k for k, p in prompts.items() if not p.strip()]
+    if empty:
+        names = ", ".join(task.template_vars(instances[0]))
+        raise ConfigError(f"template {template.path} renders an empty prompt for {len(empty)} instance(s) (e.g. "
+                          f"{empty[0]}); check that it writes the task's variables ({names})")
+    return prompts
+
+
+def _prepared(name: str) -> property:
+    return property(lambda self: getattr(self.prepared, name), doc=f"the prepared run's ``{name}``")
+
+
 class EvalRun:
     """One evaluation run, in the order it happens. ``prepare`` checks everything that can be checked before a
-    file is written (flags, data, the template on every prompt, the model's identity) and fixes the settings
-    hash; ``run`` then holds the run directory's lock while it resumes (``resume``), loads the model only if
-    something is left to generate, generates (``generate``), collects the rows (``collect``) and writes the
-    results (``report``). ``harness.engine.audit`` reads its prompts, stops and tool settings."""
+    file is written and fixes the settings hash (a ``PreparedRun``); ``run`` then holds the run directory's lock
+    while it resumes (``resume``), loads the model only if something is left to generate, generates
+    (``generate``), collects the rows (``collect``) and writes the results (``report``).
+    ``harness.engine.audit`` reads its prompts, stops and tool settings."""
+
+    cfg, task, rows, instances, prompts = (_prepared(n) for n in ("cfg", "task", "rows", "instances", "prompts"))
+    stop, score_kw, tool_spec, resolved, config_hash = (_prepared(n) for n in ("stop", "score_kw", "tool_spec",
+                                                                               "resolved", "config_hash"))
 
     def __init__(self, cfg: RunConfig, backend=None, progress: bool = True):
         self.t0 = time.perf_counter()
-        self.backend, self.progress = backend, progress
-        self.prepare(cfg)
-
-    # -- before anything is written -----------------------------------------------------------------------
-    def prepare(self, cfg: RunConfig) -> None:
-        cfg.validate()
-        self.engine_args = parse_engine_args(cfg.vllm_arg)
-        spec = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
-        absent = hub.missing((spec.path, "model"), (spec.tokenizer, "tokenizer")) if self.backend is None else []
-        task = get_task(cfg.task, data=cfg.data, split=cfg.split, **cfg.task_args)
-        if cfg.retrieval and task.retrieval_template is None and not cfg.template:
-            raise ConfigError(f"--retrieval: task {cfg.task!r} has no retrieval prompt; pass --template with one")
-        template = PromptTemplate(cfg.template or (task.retrieval_template if cfg.retrieval else task.default_template))
-        # Resolved once: the task's complete options, the template, the budget; run.json records this config.
-        self.cfg = cfg = dataclasses.replace(cfg, task_args=dataclasses.asdict(task.options),
-                                             template=_absolute(cfg.template) or template.name,
-                                             template_sha256=template.sha256, data=_absolute(cfg.data),
-                                             ids=_absolute(cfg.ids), output=_absolute(cfg.output, always=True),
-                                             max_new_tokens=cfg.max_new_tokens or task.default_max_new_tokens)
-        self.task, self.template_variables = task, template.variables
-        self.stop = cfg.stop if cfg.stop is not None else task.stop
-        answer_phrase = template.declared("answer_phrase")
-        self.score_kw = {"answer_phrase": answer_phrase} if answer_phrase else {}
-        self.tool_spec = ToolSpec(enabled=cfg.retrieval, max_calls=cfg.max_tool_calls, timeout=cfg.tool_timeout,
-                                  max_chars=cfg.tool_max_chars)
-        all_rows = self._load_rows(spec, absent)
-        if not all_rows:
-            raise DataError(f"--data {cfg.data or cfg.task}: the data holds no rows; give a file with at least one "
-                            "question")
-        self.rows = select_rows(all_rows, cfg.ids, cfg.limit)
-        if not self.rows:
-            raise DataError(f"the selection is empty: {len(all_rows)} row(s) in the data, none selected by "
-                            f"--limit/--ids ({cfg.ids or cfg.limit})")
-        if task.needs_tokenizer:  # e.g. contexts measured in the model's tokens
-            task.tokenizer = self.backend.tokenizer if self.backend is not None else _load_tokenizer(cfg)
-        self.instances = task.instances(self.rows, seed=cfg.seed, pool_rows=all_rows)
-        _check_unique(self.instances, cfg.data)
-        self.prompts = self._render(template)
+        self.progress = progress
         self.dist = distributed_state()
         self.rank, self.world = (self.dist.process_index, self.dist.num_processes) if self.dist else (0, 1)
-        identity = model_identity(spec.path, spec.tokenizer)
-        if awaits_download(spec.path, spec.tokenizer, identity) and self.backend is None:
-            # a hub model not in the HF cache: loading it downloads it, and then its commit is known
-            self.backend = _load_model(cfg, self.dist)
-            identity = model_identity(spec.path, spec.tokenizer)
-        selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
-        self.resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects),
-                                          self.backend)
-        self.resolved.update(identity)
-        name = backend_name(cfg.model, spec, cfg.backend)
-        self.resolved.update(backend_class(name).run_identity(spec.path, cfg.device, cfg.dtype, self.engine_args))
-        self.config_hash = settings_hash(self.resolved)
-        self.lock = RunLock(cfg.output) if self.rank == 0 else None
-
-    def _load_rows(self, spec, absent: list) -> list[dict]:
-        """The task's data; offline, everything missing (model, tokenizer, data) is named in one error."""
-        why = (f"{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "
-               f"{spec.tokenizer}'s (--tokenizer picks another)." if spec.tokenizer and Path(spec.path).is_dir()
-               else "")
-        try:
-            rows = self.task.load()
-        except DataError as e:
-            raise (hub.unreachable_error(absent, also=str(e), why=why) if absent else e) from None
-        if absent:
-            raise hub.unreachable_error(absent, why=why)
-        return rows
-
-    def _render(self, template: PromptTemplate) -> dict[str, str]:
-        tool_vars = self.tool_spec.template_vars()
-        prompts = {i.key: template.render(**self.task.template_vars(i), tool=tool_vars) for i in self.instances}
-        empty = [k for k, p in prompts.items() if not p.strip()]
-        if empty:
-            names = ", ".join(self.task.template_vars(self.instances[0]))
-            raise ConfigError(f"template {template.path} renders an empty prompt for {len(empty)} instance(s) (e.g. "
-                              f"{empty[0]}); check that it writes the task's variables ({names})")
-        return prompts
+        self.prepared, self.backend = prepare(cfg, backend, self.dist)
+        self.lock = RunLock(self.cfg.output) if self.rank == 0 else None
 
     # -- under the run directory's lock -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -226,7 +268,7 @@ class EvalRun:
             todo, n_todo, n_stale = self.resume()
             t_load = time.perf_counter()
             if self.backend is None and (todo or not self.has_meta):
-                self.backend = _load_model(self.cfg, self.dist)
+                self.backend = _load_model(self.cfg, self.dist, self.prepared.spec)
                 self._identity_after_loading(fresh=not self.has_meta and not self.samples.records)
             load_s = time.perf_counter() - t_load
             self._log_backend()
@@ -283,7 +325,7 @@ class EvalRun:
         """The loaded files hashed again: a hub model can resolve to a newer commit once it is fetched (a new run
         takes the commit it loaded; a resumed one is refused), and a local checkpoint rewritten while it loaded
         may have been read half old, half new (refused)."""
-        spec = model_spec(self.cfg.model, self.cfg.tokenizer)
+        spec = self.prepared.spec
         now = model_identity(spec.path, spec.tokenizer)
         before = {k: self.resolved.get(k) for k in now}
         if now != before:
@@ -291,8 +333,7 @@ class EvalRun:
                 raise ResumeMismatchError(f"{self.cfg.output} holds a run made with other settings: "
                                           f"{describe_changes(before, now)} (the model was fetched or rewritten as "
                                           "it loaded). Use a new --output, or --overwrite to start over.")
-            self.resolved.update(now)
-            self.config_hash = settings_hash(self.resolved)
+            self.prepared = self.prepared.with_identity(now)
 
     def _log_backend(self) -> None:
         if self.backend is not None:
@@ -341,7 +382,7 @@ class EvalRun:
             t = time.perf_counter()
         bar.close()
         # what prefill cost, against the least it could, and which plan ran (results.json timings)
-        self.prefill_stats = dict(generation.info)
+        self.prefill_stats = generation.plan.to_json()
         return gen_s, new_tokens
 
     def request(self, ins: Instance, prompt_ids: list[int] | None = None) -> GenRequest:
@@ -385,7 +426,7 @@ class EvalRun:
         conditions = list(dict.fromkeys(i.condition for i in self.instances))
         by_condition = summarize(records, task.metrics, conditions, seed=cfg.seed, axis_statistic=task.axis_statistic)
         results = {
-            "task": cfg.task, "task_summary": task.describe(self.template_variables), "condition": task.condition,
+            "task": cfg.task, "task_summary": task.describe(self.prepared.template.variables), "condition": task.condition,
             "model": cfg.model, "config": cfg.to_dict(), "config_hash": self.config_hash, "resolved": self.resolved,
             "backend": self.backend.describe() if self.backend is not None else None,
             "metrics": by_condition,
@@ -397,8 +438,8 @@ class EvalRun:
         }
         if cfg.audit:
             by_key = {i.key: i for i in self.instances}
-            results["audit"] = audit_rows(cfg, self.backend if self.backend is not None else _load_model(cfg, self.dist),
-                                          records, lambda key: self.request(by_key[key]), cfg.audit)
+            backend = self.backend if self.backend is not None else _load_model(cfg, self.dist, self.prepared.spec)
+            results["audit"] = audit_rows(cfg, backend, records, lambda key: self.request(by_key[key]), cfg.audit)
         df = metrics_table(by_condition, task.metrics, task.condition)
         results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
         results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions),
@@ -430,13 +471,13 @@ def _run_files(out: Path) -> set[str]:
     return names
 
 
-def _load_model(cfg: RunConfig, dist):
+def _load_model(cfg: RunConfig, dist, spec: ModelSpec):
     """The run's backend, on this rank's GPU when launched on several."""
     device = cfg.device
     if dist is not None and device == "auto" and torch.cuda.is_available():
         device = f"cuda:{dist.local_process_index}"
     return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs,
-                        engine_args=parse_engine_args(cfg.vllm_arg))
+                        engine_args=parse_engine_args(cfg.vllm_arg), spec=spec)
 
 
 def audit_line(results: dict) -> str:

@@ -67,6 +67,14 @@ def int32_safe_rows(batch: int, per_row_elements: int) -> list[slice]:
     return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
 
 
+def float32_dots() -> str:
+    """How the kernels' float32 dot products round, once ``mamba_ssm_ops`` has loaded them: ``ieee`` (set there)
+    or what ``TRITON_F32_DEFAULT`` says."""
+    from triton import knobs  # lazy: triton is an optional install
+
+    return knobs.language.fp32_default or "tf32"
+
+
 def require(scan: str, t: torch.Tensor) -> types.SimpleNamespace | None:
     """The ops for ``scan`` = "auto" (kernels when usable), "kernel" (kernels or an error) or "torch" (never)."""
     if scan == "torch":

@@ -439,7 +439,7 @@ class PhiMambaForCausalLM(nn.Module):
         self.config = config
         self.backbone = Backbone(config)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=True)
-        self.scan = "auto"  # "auto" | "kernel" | "torch"
+        self.ssm_path = "auto"  # the Mamba layers' path: auto, kernel (mamba-ssm's Triton kernels) or torch
 
     def init_state(self, batch: int, device=None, dtype=None) -> PhiMambaState:
         device = device or self.lm_head.weight.device
@@ -465,7 +465,7 @@ class PhiMambaForCausalLM(nn.Module):
             if blk.attention:
                 mixed = blk.mixer(x, attention_mask, s, pos.clamp_min(0))
             else:
-                mixed = blk.mixer(x, block, s, last, self.scan)
+                mixed = blk.mixer(x, block, s, last, self.ssm_path)
             h = h + mixed + blk.mlp(x)
         state.pos = pos.gather(1, last[:, None]).squeeze(1)
         h = self.backbone.final_layernorm(h if not logits_to_keep else h[:, -logits_to_keep:])

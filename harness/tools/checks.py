@@ -76,7 +76,7 @@ def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple
                                                                              list[list[int]]]:
     """Prefill a left-padded batch, then greedy-decode ``steps`` tokens (through ``graphs``, a GraphedDecode,
     when given); logits at real positions, per-step logits and tokens."""
-    model.scan = scan
+    model.ssm_path = scan
     ids, mask = left_pad(seqs, 0, device)
     with torch.inference_mode():
         logits, state = model(ids, mask)

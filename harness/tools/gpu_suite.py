@@ -22,7 +22,7 @@ import torch
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.backends.generation import GenRequest, common_prefix
 from harness.backends.loading import load_backend
-from harness.backends.planner import plan_batches
+from harness.backends.planner import forget_costs, plan_batches
 from harness.backends.prefix_tree import PrefixTree
 from harness.models.istree import build_model
 from harness.models.selective_scan import scan_implementation
@@ -242,22 +242,21 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     backend.generate([GenRequest(p, 2) for p in prompts[:2]])  # first-call costs out of the timings
     runs = {}
     for plan in plans:
-        backend.__dict__.pop("_prefill_costs", None)
+        forget_costs(backend)
         sync()
         t = time.perf_counter()
         gen = backend.generate_all([GenRequest(p, new, prompt_ids=i) for p, i in zip(prompts, ids)],
                                    batch_size="auto", prefix_reuse=plan)
         out = [r.token_ids for r in gen.results(len(prompts))]
         sync()
-        runs[plan] = (time.perf_counter() - t, gen.info, out)
+        runs[plan] = (time.perf_counter() - t, gen.plan, out)
     base = runs["batch"][0]
     ref = runs["none"][2]
     tree_tokens = PrefixTree(ids).tree_tokens
-    return [{"model": arch, "dtype": dtype, "prompts": len(prompts), "plan": plan,
-             "ran": f"tree-{info['tree_prefill']}" if info.get("tree_prefill") else info["prefix_reuse"],
+    return [{"model": arch, "dtype": dtype, "prompts": len(prompts), "plan": plan, "ran": record.ran,
              "seconds": round(sec, 2), "speedup_vs_batch": round(base / sec, 2),
-             "prefilled_over_tree": round(info["prefill_tokens"] / tree_tokens, 2), "same_as_none": out == ref}
-            for plan, (sec, info, out) in runs.items()]
+             "prefilled_over_tree": round(record.prefill_tokens / tree_tokens, 2), "same_as_none": out == ref}
+            for plan, (sec, record, out) in runs.items()]
 
 
 def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int) -> dict:

@@ -1,0 +1,66 @@
+"""What a step backend's tokens cost in memory, measured on the backend itself: the decoding state one sequence
+holds (``state_bytes``, recorded per row), the peak one prefilled token takes on a GPU, and from both the token
+budget of ``--batch-size auto``. Each measurement is taken once per backend and kept here, not on the backend."""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness.backends.base import state_nbytes
+
+if TYPE_CHECKING:  # annotations only: step.py imports this module
+    from harness.backends.step import StepBackend
+
+_STATE_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> (bytes, bytes per token) | None
+_PREFILL_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> bytes per prefilled token
+
+
+@torch.inference_mode()
+def state_bytes(backend: StepBackend, tokens: int) -> int | None:
+    """Bytes of decoding state one sequence of ``tokens`` tokens holds (KV cache at its length, conv and SSM
+    state, both for hybrids): fitted once from two real prefills as a constant plus a per-token part (exact
+    for both kinds of state). None where the backend cannot prefill a state of its own."""
+    if backend not in _STATE_FITS:
+        try:
+            sizes = []
+            for n in (8, 24):
+                ids = (torch.arange(n, device=backend.device) % max(2, len(backend.tokenizer) - 1) + 1)[None]
+                sizes.append(state_nbytes(backend.prefill(ids, torch.ones_like(ids))[1]))
+            per_token = (sizes[1] - sizes[0]) / 16
+            _STATE_FITS[backend] = (sizes[0] - 8 * per_token, per_token)
+        except NotImplementedError:
+            _STATE_FITS[backend] = None
+    fit = _STATE_FITS[backend]
+    return None if fit is None else int(round(fit[0] + fit[1] * tokens))
+
+
+def token_budget(backend: StepBackend) -> int:
+    """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``. A token costs the
+    larger of what its cache holds while decoding (``bytes_per_token``) and what a prefill needs per token,
+    measured."""
+    if backend.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(backend.device)
+        per_token = max(backend.bytes_per_token(), prefill_bytes_per_token(backend))
+        return max(2048, int(free * 0.5 / max(1, per_token)))
+    return 16384
+
+
+@torch.inference_mode()
+def prefill_bytes_per_token(backend: StepBackend, length: int = 2048) -> int:
+    """Peak CUDA memory one prefilled token takes (activations, the kernels' scratch, its cache), measured once
+    on one prompt of ``length`` tokens. A recurrent model's cache is small but its prefill is not: on an H100 a
+    Phi-Mamba batch sized by its cache alone ran out of memory."""
+    if backend not in _PREFILL_PEAKS:
+        n = min(length, backend.max_context or length)
+        ids = torch.full((1, n), backend.tokenizer.eos_token_id or 0, device=backend.device)
+        torch.cuda.synchronize(backend.device)
+        base = torch.cuda.memory_allocated(backend.device)
+        torch.cuda.reset_peak_memory_stats(backend.device)
+        out = backend.prefill(ids, torch.ones_like(ids))
+        torch.cuda.synchronize(backend.device)
+        _PREFILL_PEAKS[backend] = -(-(torch.cuda.max_memory_allocated(backend.device) - base) // n)
+        del out
+        torch.cuda.empty_cache()
+    return _PREFILL_PEAKS[backend]
