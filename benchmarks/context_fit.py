@@ -14,7 +14,7 @@ import statistics
 
 from evals import get_task
 from harness.tools.fixture_prompts import fixture_prompts
-from harness.engine.identity import cache_dir
+from harness.cache import cache_dir
 
 GPT2 = cache_dir() / "gpt2-bpe"
 

@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from harness.procs import project_env
+
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def cli_run(cell: list[str], steps: int, batch: int, out: Path) -> dict:
     args = [sys.executable, "-m", "harness.train", *cell, "--batch-size", str(batch), "--samples", str(steps * batch),
             "--eval-samples", str(batch), "--eval-every", str(steps * batch), "--no-live-eval", "--report-to", "none",
             "--no-progress", "--output", str(out)]
-    res = subprocess.run(args, capture_output=True, text=True, env=PROJECT_ENV, cwd=ROOT)
+    res = subprocess.run(args, capture_output=True, text=True, env=project_env(), cwd=ROOT)
     if res.returncode:
         sys.exit(f"error: {' '.join(args[2:])} failed: {res.stderr.strip()[-1500:]}")
     return json.loads((out / "result.json").read_text())
@@ -42,7 +42,7 @@ def projection(cell: list[str], batch: int, steps: int) -> float:
             "dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu'); "
             f"print(json.dumps(measure_cell(cfg, dev, {batch}, {steps})))")
     res = subprocess.run([sys.executable, "-c", code, *cell, "--batch-size", str(batch), "--report-to", "none"],
-                         capture_output=True, text=True, env=PROJECT_ENV, cwd=ROOT)
+                         capture_output=True, text=True, env=project_env(), cwd=ROOT)
     if res.returncode:
         sys.exit(f"error: the projection failed: {res.stderr.strip()[-1500:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])["step_s"]

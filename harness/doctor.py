@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.engine.identity import cache_dir
+from harness.cache import cache_dir
 from harness.tools.checks import (
     check_cuda_graphs,
     check_phi_mamba_kernels,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -80,3 +81,10 @@ def exit_description(code: int | None) -> str:
                "SIGSEGV": " (a crash in native code)"}.get(name, "")
         return f"killed by {name}{why}"
     return f"exit code {code}"
+
+
+def project_env(**extra: str) -> dict:
+    """The environment for a child Python that must import this checkout, whatever (if anything) pip installed,
+    plus ``extra``."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **extra}

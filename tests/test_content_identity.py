@@ -13,7 +13,8 @@ import pytest
 
 from evals.fixture import FIXTURE_PATH
 from harness.engine import run_eval
-from harness.engine.identity import FileHashCache, model_identity
+from harness.cache import FileHashCache
+from harness.engine.identity import model_identity
 from harness.engine.runlog import ResumeMismatchError, RunDirError
 from harness.eval import main as eval_main
 from tests.helpers import EachBatch, run_config

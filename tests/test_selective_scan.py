@@ -182,7 +182,7 @@ def selective_scan_ref():
     extension; skipped, saying so, where the package index cannot be reached."""
     import os
 
-    from harness.engine.identity import cache_dir
+    from harness.cache import cache_dir
     from harness.models import kernels
 
     try:

@@ -13,7 +13,8 @@ PACKAGES = ("harness", "evals", "retrieval")
 # The layers, lowest first: a module imports modules of its own layer or below, never above (docs/layout.md).
 # Groups are module-name prefixes; the longest matching prefix decides.
 LAYERS = [
-    ("leaves", ("harness", "harness.files", "harness.hashing", "harness.registry", "harness.hub", "harness.procs")),
+    ("leaves", ("harness", "harness.files", "harness.hashing", "harness.registry", "harness.hub", "harness.procs",
+                "harness.cache")),
     ("models and the tool", ("harness.models", "retrieval")),
     ("tasks and backends", ("evals", "harness.backends")),
     ("engine", ("harness.engine",)),

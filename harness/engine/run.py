@@ -33,7 +33,7 @@ from harness.backends.vllm_backend import parse_engine_args
 from harness.engine import lm_eval_format
 from harness.engine.audit import audit_rows
 from harness.engine.config import ConfigError, RunConfig, settings_hash
-from harness.engine.identity import awaits_download, describe_changes, model_identity
+from harness.engine.identity import awaits_download, model_identity
 from harness.engine.prompting import PromptTemplate
 from harness.engine.results import format_markdown, git_hash, metrics_table, versions
 from harness.engine.runlog import (
@@ -42,6 +42,7 @@ from harness.engine.runlog import (
     RunLock,
     SampleLog,
     check_run_meta,
+    describe_changes,
     move_aside,
     write_run_meta,
 )

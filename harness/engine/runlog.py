@@ -18,7 +18,6 @@ from typing import Iterable
 
 from filelock import FileLock, Timeout
 
-from harness.engine.identity import describe_changes
 from harness.files import remove_stale_temps, write_atomic
 
 log = logging.getLogger("harness")
@@ -301,3 +300,29 @@ def _parse(raw: bytes) -> dict | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return rec if isinstance(rec, dict) and isinstance(rec.get("key"), str) else None
+
+
+# What a changed key of the resolved settings is called in an error line.
+LABELS = {"model_weights": "model weights", "model_config": "model config (config.json)",
+          "tokenizer_files": "tokenizer files", "software": "package versions", "data_sha256": "data file",
+          "template_sha256": "template", "dtype": "dtype", "device_type": "device type", "model": "model",
+          "scan": "Phi-Mamba scan path", "vllm_engine": "vLLM (version and engine settings)"}
+
+
+def describe_changes(old: dict, new: dict) -> str:
+    """``model weights changed since this run started: 1a2b… → 3c4d…; ...`` for every key that differs."""
+    parts = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = [f"{s} {a.get(s)} → {b.get(s)}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
+            parts.append(f"{LABELS.get(k, k)} changed since this run started: {', '.join(sub)}")
+        else:
+            parts.append(f"{LABELS.get(k, k)} changed since this run started: {_short(a)} → {_short(b)}")
+    return "; ".join(parts) or "unknown (run.json predates hashing)"
+
+
+def _short(v) -> str:
+    return "none" if v is None else repr(v) if not isinstance(v, str) else v

@@ -9,7 +9,6 @@ CPU, ``--batch-size auto``'s budget) are listed as skipped with the reason."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from harness.tools.checks import (
     environment,
     free_memory,
 )
-from harness.procs import python_result
+from harness.procs import project_env, python_result
 from harness.training.config import TrainConfig
 from harness.training.data import TrainTask, batch_from_tokens
 from harness.training.grid import grid_cells, measure_cell
@@ -265,7 +264,7 @@ def auto_batch(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     code = ("import json, sys; from harness.tools.gpu_suite import probe_auto_batch; "
             "print('RESULT ' + json.dumps(probe_auto_batch(*json.load(sys.stdin))))")
     got, res = python_result(code, stdin=json.dumps([path, arch, device, dtype, prompts, new]), timeout=600,
-                             env=_project_env())
+                             env=project_env())
     if res.returncode or got is None:
         raise RuntimeError(f"the probe exited {res.returncode}: {res.stderr.strip()[-1500:]}")
     return got
@@ -294,12 +293,6 @@ def probe_auto_batch(path: str, arch: str, device: str, dtype: str, prompts: lis
                                                                               else "")}
 
 
-def _project_env() -> dict:
-    """The environment for a child Python: it imports this checkout, whatever (if anything) pip installed."""
-    root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-
-
 def trainer_projection(cuda: bool) -> str:
     """benchmarks/train_throughput.py's table and the paper grid's projected hours on this device."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
@@ -307,7 +300,7 @@ def trainer_projection(cuda: bool) -> str:
                                                                    "--measure-batch", "2", "--steps", "1"]
     try:
         res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
-                             env=_project_env())
+                             env=project_env())
     except subprocess.TimeoutExpired:
         return "timed out after 300 s"
     return res.stdout.strip() if res.returncode == 0 else f"failed: {res.stderr.strip()[-1500:]}"

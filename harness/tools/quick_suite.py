@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from harness.files import write_atomic
+from harness.procs import project_env
 from harness.models.istree import build_model, trainable_parameters
 from harness.models.selective_scan import SelectiveScan
 from harness.tiny import build_tokenizer
@@ -56,7 +57,7 @@ def sizes(cuda: bool) -> dict:
                             "draws": 8},
                 "sweep": {"questions": 4, "slots": 11, "size": "real", "new": 16},
                 "decode": {"context": 2048, "batches": [1, 64], "steps": 8, "size": "real"}}
-    return {"scan": {"lengths": [16, 33], "batch": 2, "channels": 24, "states": 4, "repeats": 1},  # interpreted
+    return {"scan": {"lengths": [24], "batch": 1, "channels": 16, "states": 4, "repeats": 1},  # interpreted: slow
             "trainer": {"size": "smoke", "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "draws": 2},
             "sweep": {"questions": 1, "slots": 3, "size": "tiny", "new": 6},
@@ -232,10 +233,8 @@ def run_quick(out: Path, budget: float = BUDGET_S) -> int:
 def run_child(name: str, rows_path: Path, limit: float) -> dict:
     """One step in a child process, killed at ``limit`` seconds: its status, time and the rows it wrote."""
     rows_path.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"  # a CPU runs the Triton scan in Triton's interpreter (tiny sizes)
+    # a CPU runs the Triton scan in Triton's interpreter (tiny sizes)
+    env = project_env(**({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}))
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "harness.tools.quick_suite", name, str(rows_path)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from harness.engine.identity import describe_changes
+from harness.engine.runlog import describe_changes
 from harness.engine.runlog import RunDirError, move_aside
 from harness.files import write_atomic
 

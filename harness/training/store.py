@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from evals.synthetic import loss_mask
-from harness.engine.identity import FileHashCache
+from harness.cache import FileHashCache
 from harness.hashing import json_digest
 
 log = logging.getLogger("harness")

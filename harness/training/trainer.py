@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from harness.backends.hf import TransformersBackend
 from harness.engine.config import ConfigError, RunConfig
-from harness.engine.identity import cache_dir
+from harness.cache import cache_dir
 from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
