@@ -95,11 +95,11 @@ def test_a_moved_checkpoint_is_the_same_run(ckpt, tmp_path, phi_backend):
 
 
 def test_file_hashes_are_cached_by_stat_and_any_rewrite_is_seen(tmp_path, monkeypatch):
-    import harness.engine.identity as identity
+    import harness.cache as cache_module
 
     calls = []
-    real = identity.file_digest
-    monkeypatch.setattr(identity, "file_digest", lambda p: calls.append(p) or real(p))
+    real = cache_module.file_digest
+    monkeypatch.setattr(cache_module, "file_digest", lambda p: calls.append(p) or real(p))
     cache = FileHashCache(tmp_path / "cache.json")
     f = tmp_path / "w.safetensors"
     f.write_bytes(b"a" * 4096)
