@@ -16,15 +16,13 @@ one alone: what ``--cells-per-gpu K`` gains where one small cell cannot fill a G
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import time
 
 import torch
 
-from harness.models.istree import build_model, trainable_parameters
 from harness.training.config import TrainConfig
-from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, device_name, measure_cell
+from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, cell_parameters, device_name, measure_cell
 
 
 def main():
@@ -78,8 +76,8 @@ def main():
                     if (setup, n, size, arch) in hours:
                         total += hours[setup, n, size, arch]
                         continue
-                    ref = min(sizes, key=lambda m: abs(math.log(_params(arch, m, n) / _params(arch, size, n))))
-                    ratio = _params(arch, size, n) / _params(arch, ref, n)
+                    ref = min(sizes, key=lambda m: abs(math.log(cell_parameters(arch, m, n) / cell_parameters(arch, size, n))))
+                    ratio = cell_parameters(arch, size, n) / cell_parameters(arch, ref, n)
                     total += hours[setup, n, ref, arch] * ratio
                     projected.append(size)
     how = (f"; sizes {', '.join(sorted(set(projected)))} projected from the nearest measured size by trainable "
@@ -140,12 +138,6 @@ def _child(a) -> None:
         torch.set_num_threads(1)  # K processes share the cores as grid cells do
     m = measure_cell(TrainConfig(**spec, report_to="none").resolved(), device, batch, steps)
     print(json.dumps({"samples_per_s": batch / m["step_s"]}))
-
-
-@functools.cache
-def _params(arch: str, size: str, n: int) -> int:
-    vocab = n + 17
-    return trainable_parameters(build_model(arch, size, vocab))
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def test_the_trainers_result_names_the_scan_that_ran(tmp_path):
     saved = json.loads((tmp_path / "m" / "result.json").read_text())["scans"]
     assert saved == res["scans"] and saved and {r["scan"] for r in saved} == {"torch"}  # a CPU: the PyTorch scan
     assert {r["dtype"] for r in saved} == {"float32"} and all(r["device"] == "cpu" for r in saved)
-    assert res["scan"] == "auto" and 0 < res["steps_seconds"] <= res["train_seconds"]
+    assert res["scan"] == "auto" and res["steps_seconds"] <= res["train_seconds"]  # both rounded alike
     plain = train_one(TrainConfig(arch="transformer", **base, output=str(tmp_path / "t")).resolved(), progress=False)
     assert plain["scans"] == []  # one process, two runs: the Transformer ran no scan
     # the scan is the run's setting: the reference recurrence trains the same model to the same losses, and a

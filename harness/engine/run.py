@@ -135,13 +135,12 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
 @dataclass(frozen=True)
 class PreparedRun:
     """A run as ``prepare`` fixed it before any file is written: the resolved config, the model's spec and
-    backend (resolved once), the task (built with all it needs, never changed afterwards), the template, the
-    selected rows, their instances and prompts, what each row asks of the backend (stop strings, the scorer's
+    engine arguments (resolved once), the task (built with all it needs, never changed afterwards), the template,
+    the selected rows, their instances and prompts, what each row asks of the backend (stop strings, the scorer's
     options, the tool's settings) and the settings hash with what it hashes."""
 
     cfg: RunConfig
     spec: ModelSpec
-    backend_name: str
     engine_args: dict
     task: Task
     template: PromptTemplate
@@ -198,13 +197,13 @@ def prepare(cfg: RunConfig, backend=None, dist=None) -> tuple[PreparedRun, Any]:
     identity = model_identity(spec.path, spec.tokenizer)
     if awaits_download(spec.path, spec.tokenizer, identity) and backend is None:
         # a hub model not in the HF cache: loading it downloads it, and then its commit is known
-        backend = _load_model(cfg, dist, spec)
+        backend = _load_model(cfg, dist, spec, engine_args)
         identity = model_identity(spec.path, spec.tokenizer)
     selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
     resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
     resolved.update(identity)
     resolved.update(backend_class(name).run_identity(spec.path, cfg.device, cfg.dtype, engine_args))
-    return PreparedRun(cfg=cfg, spec=spec, backend_name=name, engine_args=engine_args, task=task, template=template,
+    return PreparedRun(cfg=cfg, spec=spec, engine_args=engine_args, task=task, template=template,
                        rows=rows, instances=instances, prompts=prompts,
                        stop=cfg.stop if cfg.stop is not None else task.stop,
                        score_kw={"answer_phrase": answer_phrase} if answer_phrase else {}, tool_spec=tool_spec,
@@ -269,7 +268,7 @@ class EvalRun:
             todo, n_todo, n_stale = self.resume()
             t_load = time.perf_counter()
             if self.backend is None and (todo or not self.has_meta):
-                self.backend = _load_model(self.cfg, self.dist, self.prepared.spec)
+                self.backend = _load_model(self.cfg, self.dist, self.prepared.spec, self.prepared.engine_args)
                 self._identity_after_loading(fresh=not self.has_meta and not self.samples.records)
             load_s = time.perf_counter() - t_load
             self._log_backend()
@@ -439,7 +438,8 @@ class EvalRun:
         }
         if cfg.audit:
             by_key = {i.key: i for i in self.instances}
-            backend = self.backend if self.backend is not None else _load_model(cfg, self.dist, self.prepared.spec)
+            backend = self.backend if self.backend is not None else _load_model(cfg, self.dist, self.prepared.spec,
+                                                                                self.prepared.engine_args)
             results["audit"] = audit_rows(cfg, backend, records, lambda key: self.request(by_key[key]), cfg.audit)
         df = metrics_table(by_condition, task.metrics, task.condition)
         results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
@@ -472,13 +472,13 @@ def _run_files(out: Path) -> set[str]:
     return names
 
 
-def _load_model(cfg: RunConfig, dist, spec: ModelSpec):
+def _load_model(cfg: RunConfig, dist, spec: ModelSpec, engine_args: dict):
     """The run's backend, on this rank's GPU when launched on several."""
     device = cfg.device
     if dist is not None and device == "auto" and torch.cuda.is_available():
         device = f"cuda:{dist.local_process_index}"
     return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs,
-                        engine_args=parse_engine_args(cfg.vllm_arg), spec=spec)
+                        engine_args=engine_args, spec=spec)
 
 
 def audit_line(results: dict) -> str:

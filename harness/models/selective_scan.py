@@ -342,6 +342,9 @@ def scan_implementation(u: torch.Tensor, A: torch.Tensor, scan: str = "auto") ->
     return "sequential" if scan == "sequential" else _NAMES[_scan_function(u, A, scan)]
 
 
+_LOGGED_OVERRIDES: set[str] = set()  # ICR_SCAN values already logged in this process
+
+
 def scan_override(configured: str) -> str:
     """The scan a run uses: ``configured`` (its ``--scan``), unless the environment's ``ICR_SCAN`` names another,
     which then overrides it and says so in the log (once per process and value)."""
@@ -354,8 +357,6 @@ def scan_override(configured: str) -> str:
                                              configured)
     return forced
 
-
-_LOGGED_OVERRIDES: set[str] = set()
 
 
 def scan_choice_problem(scan: str) -> str | None:

@@ -30,7 +30,6 @@ import torch
 
 from harness.files import write_atomic
 from harness.procs import project_env
-from harness.models.istree import build_model, trainable_parameters
 from harness.models.selective_scan import SelectiveScan
 from harness.tiny import build_tokenizer
 from harness.tools.checks import decode_table, environment
@@ -38,7 +37,7 @@ from harness.tools.fixture_prompts import fixture_prompts
 from harness.tools.gpu_suite import model_path, plan_sweep
 from harness.training.config import TrainConfig
 from harness.training.data import TrainingBatches, TrainTask
-from harness.training.grid import GRID_DEFAULTS, GRIDS, measure_cell
+from harness.training.grid import GRID_DEFAULTS, GRIDS, cell_parameters, measure_cell
 
 BUDGET_S = 420  # the whole call on an H100, start-up and model building included: 10-minute calls, with margin
 MIN_STEP_S = 20  # a step given less than this is skipped: it could not start its models and measure
@@ -67,7 +66,8 @@ def sizes(cuda: bool) -> dict:
 # -- the steps (each runs in its own child process; ``emit`` saves its rows as it goes) ---------------------------
 def scan_step(device: str, spec: dict, emit) -> None:
     """The Triton scan against the PyTorch scan, forward and backward, per length and precision: seconds of
-    each (the best of ``repeats`` after a warm-up on a GPU) and the largest relative difference over the output and every gradient."""
+    each (the best of ``repeats`` after a warm-up on a GPU) and the largest relative difference over the output
+    and every gradient."""
     from harness.models import scan_triton  # lazy: imports triton, which a CPU install may lack
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -134,13 +134,6 @@ def grid_projection(measured: dict, spec: dict, device: torch.device) -> tuple[f
             cfg = TrainConfig(nodes=nodes, setup=setup, report_to="none").resolved()
             source = TrainingBatches(TrainTask(cfg), spec["batch"], cfg.seed, 0)
             tokens[nodes, setup] = sum(source.pool(k)[0][0].shape[1] for k in range(spec["draws"])) / spec["draws"]
-    params = {}
-
-    def n_params(arch, size, nodes):
-        if (arch, size, nodes) not in params:
-            params[arch, size, nodes] = trainable_parameters(build_model(arch, size, nodes + 17))
-        return params[arch, size, nodes]
-
     total = 0.0
     for arch in grid["arch"]:
         (l0, s0), (l1, s1) = sorted((m["tokens"], m["step_s"]) for (a, *_), m in measured.items() if a == arch)
@@ -149,7 +142,7 @@ def grid_projection(measured: dict, spec: dict, device: torch.device) -> tuple[f
                 x = tokens[nodes, setup]
                 step = (s0 + (s1 - s0) * (x - l0) / max(l1 - l0, 1e-9)) * scale
                 for size in grid["size"]:
-                    ratio = n_params(arch, size, nodes) / n_params(arch, spec["size"], nodes)
+                    ratio = cell_parameters(arch, size, nodes) / cell_parameters(arch, spec["size"], nodes)
                     steps = paper["samples"] / batch
                     evals = paper["samples"] // paper["eval_every"] * paper["eval_samples"] / batch
                     total += max(step, 0.0) * ratio * (steps + evals / 3) / 3600

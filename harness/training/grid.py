@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 from evals import istree
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
+from harness.models.istree import build_model, trainable_parameters
 from harness.reports.plotting import pyplot, save
 from harness.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
@@ -245,6 +247,13 @@ def _cell_process(cfg: TrainConfig, threads: int, parent_pid: int, overwrite: bo
 
 
 # ------------------------------------------------------------------------------------------ planning
+@functools.cache
+def cell_parameters(arch: str, size: str, nodes: int) -> int:
+    """Trainable parameters of an IsTree cell's model (its vocabulary is the graph size's): what projections
+    scale a measured size to another by."""
+    return trainable_parameters(build_model(arch, size, len(istree.vocabulary(nodes))))
+
+
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32) -> dict:
     """Seconds per optimizer step (the trainer's own ``optimizer_step``: its model, scan, precision, loss and
     optimizer) and per sample of data generation, and the forward-only seconds of one batch (for evaluations).
@@ -257,7 +266,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cell.lr or 1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cell.lr)
     source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
     t = time.perf_counter()
     drawn = [b for k in range(-(-max(draws, steps) // cell.bucket)) for b in source.pool(k)]

@@ -400,7 +400,7 @@ class Trainer:
                   "attempts": st.attempts, "state_bytes_at_max_len": self.state_bytes, "max_len": self.task.max_len,
                   "train_seconds": round(st.train_s, 2), "data_seconds": round(st.data_s, 2),
                   # every optimizer step's wall time (the loop without evaluations and saves): the planner predicts it
-                  "steps_seconds": round(st.train_s - st.eval_s, 3),
+                  "steps_seconds": round(st.train_s - st.eval_s, 2),  # rounded as train_seconds: never above it
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
