@@ -9,11 +9,18 @@ tokens, the IsTree n=16 direct, n=16 retrieval and n=64 retrieval lengths. Part 
 each measurement in a fresh child process so that its peak memory (resident set on a CPU, allocated on a GPU)
 is its own. Both scans train the same weights to the same loss, checked in every row. "parallel" is what the
 trainer runs (``scan_implementation``: the Triton kernels on a GPU where they pass their check, else the PyTorch
-scan); on a GPU part 1 also times the PyTorch scan."""
+scan); on a GPU part 1 also times the PyTorch scan.
+
+    python benchmarks/scan.py --tune --batch 64   # on a GPU: the Triton scan's chunk and channel-block sizes
+
+``--tune`` times the Triton scan's forward+backward for each chunk length and channel block at each length, on
+bf16 activations (what the trainer's autocast hands it), each configuration's output and gradients checked
+against the PyTorch scan; the fastest per length is marked."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -54,19 +61,69 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     return out
 
 
+def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chunks=(32, 64, 128), blocks=(8, 16, 32)) -> None:
+    """The Triton scan's CHUNK x BLOCK_D on this GPU: seconds of forward+backward and the largest relative
+    difference from the PyTorch scan (output and every gradient) per configuration and length."""
+    from harness.models import scan_triton
+    from harness.models.selective_scan import selective_scan
+
+    d, n = 128, 16
+    default = (scan_triton.CHUNK, scan_triton.BLOCK_D)
+    print(f"Triton scan configurations, forward+backward, batch {batch}, bf16 activations (default: chunk "
+          f"{default[0]}, block {default[1]})")
+    print(f"{'tokens':>7s} {'chunk':>6s} {'block':>6s} {'seconds':>9s} {'vs default':>11s} {'max rel diff':>13s}")
+    for length in lengths:
+        g = torch.Generator().manual_seed(length)
+        u, z = (torch.randn(batch, d, length, generator=g).to(device).bfloat16().requires_grad_() for _ in range(2))
+        dt = (torch.rand(batch, d, length, generator=g) * 0.1 + 0.001).to(device).requires_grad_()
+        B, C = (torch.randn(batch, n, length, generator=g).to(device).bfloat16().requires_grad_() for _ in range(2))
+        A = -torch.arange(1, n + 1.0).expand(d, n).clone().to(device).requires_grad_()
+        D = torch.ones(d, device=device, requires_grad=True)
+        inputs = (u, dt, A, B, C, D, z)
+        dy = torch.randn(batch, d, length, generator=g).to(device).bfloat16()
+
+        def run(scan):
+            y = selective_scan(u, dt, A, B, C, D=D, z=z, scan=scan)
+            grads = torch.autograd.grad(y, inputs, dy)
+            return [y.float(), *(x.float() for x in grads)]
+
+        ref = run("torch")
+        rows = []
+        for chunk in chunks:
+            for block in blocks:
+                scan_triton.CHUNK, scan_triton.BLOCK_D = chunk, block
+                got = run("triton")  # compiles this configuration
+                diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+                best = float("inf")
+                for _ in range(repeats):
+                    _sync(device)
+                    t = time.perf_counter()
+                    run("triton")
+                    _sync(device)
+                    best = min(best, time.perf_counter() - t)
+                rows.append((chunk, block, best, diff))
+        scan_triton.CHUNK, scan_triton.BLOCK_D = default
+        base = next(r[2] for r in rows if r[:2] == default)
+        fastest = min(r[2] for r in rows)
+        for chunk, block, sec, diff in rows:
+            print(f"{length:7d} {chunk:6d} {block:6d} {sec:9.5f} {base / sec:10.2f}x {diff:13.2e}"
+                  + ("  <- fastest" if sec == fastest else ""), flush=True)
+
+
 def train_step(scan: str, nodes: int, setup: str, batch: int, device: str, steps: int) -> dict:
     """Seconds per training step of the 0.5M Mamba with ``scan``, and this process's peak memory."""
     from harness.models import istree
     from harness.training.config import TrainConfig
     from harness.training.data import TrainTask, batch_from_tokens
-    from harness.training.trainer import masked_loss
+    from harness.training.step import masked_loss, new_optimizer
 
-    task = TrainTask(TrainConfig(arch="mamba", nodes=nodes, setup=setup, report_to="none").resolved())
+    cfg = TrainConfig(arch="mamba", nodes=nodes, setup=setup, report_to="none").resolved()
+    task = TrainTask(cfg)
     vocab = {t: i for i, t in enumerate(task.vocab)}
     stream = task.stream(seed=0)
     torch.manual_seed(0)
     model = istree.build_model("mamba", "0.5M", len(task.vocab), scan="auto" if scan == "parallel" else scan).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = new_optimizer(cfg, model, torch.device(device))  # the trainer's
     times, losses, tokens = [], [], 0
     for _ in range(steps + 1):
         ids, mask = batch_from_tokens([next(stream) for _ in range(batch)], vocab, device)
@@ -97,9 +154,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed scans per length (the best is shown)")
     ap.add_argument("--lengths", default="48,455,1845", help="scan lengths of part 1")
     ap.add_argument("--cells", default="16:direct,32:retrieval,64:retrieval", help="IsTree NODES:SETUP of part 2")
+    ap.add_argument("--tune", action="store_true", help="on a GPU: time the Triton scan's chunk and block sizes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.tune:
+        if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("error: --tune times the Triton scan's kernels: run it on a CUDA GPU (or, to check it at tiny "
+                     "sizes, with TRITON_INTERPRET=1)")
+        tune(list(map(int, a.lengths.split(","))), a.batch, a.repeats, device)
+        return
     if a.child:
         print(json.dumps(train_step(**json.loads(a.child), device=device)))
         return

@@ -31,7 +31,7 @@ from harness.tools.checks import (
     environment,
 )
 from harness.tools.gpu_suite import PARTS, run_suite
-from harness.tools.quick_suite import BUDGET_S, run_quick
+from harness.tools.quick_suite import BUDGET_S, STEPS as QUICK_STEPS, run_quick
 from harness.models import kernels
 from harness.procs import python_result
 
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "margin)")
     ap.add_argument("--part", default="all",
                     help="the suite's parts, comma-separated: parity, throughput, decode, trainer, or all (default). "
-                         "On an H100 each part fits one 10-minute call; all of them do not")
+                         "On an H100 each part fits one 10-minute call; all of them do not. With --quick, its steps "
+                         "(scan, trainer, sweep, decode) in the order to run them: a part re-measured after a fix")
     return ap
 
 
@@ -106,10 +107,13 @@ def main(argv=None) -> int:
         print(f"error: --budget {a.budget:g}: give a positive number of seconds, with --quick", file=sys.stderr)
         return 2
     if a.suite == "gpu" and a.quick:
-        if a.part != "all":
-            print("error: --part goes with the full suite; --quick runs its own steps", file=sys.stderr)
+        steps = None if a.part == "all" else [p.strip() for p in a.part.split(",") if p.strip()]
+        unknown = sorted(set(steps or ()) - set(QUICK_STEPS))
+        if unknown or steps == []:
+            print(f"error: --part {a.part!r} with --quick: name its steps, comma-separated, in the order to run them "
+                  f"({', '.join(QUICK_STEPS)}), or all", file=sys.stderr)
             return 2
-        return run_quick(Path(a.out), a.budget or BUDGET_S)
+        return run_quick(Path(a.out), a.budget or BUDGET_S, steps)
     if a.suite == "gpu":
         parts = PARTS if a.part == "all" else tuple(p.strip() for p in a.part.split(",") if p.strip())
         unknown = sorted(set(parts) - set(PARTS))

@@ -32,7 +32,8 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     plans = report["plans"]  # every plan on the all-slot sweep, each with none's generations
     assert {(r["model"], r["plan"]) for r in plans} == {(a, p) for a in ("phi", "phi-mamba", "hybrid-phi-mamba")
                                                         for p in ("auto", "tree-rows", "tree-block", "batch", "none")}
-    assert all(r["same_as_none"] for r in plans) and all(r["ran"] != "auto" for r in plans)
+    assert all(r["same_as_none"] and r["differs_from_none"] == 0 for r in plans)
+    assert all(r["ran"] != "auto" for r in plans)
     assert report["decode"] and {r["batch"] for r in report["decode"]} == {1, 4} and len(report["trainer"]) == 9
     assert any("paper grid's projection" in s for s in report["skipped"]) and report["auto_batch"] == []
     md = (out / "report.md").read_text()
@@ -63,7 +64,8 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path):
     assert [r["grid_hours"] > 0 for r in trainer if r.get("projection")] == [True]
     assert {(r["model"], r["plan"]) for r in steps["sweep"]["rows"]} == {
         (m, p) for m in ("phi", "phi-mamba") for p in ("auto", "batch", "none")}
-    assert all(r["same_as_none"] for r in steps["sweep"]["rows"])
+    sweep = steps["sweep"]["rows"]  # float32 on a CPU: equal to none's, on generations that differ
+    assert all(r["same_as_none"] and r["differs_from_none"] == 0 and r["distinct_generations"] >= 2 for r in sweep)
     assert {(r["model"], r["batch"]) for r in steps["decode"]["rows"]} == {(m, b) for m in ("phi", "phi-mamba")
                                                                              for b in (1, 4)}
     summary = {r["number"]: r for r in report["summary"]}
@@ -84,6 +86,12 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path):
     assert [s["status"] for s in small["steps"].values()] == ["skipped"] * 4
     assert all("budget" in s["reason"] for s in small["steps"].values())
     assert {r["met"] for r in small["summary"]} == {"not measured"}
+    # a part re-measured after a fix: the steps named, in that order (--part with --quick)
+    assert run_quick(tmp_path / "parts", budget=MIN_STEP_S + 5, steps=["sweep", "scan"]) == 0
+    assert list(json.loads((tmp_path / "parts" / "report.json").read_text())["steps"]) == ["sweep", "scan"]
+    res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--part", "decoding",
+                          "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "error: --part 'decoding'" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path):

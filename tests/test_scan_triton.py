@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     import torch
     from harness.models import scan_triton as st, selective_scan as ss
     from harness.models.istree import build_model
-    from harness.training.trainer import masked_loss
+    from harness.training.step import masked_loss
 
     st.CHUNK = 8  # chunks of 8 steps: lengths below, at and past several chunks stay quick to interpret
     out = {"cases": []}

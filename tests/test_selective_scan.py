@@ -10,7 +10,7 @@ from transformers import MambaForCausalLM
 
 from harness.models import selective_scan as ss
 from harness.models.istree import ScanMixer, build_model, freeze_sinusoidal_embedding, mamba_ssm_init_
-from harness.training.trainer import masked_loss
+from harness.training.step import masked_loss
 
 
 def _inputs(b, d, n, length, seed=0, dtype=torch.float32):

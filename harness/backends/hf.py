@@ -20,6 +20,7 @@ from harness.backends.families import (
     restore_rows,
 )
 from harness.backends.generation import last_real_index, logits_at_last_real
+from harness.backends.kv_decode_graphs import GraphedKVDecode, unsupported
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
 
@@ -31,9 +32,10 @@ class TransformersBackend(StepBackend):
     family's state (and so how freely it batches) comes from ``harness.backends.families``."""
 
     name = "transformers"
+    cuda_graphs = True  # attention families (harness.backends.kv_decode_graphs); others decode eagerly, logged
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 model=None, tok=None):
+                 model=None, tok=None, cuda_graphs: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.path = path
@@ -47,6 +49,16 @@ class TransformersBackend(StepBackend):
         self.family = family_of(self.model)
         self.max_context = getattr(self.model.config, "max_position_embeddings", None) \
             if self.family.max_context else None
+        self.graphs, self.decode = None, "eager"
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
+            why = unsupported(self.model, self.family)
+            if why is None:
+                self.graphs = GraphedKVDecode(self.model)
+            else:
+                self.decode = f"eager ({why})"
+                log.info("%s: decoding eagerly, not from CUDA graphs: %s", self.path, why)
 
     # -- what is exact here (harness.backends.planner decides with it) -----------------------------------
     def batches_exact(self) -> bool:
@@ -104,6 +116,10 @@ class TransformersBackend(StepBackend):
 
     def step(self, state, input_ids, attention_mask):
         fam, n = self.family, input_ids.shape[1]
+        if self.graphs is not None and n == 1:
+            logits = self.graphs(state, input_ids, attention_mask)
+            if logits is not None:
+                return logits
         ragged = not bool(attention_mask[:, -n:].all())
         if n > 1 and fam.padding != "masked" and (ragged or not fam.block_steps):
             return self._token_by_token(state, input_ids, attention_mask)
@@ -184,4 +200,5 @@ class TransformersBackend(StepBackend):
         return {"backend": self.name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "model_class": type(self.model).__name__, "max_context": self.max_context,
                 "family": self.family.name, "padding": self.family.padding,
+                "decode": self.graphs.describe() if self.graphs is not None else self.decode,
                 "parameters": sum(p.numel() for p in self.model.parameters())}

@@ -91,8 +91,8 @@ class RunConfig:
                                     "free memory); a snapshot that does not fit is recomputed, never an out-of-memory")
     cuda_graphs: str = _f("auto", "replay each decode step from a CUDA graph (one per batch and context "
                                   "bucket; the GPU suite checks it against the eager step): auto, on wherever a "
-                                  "backend has graphs (Phi-Mamba and the hybrid on CUDA); on (also the bare "
-                                  "flag); off", choices=list(GRAPH_MODES), nargs="?", const="on")
+                                  "backend has graphs (on CUDA: Phi-Mamba, the hybrid and transformers' attention "
+                                  "models; other families decode eagerly, logged); on (also the bare flag); off", choices=list(GRAPH_MODES), nargs="?", const="on")
     audit: int = _f(0, "after the run, generate N of its rows (drawn at random, seeded) again alone, unpadded, "
                        "without prefix reuse or CUDA graphs, in float32, and record in results.json how many agree")
     vllm_arg: list[str] = _f([], "an argument of vLLM's engine as KEY=VALUE, repeatable, with --backend vllm (e.g. "

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from harness.cuda_graphs import ReplayedStep
 from harness.models.phi_mamba import PhiMambaState
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -81,29 +82,20 @@ def _replaced_by_a_step(state: PhiMambaState) -> list[torch.Tensor]:
     return [v for layer in state.layers if "write_at" not in layer for v in layer.values()] + [state.pos]
 
 
-class _Graph:
+class _Graph(ReplayedStep):
     """One (rows, capacity) step over views of the static buffers, captured on CUDA or run eagerly."""
 
     def __init__(self, model, buffers: _StaticBuffers, rows: int, capacity: int, capture: bool, pool):
         self.model = model
         self.ids, self.mask = buffers.ids[:rows], buffers.mask[:rows]
         self.state = buffers.view(rows, capacity)
-        self.graph = None
         # The graph is built after this step's inputs were copied in. Warm-up runs (lazy initialisation,
         # autotuning; on every device, so the CPU tests run this too) advance the recurrent state and position:
         # they are put back. Their keys and values go to position write_at, which this step writes anyway.
         kept = [t.clone() for t in _replaced_by_a_step(self.state)]
         self.run()
         if capture:
-            device = self.ids.device
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                self.run()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.run()  # recorded, not run
+            self.record(self.ids.device, pool)
         for t, saved in zip(_replaced_by_a_step(self.state), kept):
             t.copy_(saved)
 
@@ -114,14 +106,7 @@ class _Graph:
                                                                     self.state.pos))
         for static, fresh in zip(_replaced_by_a_step(self.state), _replaced_by_a_step(new)):
             static.copy_(fresh)
-        self.logits = logits[:, -1]
-
-    def replay(self) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.run()
-        return self.logits
+        self.output = logits[:, -1]
 
 
 class GraphedDecode:

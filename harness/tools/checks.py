@@ -128,8 +128,9 @@ def check_phi_mamba_kernels(device) -> dict:
 
 
 def check_cuda_graphs(device="cuda") -> dict:
-    """Phi-Mamba's and the hybrid's decode steps replayed from CUDA graphs against the eager step (a batch of
-    3: bucket 4; the hybrid's KV cache fixed-capacity and resident)."""
+    """Decode steps replayed from CUDA graphs against the eager step: Phi-Mamba and the hybrid (a batch of 3:
+    bucket 4; the hybrid's KV cache fixed-capacity and resident), and transformers' Phi and Llama through their
+    backend (greedy generations of prompts of different lengths, batch 3, rows leaving the batch)."""
     worst, same = 0.0, True
     for attn in ([], [1]):
         model = _tiny_phi_mamba(attn, device)
@@ -138,8 +139,20 @@ def check_cuda_graphs(device="cuda") -> dict:
         graphed = _run_paths(model, seqs, 8, "auto", device, graphs=GraphedDecode(model))
         worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
         same &= eager[2] == graphed[2]
-    return {"name": "phi-mamba and hybrid decode: CUDA graphs == eager", "max_diff": worst, "same_tokens": same,
-            "ok": worst < TOL and same}
+    texts = [f"Paragraph {i}: {'the river Karvell runs north ' * (1 + 3 * i)}Question: where is it?" for i in range(3)]
+    with tempfile.TemporaryDirectory() as d:
+        for arch in ("phi", "llama"):
+            path = str(make_tiny_model(f"{d}/{arch}", arch, tokenizer=build_tokenizer(), init_std=0.2))
+            runs = {}
+            for graphs in ("off", "on"):
+                backend = load_backend(path, device, "float32", cuda_graphs=graphs)
+                reqs = [GenRequest(t, 8 + 4 * i) for i, t in enumerate(texts)]
+                runs[graphs] = [r.token_ids for r in backend.generate(reqs, batch_size=3, prefix_reuse="none")]
+                if graphs == "on" and (backend.graphs is None or backend.graphs.disabled or not backend.graphs.graphs):
+                    same = False  # the graphs never ran: nothing was compared
+            same &= runs["on"] == runs["off"] and len({tuple(r) for r in runs["off"]}) > 1
+    return {"name": "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama)", "max_diff": worst,
+            "same_tokens": same, "ok": worst < TOL and same}
 
 
 def memory_bandwidth(device) -> float:
@@ -186,15 +199,14 @@ def check_vllm(tmp: Path, device: str = "cuda") -> dict:
 
 def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
                  archs=("phi-mamba", "hybrid-phi-mamba", "phi")) -> list[dict]:
-    """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; the
-    recurrent ones also replayed from CUDA graphs on a GPU) at 512 / 2k / 8k tokens, each with the
+    """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; each
+    also replayed from CUDA graphs on a GPU) at 512 / 2k / 8k tokens, each with the
     memory-bandwidth bound: measured copy bandwidth over the bytes a step must read (every weight once, and
     the decoding state)."""
     hidden, layers = (2048, 24) if size == "real" else (128, 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
-    family = [a for a in archs if a != "phi"]
-    runs = [(a, False) for a in archs] + ([(a, True) for a in family] if device == "cuda" else [])
+    runs = [(a, graphs) for a in archs for graphs in ((False, True) if device == "cuda" else (False,))]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
@@ -202,18 +214,20 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
             path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
                                    max_positions=max(lengths) + 64, init_std=0.02, real_heads=size == "real")
             backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
+            label = arch + (" (graphs)" if graphs else "")
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
             for b in batches:
                 for n in lengths:
                     try:
                         sec, nbytes = decode_cost(backend, n, steps, batch=b)
                     except torch.cuda.OutOfMemoryError:
-                        rows.append({"model": arch + (" (graphs)" if graphs else ""), "batch": b, "context": n,
+                        rows.append({"model": label, "batch": b, "context": n,
                                      "ms_per_step": "out of memory"})
                         torch.cuda.empty_cache()
                         continue
                     bound = b * bandwidth / (weights + nbytes)  # a step reads every weight once and every state
-                    rows.append({"model": arch + (" (graphs)" if graphs else ""), **({"batch": b} if len(batches) > 1
+                    off = getattr(getattr(backend, "graphs", None), "disabled", None)
+                    rows.append({"model": f"{arch} (graphs off: {off})" if graphs and off else label, **({"batch": b} if len(batches) > 1
                                                                                      else {}), "context": n,
                                  "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
                                  "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),

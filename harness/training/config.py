@@ -24,9 +24,9 @@ USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
 RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
-                   "precision", "bucket", "checkpoint", "store", "scan")
+                   "precision", "bucket", "checkpoint", "store", "scan", "cuda_graphs")
 # Result-deciding settings added after runs were made: a run directory that predates one ran with this value.
-ADDED_SETTINGS = {"scan": "auto"}
+ADDED_SETTINGS = {"scan": "auto", "cuda_graphs": "off"}
 CHECKPOINTS = ("last", "best")
 
 # How a grid's cells are run: processes on this machine, or submitit jobs (its local executor, or SLURM).
@@ -69,6 +69,10 @@ class TrainConfig:
                         choices=["auto", "fp32", "bf16"])
     scan: str = _f("auto", SCAN_HELP + "; the environment's ICR_SCAN overrides it, with a log line",
                    choices=list(SCANS))
+    cuda_graphs: str = _f("off", "on: replay each training step (forward, loss, backward, AdamW) from a CUDA graph "
+                                 "per batch shape (one process on CUDA; the small models' steps are bound by "
+                                 "kernel launches); a step that cannot be captured trains eagerly, logged. Checked "
+                                 "against eager steps by the quick GPU suite", choices=["off", "on"])
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
                         "(less padding; 1 = off, as the paper)")

@@ -33,7 +33,9 @@ from harness.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask
 from harness.training.launch import run_on_scheduler
-from harness.training.trainer import new_model, optimizer_step, train_one, uses_bf16
+from harness.training.step_graphs import WARMUP, GraphedSteps
+from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
+from harness.training.trainer import train_one
 
 log = logging.getLogger("harness")
 
@@ -266,7 +268,8 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cell.lr)
+    graphs = cell.cuda_graphs == "on" and device.type == "cuda"
+    opt = new_optimizer(cell, model, device, graphs)
     source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
     t = time.perf_counter()
     drawn = [b for k in range(-(-max(draws, steps) // cell.bucket)) for b in source.pool(k)]
@@ -278,11 +281,19 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(cell, device))
     times = []
+    if graphs:  # as a run: each batch shape's eager warm-up steps and its capture before the timed replays
+        graphed = GraphedSteps(model, opt, device.type, uses_bf16(cell, device))
+        for ids, mask in {b[0].shape: b for b in [middle, *picked]}.values():
+            for _ in range(WARMUP + 1):
+                graphed(ids.to(device), mask.to(device))
     for ids, mask in [middle, *picked]:
         ids, mask = ids.to(device), mask.to(device)
         sync()
         t0 = time.perf_counter()
-        optimizer_step(model, opt, ids, mask, autocast)
+        if graphs:
+            graphed(ids, mask)
+        else:
+            optimizer_step(model, opt, ids, mask, autocast)
         sync()
         times.append(time.perf_counter() - t0)
     ids = middle[0].to(device)

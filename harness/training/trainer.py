@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from harness.backends.hf import TransformersBackend
@@ -33,10 +32,12 @@ from harness.cache import cache_dir
 from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
-from harness.models.istree import build_model, trainable_parameters
+from harness.models.istree import trainable_parameters
 from harness.models.selective_scan import forget_scans, scans_run
 from harness.reports.plotting import pyplot, save
 from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
+from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
+from harness.training.step_graphs import GraphedSteps
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
 from harness.training.state import (
     Progress,
@@ -52,44 +53,6 @@ from harness.training.state import (
 from harness.training.store import ensure_store
 
 log = logging.getLogger("harness")
-
-def lr_at(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to zero (a multiplier of the peak learning rate)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def masked_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the loss mask's targets (next-token prediction)."""
-    logits, tgt, m = logits[:, :-1].float(), ids[:, 1:], mask[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-    return (ce * m.reshape(-1)).sum() / m.sum().clamp_min(1)
-
-
-def uses_bf16(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether a run trains under bf16 autocast: ``--precision bf16``, or ``auto`` on CUDA."""
-    return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-
-
-def new_model(cfg: TrainConfig, task: TrainTask):
-    """The run's fresh model (the current torch seed draws its weights), its Mamba layers on the run's scan."""
-    return build_model(cfg.arch, cfg.size, len(task.vocab), max_positions=max(4096, 2 * task.max_len),
-                       d_model=cfg.d_model, layers=cfg.layers, scan=cfg.scan)
-
-
-def optimizer_step(model, opt, ids: torch.Tensor, mask: torch.Tensor, autocast, backward=None) -> torch.Tensor:
-    """One training step as the trainer takes it (and the planner times it): forward under ``autocast``, the
-    masked loss in float32, backward (``backward``: accelerate's, in a run), the update; returns the loss."""
-    with autocast:
-        logits = model(input_ids=ids).logits
-    loss = masked_loss(logits, ids, mask)
-    (backward or torch.Tensor.backward)(loss)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
 
 @torch.no_grad()
 def teacher_forced(model, batches, autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,16 +140,17 @@ class Trainer:
         self.per_process = cfg.batch_size // acc.num_processes
         cuda = acc.device.type == "cuda"
         self.bf16 = uses_bf16(cfg, acc.device)
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg.seed)
         self.task = TrainTask(cfg)
         self.vocab = {t: i for i, t in enumerate(self.task.vocab)}
         model = new_model(cfg, self.task)
         self.n_params = trainable_parameters(model)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-        self.model, self.opt = acc.prepare(model, opt)
+        graphs = cfg.cuda_graphs == "on"
+        if graphs and (not cuda or acc.num_processes > 1):
+            raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
+                              f"process(es) on {acc.device}); use --cuda-graphs off")
+        self.model, self.opt = acc.prepare(model, new_optimizer(cfg, model.to(acc.device), acc.device, graphs))
+        self.graphed = GraphedSteps(self.model, self.opt, acc.device.type, self.bf16) if graphs else None
         self.steps = max(1, cfg.samples // cfg.batch_size)
         warm = max(1, cfg.warmup // cfg.batch_size)
         steps = self.steps
@@ -291,7 +255,10 @@ class Trainer:
                 ids, mask = next(batches)
                 ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
                 st.data_s += time.perf_counter() - t_data
-                loss = optimizer_step(self.model, self.opt, ids, mask, self.autocast(), acc.backward)
+                if self.graphed is not None:
+                    loss = self.graphed(ids, mask)  # valid until the next step: summed on the device below
+                else:
+                    loss = optimizer_step(self.model, self.opt, ids, mask, self.autocast(), acc.backward)
                 self.sched.step()
                 loss_sum += loss.detach()
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()), step, first_bad)
@@ -305,7 +272,7 @@ class Trainer:
                     self._diverged(f"the training loss became {float(loss_sum)} at step {bad} (sample "
                                    f"{(bad + 1) * cfg.batch_size:,})")
                 row = {"step": step, "samples": (step + 1) * cfg.batch_size,
-                       "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6), "lr": self.sched.get_last_lr()[0]}
+                       "loss": round(float(acc.reduce(loss_sum, "mean")) / loss_n, 6), "lr": float(self.sched.get_last_lr()[0])}
                 st.first_loss = row["loss"] if st.first_loss is None else st.first_loss
                 loss_sum.zero_()
                 loss_n = 0
@@ -404,7 +371,8 @@ class Trainer:
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
-                  "scans": scans_run()}
+                  "scans": scans_run(),
+                  "train_step": self.graphed.describe() if self.graphed is not None else "eager"}
         if cfg.live_eval:
             t1 = time.perf_counter()
             live = _only(evaluate(model, tok, out, cfg.task, self.task.eval_args, cfg.eval_batch_size,

@@ -1,0 +1,169 @@
+"""The trainer's optimizer step replayed from CUDA graphs (``--cuda-graphs on``).
+
+The paper's models are small: on an H100 a 0.5M Transformer's step at 48 tokens is 3 ms of GPU work and 26-40
+ms of Python and kernel launches (about 1,000 launches a step), so most of the paper grid's hours are launch
+overhead. A graph replays the whole step (forward under autocast, the masked loss, backward, the fused AdamW
+update) at fixed addresses, following PyTorch's whole-network capture recipe:
+
+- one graph per batch shape (an IsTree cell pads every batch to few lengths); a shape's first ``WARMUP`` steps
+  run eagerly on a side stream (they are real steps: lazy initialisation, autotuning, the Triton scan's check
+  happen there), its next step is captured and replayed; past ``MAX_SHAPES`` shapes, new ones run eagerly.
+- the optimizer is capturable, its learning rate a device tensor that the scheduler fills in place, so a
+  replay reads the current rate (a Python float would be frozen into the graph).
+- gradients are the graph's own buffers: rewritten by every replay, never accumulated; before an eager step
+  they are set to None, as an eager step expects.
+- a step that cannot be captured (an op that syncs with the host) turns the graphs off for the run with a
+  warning: the run goes on eagerly, never wrongly.
+
+``capture=False`` runs the same code eagerly (what the CPU tests compare with ``optimizer_step``); the GPU check
+(``check_graphed_steps``, in the quick GPU suite) compares losses and weights of graphed and eager steps under a
+moving learning rate on a GPU."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from harness.cuda_graphs import capture as capture_graph, on_side_stream
+from harness.training.data import TrainingBatches, TrainTask
+from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
+
+log = logging.getLogger("harness")
+
+WARMUP = 2  # eager steps of a new batch shape before it is captured
+MAX_SHAPES = 4  # graphs kept at most (each holds its activations' memory); further shapes run eagerly
+
+
+class GraphedSteps:
+    """Callable as ``(ids, mask) -> loss``, one optimizer step. The loss is the graph's static output, valid
+    until the next call: read it (or add it to a sum on the device) before the next step."""
+
+    def __init__(self, model, opt, device_type: str, bf16: bool, capture: bool = True):
+        self.model, self.opt, self.capture = model, opt, capture
+        self.device_type, self.bf16 = device_type, bf16
+        self.graphs: dict[tuple[int, ...], dict] = {}
+        self.seen: dict[tuple[int, ...], int] = {}
+        self.disabled: str | None = None
+        self.replays = 0
+        self._grads_static = False  # whether parameters' .grad are a graph's buffers (set None before eager steps)
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        shape = tuple(ids.shape)
+        graph = self.graphs.get(shape)
+        if graph is None:
+            if self.disabled or len(self.graphs) >= MAX_SHAPES:
+                return self._eager_step(ids, mask)
+            if self.seen.get(shape, 0) < WARMUP:
+                self.seen[shape] = self.seen.get(shape, 0) + 1
+                return self._eager_step(ids, mask, side_stream=self.capture)
+            graph = self._build(ids, mask)
+            if graph is None:
+                return self._eager_step(ids, mask)
+        graph["ids"].copy_(ids)
+        graph["mask"].copy_(mask)
+        self.replays += 1
+        self._grads_static = True
+        if graph["graph"] is not None:
+            graph["graph"].replay()
+        else:
+            graph["run"]()
+        return graph["loss"]
+
+    def describe(self) -> str:
+        if self.disabled:
+            return f"eager ({self.disabled})"
+        shapes = ", ".join("x".join(map(str, s)) for s in self.graphs)
+        return f"CUDA graphs ({len(self.graphs)} batch shapes: {shapes})" if self.capture else "static buffers"
+
+    # ---------------------------------------------------------------------------------------------------
+    def _eager_step(self, ids, mask, side_stream: bool = False) -> torch.Tensor:
+        if self._grads_static:  # an eager backward must not add to a graph's gradient buffers
+            self.opt.zero_grad(set_to_none=True)
+            self._grads_static = False
+        step = lambda: optimizer_step(self.model, self.opt, ids, mask, self.autocast())  # noqa: E731
+        # warm-up before a capture runs on a side stream, as PyTorch's capture recipe asks
+        return on_side_stream(step, ids.device) if side_stream else step()
+
+    def _build(self, ids, mask) -> dict | None:
+        """Static inputs for this shape and its step, captured (with capture off: run on them eagerly)."""
+        graph = {"ids": ids.clone(), "mask": mask.clone(), "loss": None, "graph": None}
+
+        def run():
+            # fresh gradients every step, as a replay writes them (captured from None: no accumulation kernel)
+            self.opt.zero_grad(set_to_none=True)
+            with self.autocast(cache=False):  # cached casts would outlive a capture
+                logits = self.model(input_ids=graph["ids"]).logits
+            loss = masked_loss(logits, graph["ids"], graph["mask"])
+            loss.backward()
+            self.opt.step()
+            if graph["loss"] is None:
+                graph["loss"] = loss.detach()
+            else:
+                graph["loss"].copy_(loss.detach())
+
+        graph["run"] = run
+        if self.capture:
+            # the rate a replay reads: a tensor on the device (a resumed run's optimizer state loads on the CPU)
+            for group in self.opt.param_groups:
+                if not isinstance(group["lr"], torch.Tensor) or group["lr"].device != ids.device:
+                    group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=ids.device)
+            try:  # the shape's eager steps were its warm-up: a warm-up run here would be one more step
+                graph["graph"] = capture_graph(run, ids.device, warm=False)
+            except RuntimeError as e:
+                self._give_up(f"a step could not be captured ({str(e).splitlines()[0][:160]})")
+                return None
+        self.graphs[tuple(ids.shape)] = graph
+        return graph
+
+    def autocast(self, cache: bool = True):
+        return torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=cache)
+
+    def _give_up(self, why: str) -> None:
+        log.warning("training steps from CUDA graphs are off for the rest of this run: %s; training eagerly", why)
+        self.disabled = why
+        self.graphs.clear()
+        self.opt.zero_grad(set_to_none=True)
+        self._grads_static = False
+
+
+def check_graphed_steps(cell, device: torch.device, batch: int, steps: int = 8) -> dict:
+    """Graphed steps against eager ones from the same weights and batches under a learning rate that moves every
+    step (the run's cosine schedule, compressed): the largest relative difference of the losses and of the
+    final weights, and each path's seconds a step after its warm-up."""
+    task = TrainTask(cell)
+    source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
+    batches = [b for k in range(steps) for b in source.pool(k)][:steps]
+    capture, bf16 = device.type == "cuda", uses_bf16(cell, device)
+    runs = {}
+    for graphs in (False, True):
+        torch.manual_seed(cell.seed)
+        model = new_model(cell, task).to(device)
+        opt = new_optimizer(cell, model, device, graphs=graphs)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps, 2))
+        step = GraphedSteps(model, opt, device.type, bf16, capture=capture) if graphs else None
+        losses, times = [], []
+        for ids, mask in batches:
+            ids, mask = ids.to(device), mask.to(device)
+            if capture:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            if step is not None:
+                loss = step(ids, mask)
+            else:
+                loss = optimizer_step(model, opt, ids, mask, torch.autocast(device.type, dtype=torch.bfloat16,
+                                                                           enabled=bf16))
+            losses.append(float(loss.detach()))  # a sync: the timing includes it on both paths
+            times.append(time.perf_counter() - t)
+            sched.step()
+        weights = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        runs[graphs] = (losses, weights, times, step)
+    (l0, w0, t0, _), (l1, w1, t1, step) = runs[False], runs[True]
+    loss_diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(l0, l1))
+    weight_diff = float((w0 - w1).abs().max() / w0.abs().max())
+    timed = slice(WARMUP + 1, None)  # after the graphed path's warm-up and capture
+    eager_s, graphed_s = (sum(t[timed]) / max(1, len(t[timed])) for t in (t0, t1))
+    return {"cell": cell.name, "steps": len(batches), "graphed": step.describe(), "replays": step.replays,
+            "loss_diff": float(f"{loss_diff:.2e}"), "weight_diff": float(f"{weight_diff:.2e}"),
+            "eager_step_s": round(eager_s, 4), "graphed_step_s": round(graphed_s, 4),
+            "speedup": round(eager_s / max(graphed_s, 1e-9), 2), "varied": len({round(x, 6) for x in l0}) > 1}
