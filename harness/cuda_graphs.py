@@ -19,6 +19,14 @@ def on_side_stream(fn: Callable[[], Any], device) -> Any:
     return out
 
 
+def new_pool(capture: bool = True):
+    """A fresh memory pool for the graphs over a new set of static buffers (None with capture off). Never a
+    dropped set's pool: when the last graph using a pool is destroyed PyTorch releases it, and capturing into its
+    handle again fails in the caching allocator (``INTERNAL ASSERT FAILED ... use_count > 0``: a graphed backend
+    used at batch 1 and then at batch 64 in one process, on an H200)."""
+    return torch.cuda.graph_pool_handle() if capture else None
+
+
 def capture(fn: Callable[[], Any], device, pool=None, warm: bool = True) -> torch.cuda.CUDAGraph:
     """A graph that replays ``fn`` (recorded, not run), after one warm-up run of it on a side stream (``warm``)."""
     if warm:
@@ -39,8 +47,8 @@ class ReplayedStep:
     def run(self) -> None:
         raise NotImplementedError
 
-    def record(self, device, pool=None) -> None:
-        self.graph = capture(self.run, device, pool)
+    def record(self, device, pool=None, warm: bool = True) -> None:
+        self.graph = capture(self.run, device, pool, warm)
 
     def replay(self) -> Any:
         if self.graph is not None:

@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from harness.backends.growing_cache import GrowingLayer
-from harness.cuda_graphs import ReplayedStep
+from harness.cuda_graphs import ReplayedStep, new_pool
 from harness.models.decode_graphs import ROW_BUCKETS, capacity_bucket
 
 log = logging.getLogger("harness")
@@ -122,7 +122,7 @@ class GraphedKVDecode:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.copies_in = 0  # caches copied into the buffers (a resident cache is not): the tests count them
         self.disabled: str | None = None  # why the graphs stopped (a capture that failed): eager from then on
-        self.pool = self._new_pool()
+        self.pool = new_pool(self.capture)
         self._owner = None  # weak reference to the cache whose layers are views of the static buffers
 
     def __call__(self, state: dict, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -190,7 +190,7 @@ class GraphedKVDecode:
             rows, capacity = max(rows, buf.rows), max(capacity, buf.capacity)
         self._release_owner()
         self.graphs.clear()
-        self.pool = self._new_pool()
+        self.pool = new_pool(self.capture)
         self.buffers = None  # freed before the larger set is allocated
         self.buffers = _StaticBuffers(layers, rows, capacity, self.dtype, self.device)
 
@@ -222,9 +222,6 @@ class GraphedKVDecode:
                     filled = layer._n if name == "_k" else layer._nv
                     setattr(layer, name, t[:, :, :filled].clone())
 
-    def _new_pool(self):
-        """A fresh memory pool for each set of buffers (never a dropped one: see ``decode_graphs._new_pool``)."""
-        return torch.cuda.graph_pool_handle() if self.capture else None
 
 
 def _kv_layers(cache) -> list[GrowingLayer] | None:

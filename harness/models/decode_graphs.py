@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from harness.cuda_graphs import ReplayedStep
+from harness.cuda_graphs import ReplayedStep, new_pool
 from harness.models.phi_mamba import PhiMambaState
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -187,12 +187,9 @@ class GraphedDecode:
         self.buffers = _StaticBuffers(self.model, rows, capacity, self.device)
 
     def _new_pool(self):
-        """A fresh memory pool for the graphs of a new set of buffers. Never the dropped graphs' pool: when the
-        last graph using a pool is destroyed PyTorch releases it, and capturing into its handle again fails in
-        the caching allocator (``INTERNAL ASSERT FAILED ... use_count > 0``: a graphed backend used at batch 1
-        and then at batch 64 in one process, on an H200)."""
+        """A fresh memory pool for the graphs of a new set of buffers (``cuda_graphs.new_pool``), counted."""
         self.pools += 1
-        return torch.cuda.graph_pool_handle() if self.capture else None
+        return new_pool(self.capture)
 
     def _resident(self, state, b: int) -> bool:
         """Whether ``state`` is already the static buffers' first ``b`` rows (left so by the previous step)."""

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from harness.cuda_graphs import capture as capture_graph, on_side_stream
+from harness.cuda_graphs import ReplayedStep, on_side_stream
 from harness.training.data import TrainingBatches, TrainTask
 from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
 
@@ -33,6 +33,30 @@ log = logging.getLogger("harness")
 
 WARMUP = 2  # eager steps of a new batch shape before it is captured
 MAX_SHAPES = 4  # graphs kept at most (each holds its activations' memory); further shapes run eagerly
+# How far graphed steps may part from eager ones (relative): the same kernels, a float32 rate tensor instead of a
+# Python float; a rate frozen into a graph or a leaked gradient moves weights by whole update sizes
+LOSS_TOL, WEIGHT_TOL = 1e-3, 1e-4
+
+
+class _Step(ReplayedStep):
+    """One batch shape's optimizer step over static inputs; ``output`` is its loss."""
+
+    def __init__(self, steps: "GraphedSteps", ids: torch.Tensor, mask: torch.Tensor):
+        self.steps, self.ids, self.mask = steps, ids.clone(), mask.clone()
+
+    def run(self) -> None:
+        model, opt = self.steps.model, self.steps.opt
+        # fresh gradients every step, as a replay writes them (captured from None: no accumulation kernel)
+        opt.zero_grad(set_to_none=True)
+        with self.steps.autocast(cache=False):  # cached casts would outlive a capture
+            logits = model(input_ids=self.ids).logits
+        loss = masked_loss(logits, self.ids, self.mask)
+        loss.backward()
+        opt.step()
+        if self.output is None:
+            self.output = loss.detach()
+        else:
+            self.output.copy_(loss.detach())
 
 
 class GraphedSteps:
@@ -42,7 +66,7 @@ class GraphedSteps:
     def __init__(self, model, opt, device_type: str, bf16: bool, capture: bool = True):
         self.model, self.opt, self.capture = model, opt, capture
         self.device_type, self.bf16 = device_type, bf16
-        self.graphs: dict[tuple[int, ...], dict] = {}
+        self.graphs: dict[tuple[int, ...], _Step] = {}
         self.seen: dict[tuple[int, ...], int] = {}
         self.disabled: str | None = None
         self.replays = 0
@@ -50,25 +74,21 @@ class GraphedSteps:
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         shape = tuple(ids.shape)
-        graph = self.graphs.get(shape)
-        if graph is None:
+        step = self.graphs.get(shape)
+        if step is None:
             if self.disabled or len(self.graphs) >= MAX_SHAPES:
                 return self._eager_step(ids, mask)
             if self.seen.get(shape, 0) < WARMUP:
                 self.seen[shape] = self.seen.get(shape, 0) + 1
                 return self._eager_step(ids, mask, side_stream=self.capture)
-            graph = self._build(ids, mask)
-            if graph is None:
+            step = self._build(ids, mask)
+            if step is None:
                 return self._eager_step(ids, mask)
-        graph["ids"].copy_(ids)
-        graph["mask"].copy_(mask)
+        step.ids.copy_(ids)
+        step.mask.copy_(mask)
         self.replays += 1
         self._grads_static = True
-        if graph["graph"] is not None:
-            graph["graph"].replay()
-        else:
-            graph["run"]()
-        return graph["loss"]
+        return step.replay()
 
     def describe(self) -> str:
         if self.disabled:
@@ -85,36 +105,21 @@ class GraphedSteps:
         # warm-up before a capture runs on a side stream, as PyTorch's capture recipe asks
         return on_side_stream(step, ids.device) if side_stream else step()
 
-    def _build(self, ids, mask) -> dict | None:
+    def _build(self, ids, mask) -> _Step | None:
         """Static inputs for this shape and its step, captured (with capture off: run on them eagerly)."""
-        graph = {"ids": ids.clone(), "mask": mask.clone(), "loss": None, "graph": None}
-
-        def run():
-            # fresh gradients every step, as a replay writes them (captured from None: no accumulation kernel)
-            self.opt.zero_grad(set_to_none=True)
-            with self.autocast(cache=False):  # cached casts would outlive a capture
-                logits = self.model(input_ids=graph["ids"]).logits
-            loss = masked_loss(logits, graph["ids"], graph["mask"])
-            loss.backward()
-            self.opt.step()
-            if graph["loss"] is None:
-                graph["loss"] = loss.detach()
-            else:
-                graph["loss"].copy_(loss.detach())
-
-        graph["run"] = run
+        step = _Step(self, ids, mask)
         if self.capture:
             # the rate a replay reads: a tensor on the device (a resumed run's optimizer state loads on the CPU)
             for group in self.opt.param_groups:
                 if not isinstance(group["lr"], torch.Tensor) or group["lr"].device != ids.device:
                     group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=ids.device)
             try:  # the shape's eager steps were its warm-up: a warm-up run here would be one more step
-                graph["graph"] = capture_graph(run, ids.device, warm=False)
+                step.record(ids.device, warm=False)
             except RuntimeError as e:
                 self._give_up(f"a step could not be captured ({str(e).splitlines()[0][:160]})")
                 return None
-        self.graphs[tuple(ids.shape)] = graph
-        return graph
+        self.graphs[tuple(ids.shape)] = step
+        return step
 
     def autocast(self, cache: bool = True):
         return torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=cache)
@@ -133,7 +138,7 @@ def check_graphed_steps(cell, device: torch.device, batch: int, steps: int = 8) 
     final weights, and each path's seconds a step after its warm-up."""
     task = TrainTask(cell)
     source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
-    batches = [b for k in range(steps) for b in source.pool(k)][:steps]
+    batches = [b for k in range(-(-steps // cell.bucket)) for b in source.pool(k)][:steps]
     capture, bf16 = device.type == "cuda", uses_bf16(cell, device)
     runs = {}
     for graphs in (False, True):
@@ -163,7 +168,10 @@ def check_graphed_steps(cell, device: torch.device, batch: int, steps: int = 8) 
     weight_diff = float((w0 - w1).abs().max() / w0.abs().max())
     timed = slice(WARMUP + 1, None)  # after the graphed path's warm-up and capture
     eager_s, graphed_s = (sum(t[timed]) / max(1, len(t[timed])) for t in (t0, t1))
+    varied = len({round(x, 6) for x in l0}) > 1  # equal losses that never move would prove nothing
     return {"cell": cell.name, "steps": len(batches), "graphed": step.describe(), "replays": step.replays,
             "loss_diff": float(f"{loss_diff:.2e}"), "weight_diff": float(f"{weight_diff:.2e}"),
             "eager_step_s": round(eager_s, 4), "graphed_step_s": round(graphed_s, 4),
-            "speedup": round(eager_s / max(graphed_s, 1e-9), 2), "varied": len({round(x, 6) for x in l0}) > 1}
+            "speedup": round(eager_s / max(graphed_s, 1e-9), 2), "varied": varied,
+            "ok": (loss_diff <= LOSS_TOL and weight_diff <= WEIGHT_TOL and varied and step.replays > 0
+                   and not step.disabled)}
