@@ -21,7 +21,7 @@ from pathlib import Path
 from evals.base import ToolSpec
 from evals.hotpotqa import HotpotQA
 from harness.engine.prompting import PromptTemplate
-from harness.reports.html import write_html
+from harness.reports.html import render_html
 
 # Invented words drawn by Zipf's law (a 20,000-word vocabulary): text about as compressible as English prose
 # (gzip ~3x), so the page's size is not flattered by repetitive filler.
@@ -113,8 +113,9 @@ def main():
     runs = [{"label": "phi-mamba +retrieval", "dir": "runs/bench", "task": "hotpotqa", "condition_name": "position",
              "rows": recs}]
     with tempfile.TemporaryDirectory() as d:
-        page = write_html(Path(d) / "report.html", title="bench", tables=[], pngs=[], diffs=[], seeds=[], notes=[],
-                          runs=runs, plotted={"hotpotqa": "em"})
+        page = Path(d) / "report.html"
+        page.write_text(render_html(title="bench", tables=[], pngs=[], diffs=[], seeds=[], notes=[], runs=runs,
+                                    plotted={"hotpotqa": "em"}), encoding="utf-8")
         t2 = time.perf_counter()
         size = page.stat().st_size
         browser = all(Path(p).exists() for p in ("/usr/bin/chromium", "/usr/bin/chromedriver"))

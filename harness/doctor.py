@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from harness.tools.checks import (
 from harness.tools.gpu_suite import PARTS, run_suite
 from harness.tools.quick_suite import BUDGET_S, STEPS as QUICK_STEPS, run_quick
 from harness.models import kernels
-from harness.procs import python_result
+from harness.procs import process_started, python_result
 
 
 # --------------------------------------------------------------------------------------------------- cli
@@ -103,8 +104,9 @@ def main(argv=None) -> int:
     if (a.quick or a.budget is not None) and a.suite != "gpu":
         print("error: --quick and --budget go with --suite gpu", file=sys.stderr)
         return 2
-    if a.budget is not None and not (a.quick and a.budget > 0):
-        print(f"error: --budget {a.budget:g}: give a positive number of seconds, with --quick", file=sys.stderr)
+    if a.budget is not None and not (a.quick and math.isfinite(a.budget) and a.budget > 0):
+        print(f"error: --budget {a.budget:g}: give a positive, finite number of seconds, with --quick",
+              file=sys.stderr)
         return 2
     if a.suite == "gpu" and a.quick:
         steps = None if a.part == "all" else [p.strip() for p in a.part.split(",") if p.strip()]
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
             print(f"error: --part {a.part!r} with --quick: name its steps, comma-separated, in the order to run them "
                   f"({', '.join(QUICK_STEPS)}), or all", file=sys.stderr)
             return 2
-        return run_quick(Path(a.out), a.budget or BUDGET_S, steps)
+        return run_quick(Path(a.out), a.budget or BUDGET_S, steps, started=process_started())
     if a.suite == "gpu":
         parts = PARTS if a.part == "all" else tuple(p.strip() for p in a.part.split(",") if p.strip())
         unknown = sorted(set(parts) - set(PARTS))

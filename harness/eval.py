@@ -16,7 +16,7 @@ from pathlib import Path
 from evals import task_class, task_names
 from evals.base import options_help
 from evals.sweep import checked_options
-from harness.engine.config import ConfigError, RunConfig, word_negative_flags
+from harness.engine.config import ConfigError, RunConfig, task_arg_pairs, word_negative_flags
 from harness.engine.runlog import RunDirError, SampleLog
 from harness.procs import stop_on_sigterm
 
@@ -116,15 +116,7 @@ def _task_args(pairs: list[str], model: str, task: str) -> dict:
         saved = json.loads(meta.read_text())
         if saved.get("task") == task:
             out.update(saved.get("args", {}))
-    given: dict = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--task-arg expects KEY=VALUE, got {pair!r}")
-        k, v = pair.split("=", 1)
-        if k in given:
-            raise ConfigError(f"--task-arg {k} is given twice ({given[k]} and {v}); give it once (a sweepable "
-                              f"option takes a comma list: {k}={given[k]},{v})")
-        given[k] = out[k] = v
+    out.update(task_arg_pairs(pairs))
     return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -66,3 +68,78 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def printable(text: str) -> str:
+    """``text`` as UTF-8 can hold it: a lone surrogate (valid in JSON, from a generation or a file name that is
+    not UTF-8) is written as its escape (``\\ud800``), never a crash of the writer."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class StagedFiles:
+    """A set of files that replaces the set a folder held before all at once: each file is written into a hidden
+    staging folder inside ``dest``, and only ``commit`` moves them into place (renames, which a full disk cannot
+    fail), writes the list of what it holds (``manifest``) and removes the old set's files the new one lacks. A
+    failure, a full disk or an interrupt before ``commit`` leaves the old set whole; an interrupt during it is held
+    until the moves are done. Nothing in ``dest`` that the old manifest does not list is touched."""
+
+    def __init__(self, dest: Path, manifest: str):
+        self.dest, self.manifest = Path(dest), manifest
+        self.created = not self.dest.exists()
+        self.dest.mkdir(parents=True, exist_ok=True)
+        for stale in self.dest.glob(".staging-*"):  # left by a process killed before it could clean up
+            pid = stale.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=self.dest))
+        self.names: list[str] = []
+
+    def path(self, name: str) -> Path:
+        """Where a file named ``name`` is staged (for writers that take a path, as matplotlib does); ``add`` it."""
+        return self.dir / name
+
+    def add(self, name: str) -> Path:
+        if name not in self.names:
+            self.names.append(name)
+        return self.dest / name
+
+    def write_text(self, name: str, text: str) -> Path:
+        with open(self.path(name), "w", encoding="utf-8") as fh:
+            fh.write(printable(text))
+            fh.flush()
+            os.fsync(fh.fileno())
+        return self.add(name)
+
+    def commit(self) -> list[Path]:
+        import signal
+
+        listed = self.dest / self.manifest
+        old = listed.read_text().split() if listed.exists() else []
+        held = []
+        previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if _main_thread() else None
+        try:
+            for name in self.names:
+                os.replace(self.dir / name, self.dest / name)
+            write_atomic(listed, "".join(f"{n}\n" for n in self.names))
+            for name in old:
+                if "/" not in name and name not in self.names:
+                    (self.dest / name).unlink(missing_ok=True)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            self.discard()
+        if held:
+            raise KeyboardInterrupt
+        return [self.dest / n for n in self.names]
+
+    def discard(self) -> None:
+        """Drop what was staged (the old set stays); a destination this object created and left empty goes too."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.created and self.dest.is_dir() and not any(self.dest.iterdir()):
+            self.dest.rmdir()
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -26,10 +26,10 @@ import pandas as pd
 from evals import task_class
 from evals.base import DataError
 from harness.engine.results import format_table
-from harness.files import write_atomic, write_json
+from harness.files import StagedFiles, printable, strict_json, write_atomic
 from harness.reports.comparisons import comparisons, seed_line
 from harness.reports.figures import AGAINST, plot, plot_against
-from harness.reports.html import write_html
+from harness.reports.html import render_html
 from harness.reports.runs import (
     ReportError,
     distinct_runs,
@@ -81,8 +81,10 @@ def main(argv=None) -> int:
     ap.add_argument("--official-gold", default=None, metavar="DIR",
                     help="also write gold files cut to the scored questions, for the official evaluation script")
     ap.add_argument("--out", default="reports/latest", help="directory for report.md, report.csv and the plots "
-                    "(default: reports/latest, replaced by each report)")
+                    "(default: reports/latest; a new report replaces the previous one's files there only once it is "
+                    "whole)")
     a = ap.parse_args(argv)
+    staged = None
     try:
         keep = oracle_subset(a.subset, a.subset_metric) if a.subset else None
         if keep is not None and not keep:
@@ -94,12 +96,35 @@ def main(argv=None) -> int:
         if df.empty or not (df["n"] > 0).any():
             raise ReportError("no scored samples in the runs given" + (" after --subset" if keep else ""))
         plotted = {task: _metric_of(g, a.metric) for task, g in df.groupby("task", sort=False)}
-        out = _report_dir(Path(a.out))
+        _check_out(Path(a.out))
+        # everything is rendered into a staging folder first; the previous report is replaced only once the new
+        # one is whole, so a failure, a full disk or Ctrl-C leaves the old report as it was
+        staged = StagedFiles(Path(a.out), MANIFEST)
+        table = _render(staged, a, runs, run_notes, df, plotted, keep)
         gold_files = write_official_gold(runs, Path(a.official_gold)) if a.official_gold else []
+        written = staged.commit()
     except (ReportError, DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if staged is not None:
+            staged.discard()
+        print(printable(f"error: {e}{_kept(a.out)}"), file=sys.stderr)
         return 2
-    write_atomic(out / "report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))
+    except KeyboardInterrupt:
+        if staged is not None:
+            staged.discard()
+        print(printable(f"interrupted: no report written{_kept(a.out)}"), file=sys.stderr)
+        return 130
+    print(printable(table))
+    print(printable(f"\nwrote {', '.join(str(p) for p in written if p.name != 'report.html')}, "
+                    f"{Path(a.out) / 'report.html'} (sample explorer)"))
+    for f in gold_files:
+        print(printable(f"official gold: {f}"))
+    return 0
+
+
+def _render(staged: StagedFiles, a, runs: list[str], run_notes: list[str], df: pd.DataFrame, plotted: dict,
+            keep: set | None) -> str:
+    """Every file of the report, written into ``staged``; returns report.md's text."""
+    staged.write_text("report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))
     tables, pngs, html_tables = [], [], []
     for task, g in df.groupby("task", sort=False):  # runs of different tasks never share a table or a figure
         metrics = tuple(_metrics(g))
@@ -116,10 +141,11 @@ def main(argv=None) -> int:
         metric = plotted[task]
         stem = f"{metric}_by_{_slug(name)}"
         prefix = "" if len(plotted) == 1 else f"{task}_"
-        pngs.append(plot(g, metric, out / f"{prefix}{stem}.png", subset=len(keep) if keep is not None else None))
+        pngs.append(plot(g, metric, staged.path(f"{prefix}{stem}.png"),
+                         subset=len(keep) if keep is not None else None))
         for column, (_, name) in AGAINST.items():
             if column in g and g[column].notna().any():
-                pngs.append(plot_against(g, metric, column, out / f"{prefix}{metric}_vs_{name}.png"))
+                pngs.append(plot_against(g, metric, column, staged.path(f"{prefix}{metric}_vs_{name}.png")))
     header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
     diffs, seeds, notes = comparisons(runs, df, plotted, keep)
     notes = run_notes + notes
@@ -132,19 +158,15 @@ def main(argv=None) -> int:
     if notes:
         tables.append("## Notes on the comparisons\n\n" + "\n".join(f"- {n}" for n in notes))
     table = header + "\n\n".join(tables)
-    write_atomic(out / "report.md", table + "\n")
-    write_json(out / "comparisons.json", {"differences": [d.to_dict() for d in diffs], "seeds": seeds,
-                                          "notes": notes}, indent=2)
-    html = write_html(out / "report.html", title=f"icr-harness report: {', '.join(runs)}", tables=html_tables,
-                      pngs=pngs, diffs=diffs, seeds=[seed_line(x) for x in seeds], notes=notes,
-                      runs=explorer_runs(runs, df, keep), plotted=plotted)
-    write_atomic(out / MANIFEST, "".join(f"{p.name}\n" for p in [out / "report.md", out / "report.csv",
-                                                                  out / "comparisons.json", html, *pngs]))
-    print(table)
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {html} (sample explorer), {', '.join(map(str, pngs))}")
-    for f in gold_files:
-        print(f"official gold: {f}")
-    return 0
+    staged.write_text("report.md", table + "\n")
+    staged.write_text("comparisons.json", strict_json({"differences": [d.to_dict() for d in diffs], "seeds": seeds,
+                                                       "notes": notes}, indent=2))
+    staged.write_text("report.html", render_html(
+        title=f"icr-harness report: {', '.join(runs)}", tables=html_tables, pngs=pngs, diffs=diffs,
+        seeds=[seed_line(x) for x in seeds], notes=notes, runs=explorer_runs(runs, df, keep), plotted=plotted))
+    for png in pngs:
+        staged.add(png.name)
+    return table
 
 
 def _metrics(df: pd.DataFrame) -> list[str]:
@@ -166,21 +188,17 @@ def _metric_of(df: pd.DataFrame, asked: str | None) -> str:
 MANIFEST = ".report-files"  # what the last report wrote into its folder: the next one replaces exactly these
 
 
-def _report_dir(out: Path) -> Path:
-    """``--out``, a folder: created, or emptied of the files the previous report wrote there (its figures
-    included; nothing else a user keeps there)."""
+def _kept(out: str) -> str:
+    return f" (the previous report in {out} is unchanged)" if (Path(out) / MANIFEST).is_file() else ""
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must be (or become) a folder."""
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out}: a file of that name exists; give a folder for the report")
     bad = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if bad is not None:
         raise ReportError(f"--out {out}: {bad} is a file, not a folder; give a folder for the report")
-    out.mkdir(parents=True, exist_ok=True)
-    listed = out / MANIFEST
-    old = listed.read_text().split() if listed.exists() else ["report.md", "report.csv"]
-    for name in old:
-        if "/" not in name:
-            (out / name).unlink(missing_ok=True)
-    return out
 
 
 def _slug(text: str) -> str:

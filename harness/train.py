@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib.util
 import logging
+import os
 import shutil
 import sys
 import time
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from evals import task_class, task_names
 from evals.synthetic import SyntheticTask
-from harness.engine.config import ConfigError, _f, word_negative_flags
+from harness.engine.config import ConfigError, _f, task_arg_pairs, word_negative_flags
+from harness.models.istree import SCANNED_ARCHS
 from harness.models.selective_scan import scan_choice_problem, scan_override
 from harness.procs import stop_on_sigterm
 from harness.training.config import LAUNCHERS, USER_ERRORS, TrainConfig
@@ -74,9 +76,9 @@ def build_parser():
 GRID_ONLY = ("jobs", "cells_per_gpu", "launcher", "slurm_partition", "timeout_min")  # TrainCliFlags for --grid
 
 
-def launch_checks(flags: TrainCliFlags) -> None:
+def launch_checks(flags: TrainCliFlags, cfg: TrainConfig | None = None) -> None:
     """What can be known before anything is created: grid options given to one run, a scheduler that is not
-    here, a Mamba scan forced where it cannot run."""
+    here, CUDA graphs asked for where no CUDA device trains (every cell of a grid would fail alike)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainCliFlags)}
     given = [f"--{k.replace('_', '-')}" for k in GRID_ONLY if getattr(flags, k) != defaults[k]]
     if given and not flags.grid:
@@ -88,22 +90,31 @@ def launch_checks(flags: TrainCliFlags) -> None:
         if flags.launcher == "slurm" and not (shutil.which("sbatch") and shutil.which("srun")):
             raise ConfigError("--launcher slurm: SLURM is not here (no sbatch or srun on PATH); run on a SLURM "
                               "login node, or use --launcher processes (this machine) or submitit-local")
+    if cfg is not None and cfg.cuda_graphs == "on" and not flags.plan and flags.launcher != "slurm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--cuda-graphs on replays training steps on a CUDA device, and this machine has none "
+                              f"(torch {torch.__version__}); use --cuda-graphs off")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--cuda-graphs on replays steps in one process; under accelerate launch (data "
+                              "parallel) use --cuda-graphs off")
 
 
 def main(argv=None) -> int:
-    cfg, flags = build_parser().parse_args_into_dataclasses(argv)
-    bad = [p for p in flags.task_arg if "=" not in p]
-    if bad:
-        print(f"error: --task-arg expects KEY=VALUE, got {bad[0]!r}", file=sys.stderr)
-        return 2
-    cfg = dataclasses.replace(cfg, task_args=dict(p.split("=", 1) for p in flags.task_arg))
+    parser = build_parser()
+    cfg, flags, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:  # argparse's own usage line and message, naming the flag (HfArgumentParser would raise)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
-        launch_checks(flags)
-        problem = scan_choice_problem(scan_override(cfg.scan))  # a grid's cells are resolved later: asked here
-        if problem:
-            raise ConfigError(problem)
+        cfg = dataclasses.replace(cfg, task_args=task_arg_pairs(flags.task_arg))
+        launch_checks(flags, cfg)
+        if flags.grid or cfg.arch in SCANNED_ARCHS:  # a grid's cells are resolved later: asked here
+            problem = scan_choice_problem(scan_override(cfg.scan))
+            if problem:
+                raise ConfigError(problem)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -93,6 +93,10 @@ class RegexSearcher:
         self._busy: set[_Worker] = set()
         self._lock = threading.Lock()
 
+    def __reduce__(self):
+        """Pickled as its setting: in another process (an audit's reference run) it is that process's own pool."""
+        return shared_searcher, (self.timeout,)
+
     def _take(self) -> _Worker:
         with self._lock:
             while self._idle:

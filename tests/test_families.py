@@ -120,6 +120,51 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
         assert _fields(got) == _fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
 
 
+PADS = (1, 6, 17)  # left pads that are not a multiple of a Mamba-2 chunk (the tiny configs' is 16), and one that is
+# Computed in float64 (another batch shape's rounding is then ~1e-15), returned as float32: exact families measure 0,
+# the SSD families (Mamba-2, Bamba, Falcon-H1, float32 inside) <= 1e-6, Zamba2 1.1e-5. Jamba's experts take no
+# float64: it is measured in float32, where the exact families measure <= 5e-6 (and Zamba2 3e-5).
+PADDED_TOLERANCE = {"float64": 3e-6, "float32": 2e-5}
+FLOAT32_ONLY = ("jamba",)
+
+
+@torch.inference_mode()
+def test_a_family_batched_with_left_pads_prefills_as_it_does_alone(family_backend):
+    """What a family's padding mode promises, measured: a prompt several chunks long, left-padded by 1, 6 and 17
+    tokens (ordinary tokens under a zero mask) beside an unpadded row, gives the last logits it gives alone (to float32 rounding). A family that does
+    not is declared ``alone`` (Zamba2 moves by 1e-4 to 3e-3), so its greedy output never depends on its batch."""
+    b = family_backend
+    if b.family.padding == "alone":
+        assert not b.batches_exact()
+        return
+    import copy
+
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    model = b.model
+    dtype = torch.float32 if b.family.name in FLOAT32_ONLY else torch.float64
+    tolerance = PADDED_TOLERANCE[str(dtype).replace("torch.", "")]
+    b.model = copy.deepcopy(model).to(dtype)
+    try:
+        for length in (40, 100):
+            ids = torch.randint(5, len(b.tokenizer) - 1, (1, length), generator=gen)
+            alone, _ = b.prefill(ids, torch.ones_like(ids))
+            for pads in PADS:
+                # the pads are ordinary tokens (a real checkpoint's pad embedding is not zero): the mask must hide them
+                padded = torch.cat([torch.randint(5, len(b.tokenizer) - 1, (1, pads), generator=gen), ids], 1)
+                mask = torch.cat([torch.zeros(1, pads, dtype=torch.long), torch.ones_like(ids)], 1)
+                other = torch.randint(5, len(b.tokenizer) - 1, (1, length + pads), generator=gen)
+                logits, _ = b.prefill(torch.cat([padded, other]), torch.cat([mask, torch.ones_like(other)]))
+                worst = max(worst, (logits[0] - alone[0]).abs().max().item())
+    finally:
+        b.model = model
+    spread = alone.std().item()
+    assert spread > 1e4 * tolerance  # logits that vary: the comparison is not vacuous
+    assert worst <= tolerance, (f"{b.family.name} is declared {b.family.padding!r}, but a left-padded prefill "
+                                       f"moves its logits by {worst:.1e} ({dtype}): declare it 'alone' in "
+                                       "harness/backends/families.py")
+
+
 SEGMENT_CUTS = ([774, 775], [300, 301, 302, 1000], [1, 2], [517], [1599])  # one-token segments, arbitrary depths
 
 

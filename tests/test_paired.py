@@ -11,8 +11,8 @@ from harness.reports.paired import cluster_bootstrap_ci, mcnemar, paired, seed_s
 
 def _rows(values, ids=None, skipped=()):
     ids = ids or [f"q{i}" for i in range(len(values))]
-    return [{"id": i, "scores": {"em": float(v)}, "skipped": "prompt_too_long" if i in skipped else None}
-            for i, v in zip(ids, values)]
+    return [{"id": i, "instance_sha256": i, "scores": {"em": float(v)},
+             "skipped": "prompt_too_long" if i in skipped else None} for i, v in zip(ids, values)]
 
 
 @pytest.mark.parametrize("right_wrong,wrong_right,agree", [(10, 2, 30), (5, 0, 3), (7, 7, 10), (0, 0, 4), (1, 12, 0)])
@@ -158,3 +158,70 @@ def test_which_test_a_metric_gets_is_declared_not_read_from_its_values():
 
     assert task_class("hotpotqa").binary_metrics == ("em", "contains")
     assert "accuracy" not in task_class("mqar").binary_metrics  # a share of queries per row
+
+
+def _legacy(run, edit=lambda r: None, data=None):
+    """The run as one written before instance hashes: every row without ``instance_sha256``."""
+    rows = [json.loads(x) for x in open(run / "samples.jsonl")]
+    for r in rows:
+        r.pop("instance_sha256", None)
+        edit(r)
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if data is not None:
+        res = json.loads((run / "results.json").read_text())
+        res["resolved"]["data_sha256"] = data
+        (run / "results.json").write_text(json.dumps(res))
+
+
+def test_legacy_rows_pair_only_where_the_prompt_the_data_or_the_question_says_so(tiny_phi_dir, phi_backend,
+                                                                                 tmp_path):
+    """Rows without instance hashes: an id and a gold never pair them alone. Other held-out sets with the same ids
+    and answers pair nothing; runs of the same data (other distractor counts: other prompts) pair, by the data's
+    hash or, where the data hashes differ, by the question text in the prompts."""
+    import shutil
+
+    from harness.engine import run_eval
+    from harness.report import main as report_main
+    from tests.helpers import run_config
+
+    def between(rep):
+        got = json.loads((rep / "comparisons.json").read_text())
+        return [d for d in got["differences"] if d["condition"] == "first"], got["notes"]
+
+    # MQAR, eval_seed 0 and 1: the same ids; the golds made the same, as the issue's two runs
+    a, b = tmp_path / "s0", tmp_path / "s1"
+    _run_mqar(tiny_phi_dir, phi_backend, a, eval_seed=0)
+    _run_mqar(tiny_phi_dir, phi_backend, b, eval_seed=1)
+    gold = {json.loads(x)["key"]: json.loads(x)["gold"] for x in open(a / "samples.jsonl")}
+    _legacy(a)
+    _legacy(b, lambda r: r.update(gold=gold[r["key"]]))
+    assert report_main([str(a), str(b), "--out", str(tmp_path / "rep0")]) == 0
+    got = json.loads((tmp_path / "rep0" / "comparisons.json").read_text())
+    assert got["differences"] == [] and any("nothing shows they hold the same question" in n for n in got["notes"])
+
+    # HotpotQA, 2 and 3 distractors: the same questions in other prompts
+    k2, k3 = tmp_path / "k2", tmp_path / "k3"
+    for out, k in ((k2, 2), (k3, 3)):
+        run_eval(run_config(tiny_phi_dir, out, limit=5, max_new_tokens=6, distractors=k, positions=["first"]),
+                 backend=phi_backend, progress=False)
+    _legacy(k2)
+    _legacy(k3)
+    assert report_main([str(k2), str(k3), "--out", str(tmp_path / "rep1")]) == 0
+    (d,), _ = between(tmp_path / "rep1")
+    assert d["pairs"] == 5 and d["unverified"] == 0 and d["mismatched"] == 0  # by the data's hash
+    _legacy(k3, data="another data file")  # now only the question text can say it
+    assert report_main([str(k2), str(k3), "--out", str(tmp_path / "rep2")]) == 0
+    (d,), _ = between(tmp_path / "rep2")
+    assert d["pairs"] == 5
+    other = tmp_path / "other"
+    shutil.copytree(k3, other)
+
+    def other_question(r):
+        (s, e, _), = [x for x in r["evidence"] if x[2] == "question"]
+        r["prompt"] = r["prompt"][:s] + "Q" * (e - s) + r["prompt"][e:]
+        r["prompt_sha256"] = "changed"
+
+    _legacy(other, other_question)
+    assert report_main([str(k2), str(other), "--out", str(tmp_path / "rep3")]) == 0
+    diffs, notes = between(tmp_path / "rep3")
+    assert diffs == [] and any("hold other questions" in n for n in notes), notes

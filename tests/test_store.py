@@ -124,7 +124,8 @@ def test_a_store_of_other_data_in_its_place_is_refused_by_the_cli(tmp_path, caps
     assert not (tmp_path / "run" / "train_log.jsonl").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "offsets", "meta-gone"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "offsets", "meta-gone", "meta-vocab", "meta-list",
+                                    "legacy-unhashed"])
 def test_a_damaged_store_is_moved_aside_and_built_again(tmp_path, damage):
     task = _task()
     store = st.ensure_store(task, 60, tmp_path)
@@ -140,6 +141,18 @@ def test_a_damaged_store_is_moved_aside_and_built_again(tmp_path, damage):
         os.utime(tokens, ns=(1, 1))  # an old mtime, as a file damaged long after its build
     elif damage == "offsets":
         np.save(store.path / "offsets.npy", np.arange(10))
+    elif damage == "meta-vocab":  # meta.json edited: two tokens swapped (the store's key still matches its name)
+        meta = json.loads((store.path / "meta.json").read_text())
+        meta["vocab"][3], meta["vocab"][4] = meta["vocab"][4], meta["vocab"][3]
+        (store.path / "meta.json").write_text(json.dumps(meta))
+    elif damage == "meta-list":
+        (store.path / "meta.json").write_text("[]")
+    elif damage == "legacy-unhashed":  # a store of format 1, which recorded no hashes, rewritten at the same size
+        meta = json.loads((store.path / "meta.json").read_text())
+        for field in ("sha256", "meta_sha256"):
+            del meta[field]
+        (store.path / "meta.json").write_text(json.dumps({**meta, "format": 1}))
+        tokens.write_bytes(bytes(tokens.stat().st_size))
     else:  # a folder without meta.json: a killed build's, never a store
         (store.path / "meta.json").unlink()
     again = st.ensure_store(task, 60, tmp_path)
@@ -163,3 +176,28 @@ def test_a_killed_build_leaves_nothing_that_grows_and_stores_are_group_readable(
     assert not list(tmp_path.glob(".building-*"))
     assert store.path.stat().st_mode & 0o055 == 0o055  # group and others may read and enter it
     assert all((store.path / n).stat().st_mode & 0o044 == 0o044 for n in (*st.FILES, "meta.json"))
+
+
+def test_a_store_is_keyed_by_its_vocabulary(tmp_path):
+    """The generator's vocabulary reordered (an edit without a format bump): the old ids would be other tokens, so
+    the run builds its own store; the old store copied into its place is refused, naming the vocabulary."""
+    import shutil
+
+    task = _task()
+    old = st.ensure_store(task, 40, tmp_path)
+    reordered = list(task.vocab)
+    reordered[3], reordered[4] = reordered[4], reordered[3]
+    assert reordered != list(task.vocab)
+    task.vocab = reordered
+    new_path = tmp_path / f"istree-{st.json_digest(st.store_key(task, 40))}"
+    assert new_path != old.path
+    shutil.copytree(old.path, new_path)
+    with pytest.raises(st.StoreError, match=r"vocab differs \(first at id 3"):
+        st.ensure_store(task, 40, tmp_path)
+    shutil.rmtree(new_path)
+    new = st.ensure_store(task, 40, tmp_path)
+    assert new.vocab == reordered and new.path == new_path
+    # the same samples (the seeds depend on what is drawn, not on the ids), written in the new vocabulary's ids
+    assert [[new.vocab[i] for i in new.sample(k)] for k in range(5)] == \
+        [[old.vocab[i] for i in old.sample(k)] for k in range(5)]
+    assert any(not np.array_equal(new.sample(k), old.sample(k)) for k in range(5))

@@ -141,6 +141,9 @@ class Backend(ABC):
     cuda_graphs = False  # decodes from CUDA graphs (``--cuda-graphs on``, and ``auto`` on CUDA)
     own_checkpoints = False  # its checkpoints are no transformers models: no other backend can run them
     takes_engine_args = False  # built with an engine's own settings (``--vllm-arg KEY=VALUE``)
+    # the backend ``--audit`` regenerates rows with, in a child process, where this one cannot be its own reference
+    # (an engine that caches and schedules across requests would regenerate through the very paths it audits)
+    audit_reference: str | None = None
 
     @abstractmethod
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",

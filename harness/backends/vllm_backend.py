@@ -92,9 +92,14 @@ def vllm_build() -> tuple[str, str, str] | None:
     return None
 
 
+# Words read as booleans in ``--vllm-arg`` (case-insensitive), as a shell user writes them.
+BOOLEAN_WORDS = {"true": True, "false": False, "on": True, "off": False, "yes": True, "no": False}
+
+
 def parse_engine_args(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """``--vllm-arg KEY=VALUE`` pairs as typed engine arguments (JSON values: numbers, true/false, lists; anything
-    else a string)."""
+    """``--vllm-arg KEY=VALUE`` pairs as typed engine arguments (JSON values: numbers, true/false, lists; the words
+    on/off/yes/no/True/False as booleans; anything else a string). Whether a value fits its argument's type is
+    checked against vLLM's own argument types when the engine is built (``check_engine_types``)."""
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, raw = str(pair).partition("=")
@@ -106,11 +111,24 @@ def parse_engine_args(pairs: Sequence[str] | None) -> dict[str, Any]:
             raise VLLMError(f"--vllm-arg {key}: set by the harness (use --model, --tokenizer, --dtype or --device)")
         if key in out:
             raise VLLMError(f"--vllm-arg {key} is given twice; give it once")
+        word = BOOLEAN_WORDS.get(raw.strip().lower())
+        if word is not None:
+            out[key] = word
+            continue
         try:
             out[key] = json.loads(raw)
         except ValueError:
-            out[key] = {"True": True, "False": False}.get(raw, raw)
+            out[key] = raw
     return out
+
+
+def check_engine_types(args: dict[str, Any], fields) -> None:
+    """Refuse a value that is not a boolean for a boolean engine argument (a string such as "off" would be true);
+    ``fields``: vLLM's ``EngineArgs`` dataclass fields."""
+    for f in fields:
+        if f.name in args and f.type in (bool, "bool") and not isinstance(args[f.name], bool):
+            raise VLLMError(f"--vllm-arg {f.name}={args[f.name]!r}: vLLM's {f.name} is true or false; write "
+                            f"{f.name}=true or {f.name}=false (on/off and yes/no are read too)")
 
 
 def _model_config(path: str) -> dict:
@@ -182,7 +200,9 @@ def engine_settings(path: str, device: str = "auto", dtype: str = "auto", engine
     if not any(config.get(k) for k in ("max_position_embeddings", "n_positions", "max_seq_len")):
         settings["max_model_len"] = UNBOUNDED_CONTEXT
     settings.update(args)  # the user's --vllm-arg last: it overrides every default above
-    settings["in_process"] = bool(settings["in_process"])
+    if not isinstance(settings["in_process"], bool):
+        raise VLLMError(f"--vllm-arg in_process={settings['in_process']!r}: true (the engine in this process) or "
+                        "false (its own process); on/off and yes/no are read too")
     return settings
 
 
@@ -195,6 +215,7 @@ def settings_identity(settings: dict[str, Any]) -> dict[str, Any]:
 class VLLMBackend(Backend):
     name = "vllm"
     takes_engine_args = True
+    audit_reference = "transformers"
 
     @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
@@ -220,6 +241,7 @@ class VLLMBackend(Backend):
         if unknown:
             raise VLLMError(f"--vllm-arg {', '.join(unknown)}: not an engine argument of vLLM {vllm.__version__} "
                             "(see vllm.engine.arg_utils.EngineArgs)")
+        check_engine_types(kwargs, dataclasses.fields(EngineArgs))
         t0 = time.perf_counter()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.settings["in_process"] else {}
         try:
@@ -273,14 +295,15 @@ class VLLMBackend(Backend):
         """Each continuation's summed log-probability and whether greedy decoding gives it, from vLLM's prompt
         log-probabilities (the token's own, and its rank: 1 is the argmax). All rows go to vLLM at once (its
         scheduler batches; ``batch_size`` and ``share_contexts`` are its to decide). A row longer than the
-        context keeps its last ``max_context`` tokens, the scored one included: one context token fewer than
-        the stepped backends keep, since vLLM must be fed the last token it scores."""
+        context keeps its last ``max_context - 1`` tokens, the scored one included: vLLM must be fed the last
+        token it scores, and its prompt must leave room for the one token it is asked to generate (a prompt of
+        ``max_context`` tokens is refused)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not pairs:
             return []
-        seqs = [scoring_window(ctx, cont, self.max_context - 1) + [cont[-1]] for ctx, cont in pairs]
+        seqs = [scoring_window(ctx, cont, self.max_context - 2) + [cont[-1]] for ctx, cont in pairs]
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         results = []

@@ -201,6 +201,21 @@ class RunConfig:
                 "tool_max_chars": self.tool_max_chars}
 
 
+def task_arg_pairs(pairs: list[str]) -> dict[str, str]:
+    """``--task-arg KEY=VALUE`` pairs as a dict; a malformed pair or a key given twice is refused (the later one
+    would win silently)."""
+    given: dict[str, str] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--task-arg expects KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        if k in given:
+            raise ConfigError(f"--task-arg {k} is given twice ({given[k]} and {v}); give it once (a sweepable "
+                              f"option takes a comma list: {k}={given[k]},{v})")
+        given[k] = v
+    return given
+
+
 def word_negative_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """HfArgumentParser gives ``--no-X`` the help of ``--X``; say what the negative flag does instead."""
     for action in parser._actions:  # noqa: SLF001  (argparse has no public way to edit an added flag)

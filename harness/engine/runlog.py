@@ -182,6 +182,7 @@ class SampleLog:
         self.dir = Path(out_dir)
         self.path = self.dir / ("samples.jsonl" if shard is None else f"samples.{shard}.jsonl")
         self.records: dict[str, dict] = {}
+        self.origin: dict[str, tuple[Path, int]] = {}  # the file and line each record was read from
         self.bad_lines: dict[Path, list[tuple[int, bytes]]] = {}
         self.duplicates = 0
         for f in self._files():
@@ -231,6 +232,7 @@ class SampleLog:
                             "outcome (generation or scores); the later line is used. Remove the line that should "
                             "not count, or rerun with --overwrite", path, rec["key"], lineno)
         self.records[rec["key"]] = rec
+        self.origin[rec["key"]] = (path, lineno)
 
     def __contains__(self, key: str) -> bool:
         return key in self.records

@@ -43,6 +43,7 @@ from harness.models.masks import block_attention_mask
 from harness.models.selective_scan import SCANS, note_scan, selective_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
+SCANNED_ARCHS = ("mamba", "hybrid")  # the architectures with a selective scan (``--scan`` applies to them only)
 SIZES = {
     # name: transformer (d, ffn, layers, heads), mamba (d, layers), hybrid (d, mamba layers, attention FFN)
     "0.5M": {"transformer": (64, 256, 8, 4), "mamba": (64, 16), "hybrid": (64, 13, 256)},

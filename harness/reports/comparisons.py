@@ -7,8 +7,8 @@ import json
 import pandas as pd
 
 from evals import task_class
-from harness.reports.paired import paired, pairing, same_question, seed_spread
-from harness.reports.runs import load_run, run_settings
+from harness.reports.paired import matcher, paired, pairing, same_question, seed_spread
+from harness.reports.runs import data_hash, load_run, run_settings
 
 
 def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], keep_ids: set[str] | None = None
@@ -24,11 +24,12 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
         binary = metric in task_class(task).binary_metrics
         dirs = list(dict.fromkeys(g["dir"]))
         label = dict(zip(g["dir"], g["run"]))
-        rows, configs = {}, {}
+        rows, configs, data = {}, {}, {}
         for d in dirs:
             results, samples = load_run(d)
             rows[d] = [r for r in samples if keep_ids is None or r["id"] in keep_ids]
             configs[d] = run_settings(results["config"])
+            data[d] = data_hash(results)
         seed = 0
         for d in dirs:  # first against last on the axis: one question's two conditions
             order = g[g["dir"] == d].sort_values("x", na_position="last")["condition"].tolist()
@@ -49,17 +50,20 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
                 a_rows = [r for r in rows[d] if pick(r) and r["condition"] in shared]
                 b_rows = [r for r in rows[base] if pick(r) and r["condition"] in shared]
                 key = lambda r: (r["id"], r["condition"])  # noqa: E731
+                same = matcher(data[d], data[base])
                 got = paired(a_rows, b_rows, metric, key=key, cluster=lambda r: r["id"], a=label[d], b=label[base],
-                             condition=c, seed=seed, binary=binary)
+                             condition=c, seed=seed, binary=binary, same=same)
                 if got is not None:
                     got.task = task
                     diffs.append(got)
                 elif c != "all":
-                    mismatched = pairing(a_rows, b_rows, key).mismatched
+                    got = pairing(a_rows, b_rows, key, same)
                     notes.append(f"{label[d]} vs {label[base]} ({c}): no row pairs: " + (
-                        f"{mismatched} rows share an id but hold other questions (another eval_seed, data or "
-                        "tokenizer), so no paired difference is reported" if mismatched else
-                        "the runs share no scored question"))
+                        f"{got.mismatched} rows share an id but hold other questions (another eval_seed, data or "
+                        "tokenizer), so no paired difference is reported" if got.mismatched else
+                        f"{got.unverified} rows share an id, but nothing shows they hold the same question (rows "
+                        "written before instance hashes, from other data and prompts), so no paired difference is "
+                        "reported" if got.unverified else "the runs share no scored question"))
         if not shared_any(dirs, g):
             notes.append(f"{task}: the runs share no condition; no paired difference between them")
         seeds += _seed_replicates(task, metric, g, dirs, rows, configs, label, notes)

@@ -24,7 +24,7 @@ from typing import Any
 import jinja2
 
 from evals import task_class
-from harness.reports.paired import pairing, same_instance, same_question
+from harness.reports.paired import matcher, pairing, same_question
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
 MAX_GENERATION = 100_000  # characters of a generation kept in the page (the rest is in samples.jsonl)
@@ -94,7 +94,8 @@ def _diff_entry(d, by_label: dict, runs: list[dict]) -> dict:
         ra, rb = by_label[d.a], by_label[d.b]
         pick = (lambda r: True) if d.condition == "all" else (lambda r: str(r["condition"]) == d.condition)
         got = pairing([r for r in runs[ra]["rows"] if pick(r)], [r for r in runs[rb]["rows"] if pick(r)],
-                      key=lambda r: (r["id"], str(r["condition"])), same=same_instance)
+                      key=lambda r: (r["id"], str(r["condition"])),
+                      same=matcher(runs[ra].get("data_sha256"), runs[rb].get("data_sha256")))
     else:  # one run, two conditions of each question
         ra = rb = by_label.get(d.condition)
         rows = runs[ra]["rows"] if ra is not None else []
@@ -110,7 +111,10 @@ def _diff_entry(d, by_label: dict, runs: list[dict]) -> dict:
 
 def pack(data: dict) -> str:
     """The explorer's data as gzipped JSON in base64 (the page unpacks it with DecompressionStream)."""
-    raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    # a lone surrogate (valid JSON, e.g. in a generation) becomes its JSON escape; a non-finite number is refused
+    # (JSON.parse would reject the whole page's data), never written
+    raw = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8",
+                                                                                               "backslashreplace")
     return base64.b64encode(gzip.compress(raw, compresslevel=6, mtime=0)).decode("ascii")
 
 
@@ -118,14 +122,13 @@ def png_data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
 
 
-def write_html(path: Path, *, title: str, tables: list[tuple[str, str]], pngs: list[Path], diffs: list,
-               seeds: list[str], notes: list[str], runs: list[dict], plotted: dict[str, str]) -> Path:
-    """``tables``: (heading, HTML table) per task, escaped by pandas; everything else is escaped by Jinja or set
-    as text by the script."""
+def render_html(*, title: str, tables: list[tuple[str, str]], pngs: list[Path], diffs: list,
+                seeds: list[str], notes: list[str], runs: list[dict], plotted: dict[str, str]) -> str:
+    """The page. ``tables``: (heading, HTML table) per task, escaped by pandas; everything else is escaped by Jinja
+    or set as text by the script."""
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     page = env.from_string(TEMPLATE.read_text()).render(
         title=title, tables=[(h, jinja2.utils.markupsafe.Markup(t)) for h, t in tables],
         figures=[(p.name, png_data_uri(p)) for p in pngs], seeds=seeds, notes=notes,
         data=pack(explorer_data(runs, plotted, diffs)))
-    path.write_text(page, encoding="utf-8")
-    return path
+    return page

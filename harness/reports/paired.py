@@ -3,8 +3,8 @@ makes ("first − last", "Phi-1.5 − Phi-Mamba at slot 7") with a confidence in
 
 A difference is paired: only rows present, and scored, on both sides count (the rest are counted as dropped),
 so the noise the two sides share cancels. Rows pair only where they are the same question: the same key *and*
-the same content (``same``: the instance's hash where both rows carry it, else the gold answer), never by id
-alone (a generated task's ids repeat across held-out sets). Its interval is a percentile bootstrap that resamples *questions*
+the same content (``same``: the instance's hash where both rows carry it; for older rows the prompt, the data
+file or the question text with the gold), never by id alone (a generated task's ids repeat across held-out sets). Its interval is a percentile bootstrap that resamples *questions*
 (clusters), not rows: where one question yields several rows (every slot of a sweep, several needle depths) its
 rows are correlated, and resampling rows would understate the spread. Metrics the task declares 0/1
 (``Task.binary_metrics``) also get the exact McNemar test (``scipy.stats.binomtest`` on the discordant pairs). The bootstrap is seeded, so a report is reproducible.
@@ -40,7 +40,7 @@ class Difference:
     mcnemar_p: float | None = None  # 0/1 metrics
     discordant: tuple[int, int] | None = None  # (a right and b wrong, a wrong and b right)
     mismatched: int = 0  # rows whose key both sides hold but whose content differs: not paired
-    unverified: int = 0  # pairs matched by key and gold only (rows written before instance hashes)
+    unverified: int = 0  # rows whose key both sides hold where nothing shows the same question: not paired
     task: str = ""  # the task whose runs these are (a report may hold several)
 
     @property
@@ -53,8 +53,8 @@ class Difference:
         pts = 100.0
         test = f", McNemar p = {_p(self.mcnemar_p)}" if self.mcnemar_p is not None else ""
         extra = (f"; {self.mismatched} rows share a key but not the question: not paired" if self.mismatched else "") \
-            + (f"; {self.unverified} paired by id and gold only (rows without an instance hash)"
-               if self.unverified else "")
+            + (f"; {self.unverified} rows share a key, but nothing shows the same question (rows without an "
+               "instance hash, from other data or prompts): not paired" if self.unverified else "")
         return (f"{self.a} − {self.b} ({self.condition}): {pts * self.diff:+.1f} pts "
                 f"[{pts * self.ci_low:+.1f}, {pts * self.ci_high:+.1f}] (paired, {self.pairs} rows of "
                 f"{self.questions} questions{test}; dropped {self.dropped_a} + {self.dropped_b}{extra})")
@@ -67,13 +67,40 @@ def _p(p: float) -> str:
     return f"{p:.2g}" if p >= 1e-4 else "< 1e-4"
 
 
-def same_instance(ra: dict, rb: dict) -> bool | None:
-    """Whether two rows of one key hold the same instance: by its content hash where both carry one, else by
-    the gold answer (None: equal golds, unverified)."""
+def same_instance(ra: dict, rb: dict, data: tuple[str | None, str | None] = (None, None)) -> bool | None:
+    """Whether two rows of one key hold the same instance: by its content hash where both carry one. Rows written
+    before instance hashes are the same question where something says so: the same prompt (its hash), the same
+    data file (``data``: each row's run's data hash) with the same gold, or the same question text in their
+    prompts with the same gold. None: nothing says it (they are not paired, and counted as such); an id and a gold
+    alone never pair rows, since a generated task's ids and short answers repeat across held-out sets."""
     ha, hb = ra.get("instance_sha256"), rb.get("instance_sha256")
     if ha is not None and hb is not None:
         return ha == hb
-    return None if ra.get("gold") == rb.get("gold") else False
+    if ra.get("gold") != rb.get("gold"):
+        return False
+    pa, pb = ra.get("prompt_sha256"), rb.get("prompt_sha256")
+    if pa is not None and pa == pb:
+        return True
+    if data[0] is not None and data[0] == data[1]:
+        return True
+    qa, qb = question_text(ra), question_text(rb)
+    if qa is not None and qb is not None:
+        return qa == qb
+    return None
+
+
+def question_text(row: dict) -> str | None:
+    """The question as the row's prompt holds it (its evidence span labelled "question"), where it is recorded."""
+    prompt = row.get("prompt")
+    for span in row.get("evidence") or []:
+        if len(span) == 3 and span[2] == "question" and isinstance(prompt, str):
+            return prompt[span[0]:span[1]]
+    return None
+
+
+def matcher(data_a: str | None, data_b: str | None):
+    """``same_instance`` for rows of two runs whose data hashes are ``data_a`` and ``data_b``."""
+    return lambda ra, rb: same_instance(ra, rb, (data_a, data_b))
 
 
 def same_question(ra: dict, rb: dict) -> bool:
@@ -96,7 +123,7 @@ def pairing(a_rows: Iterable[dict], b_rows: Iterable[dict], key, same=same_insta
     side_a = {key(r): r for r in a_rows if not r.get("skipped")}
     side_b = {key(r): r for r in b_rows if not r.get("skipped")}
     verdict = {k: same(side_a[k], side_b[k]) for k in side_a if k in side_b}
-    both = [k for k, v in verdict.items() if v is not False]
+    both = [k for k, v in verdict.items() if v is True]
     return Pairing(side_a, side_b, both, mismatched=sum(v is False for v in verdict.values()),
                    unverified=sum(v is None for v in verdict.values()))
 

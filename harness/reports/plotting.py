@@ -7,10 +7,13 @@ from pathlib import Path
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display is needed, or used)."""
+    """matplotlib.pyplot on the Agg backend (no display is needed, or used), with text drawn as written: run and
+    model names reach titles and legends, and a name holding two ``$`` must not be parsed as mathtext (an error,
+    or an italic letter in a label)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt

@@ -11,6 +11,7 @@ import pandas as pd
 from evals import task_class
 from evals.base import instance_key
 from harness.engine.config import NOT_RESULT_DECIDING, RunConfig
+from harness.engine.rows import row_problem
 from harness.engine.runlog import SampleLog
 from harness.engine.stats import summarize
 from harness.hashing import json_digest
@@ -54,9 +55,13 @@ def _read_run(run_dir: Path, res_file: Path) -> tuple[dict, list[dict]]:
         results = json.loads(res_file.read_text())
     except ValueError as e:
         raise ReportError(f"{res_file} is not valid JSON ({e}); rerun the evaluation to rewrite it") from e
+    if not isinstance(results, dict) or not isinstance(results.get("config"), dict) \
+            or not isinstance(results.get("metrics"), dict) or not isinstance(results.get("task"), str):
+        raise ReportError(f"{res_file} is not a run's results.json (it needs task, config and metrics); rerun the "
+                          "evaluation to rewrite it")
     run_hash = results.get("config_hash")
-    every = list(SampleLog(run_dir, read_only=True).records.values())
-    records = [r for r in every if r.get("config_hash") == run_hash]  # only rows made with the run's settings
+    log = SampleLog(run_dir, read_only=True)
+    records = [r for r in log.records.values() if r.get("config_hash") == run_hash]  # the run's settings only
     sel = results.get("selection")
     if sel:
         keys = {instance_key(i, c) for i in sel["ids"] for c in run_conditions(results)}
@@ -65,6 +70,13 @@ def _read_run(run_dir: Path, res_file: Path) -> tuple[dict, list[dict]]:
             raise ReportError(f"{run_dir}: results.json counted {len(keys)} rows, but samples.jsonl holds only "
                               f"{len(records)} of them made with its settings (hash {run_hash}); the directory was "
                               "changed after the run finished. Rerun the evaluation into it to make them again.")
+    for rec in records:
+        problem = row_problem(rec)
+        if problem:
+            file, line = log.origin[rec["key"]]
+            raise ReportError(f"{file}:{line}: row {rec['key']!r} {problem}. harness.eval writes every row; restore "
+                              f"that line, or delete it and rerun the evaluation into {run_dir} to make the row "
+                              "again")
     return results, records
 
 
@@ -72,9 +84,33 @@ def run_conditions(results: dict) -> list[str]:
     return (results.get("selection") or {}).get("conditions") or list(results["metrics"])
 
 
+def data_hash(results: dict) -> str | None:
+    """The hash of the data a run read (None for runs that did not record it)."""
+    return (results.get("resolved") or {}).get("data_sha256")
+
+
 def run_settings(cfg: dict) -> dict:
-    """A run's config with its task's options at the top level (HotpotQA's distractors, MQAR's keys, ...)."""
-    return {**{k: v for k, v in cfg.items() if k != "task_args"}, **(cfg.get("task_args") or {})}
+    """A run's config with its task's options at the top level (HotpotQA's distractors, MQAR's keys, ...), every
+    flag and option the run did not record (one added since) filled with its default: a run made before
+    ``--vllm-arg`` existed ran with none, and differs in nothing from a run given none."""
+    filled = {**_defaults(RunConfig), **cfg}
+    options = {}
+    try:
+        options = _defaults(task_class(cfg.get("task")).Options)
+    except (KeyError, ValueError, TypeError):  # an unknown task: its options as recorded
+        pass
+    return {**{k: v for k, v in filled.items() if k != "task_args"}, **options, **(cfg.get("task_args") or {})}
+
+
+def _defaults(cls) -> dict:
+    """A dataclass's fields that have defaults, as JSON holds them."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return json.loads(json.dumps(out, default=str))
 
 
 def oracle_subset(oracle_dirs: list[str], metric: str | None = None) -> set[str]:
@@ -185,7 +221,7 @@ def explorer_runs(runs: list[str], df: pd.DataFrame, keep_ids: set[str] | None) 
     for d in runs:
         results, samples = load_run(d)
         out.append({"label": label.get(str(d), str(d)), "dir": str(d), "task": results["task"],
-                    "condition_name": results["condition"],
+                    "condition_name": results["condition"], "data_sha256": data_hash(results),
                     "rows": [r for r in samples if keep_ids is None or r["id"] in keep_ids]})
     return out
 

@@ -11,6 +11,7 @@ from evals import istree, task_class
 from evals.base import OptionError, make_options
 from harness.engine.config import ConfigError, _f
 from harness.engine.runlog import RunDirError
+from harness.models.istree import SCANNED_ARCHS
 from harness.models.selective_scan import SCAN_HELP, SCANS, scan_choice_problem, scan_override
 from harness.training.state import TrainingError
 
@@ -101,7 +102,9 @@ class TrainConfig:
         if values["lr"] is None:
             values["lr"] = fill.get("lr") or DEFAULT_LR[self.arch]
         values["task_args"] = self._typed_task_args()
-        values["scan"] = scan_override(values["scan"])
+        # the scan only where the model has one: a Transformer run's identity never holds a scan (an exported
+        # ICR_SCAN would otherwise make it another run, unresumable)
+        values["scan"] = scan_override(values["scan"]) if self.arch in SCANNED_ARCHS else "auto"
         cfg = TrainConfig(**values)
         cfg = dataclasses.replace(cfg, output=cfg.output or f"runs/{cfg.name}")
         cfg.validate()

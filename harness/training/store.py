@@ -3,15 +3,17 @@ run with the same data reads (the paper's code reuses one set of 1,000,000 sampl
 
 Generating IsTree samples in Python took 57% of a Transformer step at n=64 retrieval on an H200; read from the
 store, a batch is a few array slices. A store is keyed by its content (the task, its options and the sample
-count), built in worker processes in shards whose samples depend on the shard alone (so neither the worker
+count, and the vocabulary the ids index), built in worker processes in shards whose samples depend on the shard alone (so neither the worker
 count nor a crashed build changes a sample), written to a temporary folder and renamed into place under a file
 lock: two cells that need the same store build it once, and a half-written store is never read. Opening a store
-checks it is the one asked for (its key) and whole (its files' sizes, and their hashes through the file-hash
-cache, so a multi-GB store is hashed once, not every run): another store put in its place is refused, a damaged one
-is moved aside and rebuilt (its samples depend on the key alone, so a resumed run reads the same data).
+checks it is the one asked for (its key, the vocabulary included: ids read under another vocabulary are other
+tokens) and whole (meta.json's own hash, every file's size and SHA-256 through the file-hash cache, so a multi-GB
+store is hashed once, not every run): another store put in its place is refused, a damaged one (an edited
+meta.json, a file rewritten even at the same size, a store of an older format that recorded no hashes) is moved
+aside and rebuilt (its samples depend on the key alone, so a resumed run reads the same data).
 
-  meta.json      the key, the vocabulary, the count, each file's size and SHA-256 (written last: a folder
-                 without it is not a store)
+  meta.json      the key (vocabulary included), the count, each file's SHA-256, and meta_sha256: the hash of
+                 meta.json's other fields (written last: a folder without it is not a store)
   tokens.bin     every sample's token ids, back to back (uint8 when the vocabulary fits, else uint16)
   masks.bin      the loss mask of every token (uint8), aligned with tokens.bin
   offsets.npy    where each sample starts (int64, one more entry than samples)
@@ -38,7 +40,7 @@ from harness.hashing import json_digest
 log = logging.getLogger("harness")
 
 SHARD = 2048  # samples a build worker draws from one seeded stream
-FORMAT = 1
+FORMAT = 2  # 2: the vocabulary in the key, meta.json hashed, every file hashed
 FILES = ("tokens.bin", "masks.bin", "offsets.npy")
 
 
@@ -93,9 +95,16 @@ class TokenStore:
 
 
 def store_key(task, samples: int) -> dict:
-    """What decides a store's content: the task, the options its samples are drawn with, and the count."""
+    """What decides a store's content: the task, the options its samples are drawn with, the vocabulary its ids
+    index (a generator whose vocabulary order changed writes other ids for the same samples) and the count."""
     options = {k: v for k, v in task.eval_args.items() if k not in ("samples", "eval_seed")}
-    return {"format": FORMAT, "task": task.cfg.task, "options": options, "samples": samples}
+    return {"format": FORMAT, "task": task.cfg.task, "options": options, "vocab": list(task.vocab),
+            "samples": samples}
+
+
+def _meta_digest(meta: dict) -> str:
+    """meta.json's hash over every field but its own: an edit to the vocabulary, a count or a file hash shows."""
+    return json_digest({k: v for k, v in meta.items() if k != "meta_sha256"}, length=None)
 
 
 def ensure_store(task, samples: int, root: Path, workers: int = 0) -> TokenStore:
@@ -128,17 +137,25 @@ def _check(path: Path, key: dict) -> str | None:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as e:
         return f"meta.json unreadable: {e}"
+    if not isinstance(meta, dict):
+        return f"meta.json holds a JSON {type(meta).__name__}, not a store's record"
+    if meta.get("format") != FORMAT or not isinstance(meta.get("sha256"), dict) \
+            or set(meta["sha256"]) != set(FILES) or "meta_sha256" not in meta:
+        return (f"a store of format {meta.get('format')!r} (this version writes {FORMAT}), without a hash of every "
+                f"file and of meta.json: it cannot be checked")
+    if meta["meta_sha256"] != _meta_digest(meta):
+        return "meta.json was changed after the store was built (its hash differs)"
     key = json.loads(json.dumps(key))  # as meta.json holds it (tuples as lists)
     found = {k: meta.get(k) for k in key}
     if found != key:
-        differ = ", ".join(f"{k} {found.get(k)!r} (this run: {key[k]!r})" for k in key if found.get(k) != key[k])
+        differ = ", ".join(_difference(k, found.get(k), key[k]) for k in key if found.get(k) != key[k])
         raise StoreError(f"token store {path} holds other data than this run's: {differ}. A store's folder is "
                          f"named by its content; move that folder away (or delete it) and rerun to build this "
                          f"run's store there")
     itemsize = np.dtype(meta.get("dtype", "uint8")).itemsize
     want = {"tokens.bin": meta.get("tokens", -1) * itemsize, "masks.bin": meta.get("tokens", -1),
             "offsets.npy": None}
-    hashes = meta.get("sha256", {})
+    hashes = meta["sha256"]
     cache = FileHashCache()
     for name in FILES:
         file = path / name
@@ -146,19 +163,28 @@ def _check(path: Path, key: dict) -> str | None:
             return f"{name} is missing"
         if want[name] is not None and file.stat().st_size != want[name]:
             return f"{name} has {file.stat().st_size} bytes, not {want[name]}"
-        if name in hashes and cache.sha256(file) != hashes[name]:
+        if cache.sha256(file) != hashes[name]:
             return f"{name} is not the file that was built (SHA-256 differs)"
     try:
         offsets = np.load(path / "offsets.npy")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         return f"offsets.npy unreadable: {e}"
     if len(offsets) != key["samples"] + 1 or int(offsets[-1]) != meta.get("tokens"):
         return f"offsets.npy holds {len(offsets) - 1} samples of {int(offsets[-1])} tokens, not {key['samples']}"
     return None
 
 
+def _difference(field: str, found, wanted) -> str:
+    if field == "vocab" and isinstance(found, list):
+        moved = [i for i, (a, b) in enumerate(zip(found, wanted)) if a != b]
+        where = f"first at id {moved[0]}: {found[moved[0]]!r} there, {wanted[moved[0]]!r} here" if moved else \
+            f"{len(found)} tokens there, {len(wanted)} here"
+        return f"vocab differs ({where})"
+    return f"{field} {found!r} (this run: {wanted!r})"
+
+
 def _build(task, key: dict, path: Path, workers: int) -> None:
-    vocab = list(task.vocab)
+    vocab = key["vocab"]
     dtype = np.uint8 if len(vocab) <= 256 else np.uint16
     count = key["samples"]
     jobs = [(task.impl, key, shard, vocab, dtype, min(SHARD, count - shard * SHARD))
@@ -176,8 +202,9 @@ def _build(task, key: dict, path: Path, workers: int) -> None:
         offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
         np.save(tmp / "offsets.npy", offsets)
         cache = FileHashCache()
-        meta = {**key, "vocab": vocab, "dtype": np.dtype(dtype).name, "tokens": int(offsets[-1]),
+        meta = {**key, "dtype": np.dtype(dtype).name, "tokens": int(offsets[-1]),
                 "sha256": {name: cache.sha256(tmp / name) for name in FILES}}
+        meta["meta_sha256"] = _meta_digest(meta)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         _share(tmp)
         if path.exists():  # a half-built folder of a killed build (no meta.json): replaced
@@ -216,4 +243,7 @@ def _draw_shard(job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def shard_seed(key: dict, shard: int) -> int:
-    return int(json_digest({"store": key, "shard": shard}), 16)
+    """The seed of one shard's stream: from what decides which samples are drawn (task, options, count), as format
+    1 seeded it, so a store rebuilt in a later format holds the same samples and an older run resumes on them."""
+    drawn = {"format": 1, **{k: key[k] for k in ("task", "options", "samples")}}
+    return int(json_digest({"store": drawn, "shard": shard}), 16)
