@@ -25,7 +25,7 @@ import pandas as pd
 
 from evals import task_class
 from evals.base import DataError
-from harness.engine.results import format_table
+from harness.engine.results import TABLE_LEGEND, format_table
 from harness.files import StagedFiles, printable, strict_json, write_atomic
 from harness.reports.comparisons import comparisons, seed_line
 from harness.reports.figures import AGAINST, plot, plot_against
@@ -146,7 +146,7 @@ def _render(staged: StagedFiles, a, runs: list[str], run_notes: list[str], df: p
         for column, (_, name) in AGAINST.items():
             if column in g and g[column].notna().any():
                 pngs.append(plot_against(g, metric, column, staged.path(f"{prefix}{metric}_vs_{name}.png")))
-    header = f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else ""
+    header = (f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else "") + f"{TABLE_LEGEND}\n\n"
     diffs, seeds, notes = comparisons(runs, df, plotted, keep)
     notes = run_notes + notes
     if diffs:

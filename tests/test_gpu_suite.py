@@ -70,6 +70,9 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path):
                                                                              for b in (1, 4)}
     summary = {r["number"]: r for r in report["summary"]}
     assert summary["Triton scan == PyTorch scan (every length, float32 and bf16)"]["met"] == "yes"
+    # a CPU's projection is labelled as the CPU's, never as H100-hours
+    cpu_hours = "paper grid, hours on this CPU (81 runs; the goal is an H100's, not judged here)"
+    assert summary[cpu_hours]["value"] > 0 and not [n for n in summary if "H100-hours" in n]
     assert all(r["met"] in ("n/a", "yes") for r in report["summary"]), report["summary"]  # goals: GPU only
     md = (out / "report.md").read_text()
     assert "## The decisive numbers" in md and "projected:" in md and "(d) Decode" in md
@@ -92,6 +95,20 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path):
     res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--part", "decoding",
                           "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True, env=env)
     assert res.returncode == 2 and "error: --part 'decoding'" in res.stderr and "Traceback" not in res.stderr
+    for budget in ("inf", "nan", "-5"):  # a budget is a finite number of seconds (report.json held Infinity)
+        res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--budget", budget,
+                              "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True, env=env)
+        assert res.returncode == 2 and "finite number of seconds" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_budget_counted_from_the_start_counts_the_imports():
+    """The quick suite's clock starts with its process, not after its imports (the docs say start-up counts)."""
+    code = ("import time; time.sleep(1.5); from harness.procs import process_started; "
+            "print(time.perf_counter() - process_started())")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert 1.5 <= float(res.stdout) < 60
 
 
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path):

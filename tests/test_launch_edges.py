@@ -87,3 +87,43 @@ def test_a_dead_cell_says_how_it_died(how, said):
     proc.join(60)
     assert exit_description(proc.exitcode).startswith(said)
     assert exit_description(128 + signal.SIGTERM).startswith("killed by SIGTERM")  # a shell's 143
+
+
+def test_every_switch_is_checked_before_anything_starts(tmp_path, capsys):
+    """A misspelled flag is argparse's usage line naming it (not HfArgumentParser's traceback); a task option
+    given twice is refused (the later one won silently); CUDA graphs without CUDA stop a grid before any cell
+    starts or its folder exists (every cell failed alike, one after another)."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        train_main([*SMALL, "--bogus", "1", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus 1" in err and "Traceback" not in err
+    assert not out.exists()
+    err = _refused(capsys, ["--task", "mqar", "--size", "smoke", "--task-arg", "pairs=8", "--task-arg", "pairs=16",
+                            "--output", str(out)], out)
+    assert "--task-arg pairs is given twice (8 and 16)" in err
+    if __import__("torch").cuda.is_available():
+        return
+    t = time.perf_counter()
+    err = _refused(capsys, ["--grid", "smoke", "--cuda-graphs", "on", "--output", str(tmp_path / "grid")],
+                   tmp_path / "grid")
+    assert "--cuda-graphs on" in err and "--cuda-graphs off" in err
+    assert time.perf_counter() - t < 60  # refused at once, not after nine cells
+
+
+def test_an_exported_scan_leaves_a_transformer_run_as_it_was(tmp_path, capsys, monkeypatch):
+    """``ICR_SCAN`` names the scan of models that have one: a Transformer run made without it is the same run
+    with it (resumed as finished), and its result records no scan of its own."""
+    import json
+
+    base = ["--arch", "transformer", "--size", "smoke", "--nodes", "4", "--setup", "direct", "--samples", "32",
+            "--batch-size", "8", "--report-to", "none", "--no-progress", "--eval-samples", "8", "--no-live-eval",
+            "--output", str(tmp_path / "run")]
+    monkeypatch.delenv("ICR_SCAN", raising=False)
+    assert train_main(base) == 0
+    first = json.loads((tmp_path / "run" / "result.json").read_text())
+    monkeypatch.setenv("ICR_SCAN", "sequential")
+    capsys.readouterr()
+    assert train_main(base) == 0, capsys.readouterr().err
+    again = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert again == first and again["scan"] == "auto" and again["scans"] == []

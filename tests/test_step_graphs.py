@@ -63,5 +63,5 @@ def test_the_cli_refuses_graphs_without_cuda(tmp_path):
     res = subprocess.run([sys.executable, "-m", "harness.train", "--arch", "mamba", "--size", "smoke", "--nodes", "4",
                           "--setup", "direct", "--samples", "64", "--batch-size", "8", "--output", str(tmp_path / "r"),
                           "--cuda-graphs", "on"], capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0 and "error: --cuda-graphs on replays steps on one CUDA device" in res.stderr
+    assert res.returncode == 2 and "error: --cuda-graphs on replays training steps on a CUDA device" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "r").exists()

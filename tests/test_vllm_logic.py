@@ -70,3 +70,30 @@ def test_vllm_logic_ends_at_eos_like_the_stepped_loop(phi_backend, report_eos):
     stepped = [f for f in free if f.finish_reason == "eos"]
     assert [(r.text, r.finish_reason, r.token_ids) for r in chunked] == \
         [(r.text, r.finish_reason, r.token_ids) for r in stepped]
+
+
+def test_engine_booleans_read_json_and_words_and_refuse_the_rest():
+    """``enable_prefix_caching=off`` was the string "off", which is true."""
+    import dataclasses
+
+    from harness.backends.vllm_backend import VLLMError, check_engine_types, parse_engine_args
+
+    got = parse_engine_args(["enable_prefix_caching=off", "enforce_eager=TRUE", "in_process=no", "a=yes",
+                             "max_model_len=4096", "name=phi", "b=false"])
+    assert got == {"enable_prefix_caching": False, "enforce_eager": True, "in_process": False, "a": True,
+                   "max_model_len": 4096, "name": "phi", "b": False}
+
+    @dataclasses.dataclass
+    class Args:  # fields typed as vLLM's EngineArgs types them
+        enforce_eager: bool = False
+        enable_prefix_caching: bool | None = None
+        hf_token: bool | str | None = None
+        max_model_len: int | None = None
+
+    fields = dataclasses.fields(Args)
+    check_engine_types({"enforce_eager": True, "enable_prefix_caching": None, "hf_token": "abc", "max_model_len": 8},
+                       fields)
+    with pytest.raises(VLLMError, match="enforce_eager=.maybe.: vLLM's enforce_eager is true or false"):
+        check_engine_types(parse_engine_args(["enforce_eager=maybe"]), fields)
+    with pytest.raises(VLLMError, match="enable_prefix_caching"):
+        check_engine_types(parse_engine_args(["enable_prefix_caching=sometimes"]), fields)

@@ -125,8 +125,13 @@ def parse_engine_args(pairs: Sequence[str] | None) -> dict[str, Any]:
 def check_engine_types(args: dict[str, Any], fields) -> None:
     """Refuse a value that is not a boolean for a boolean engine argument (a string such as "off" would be true);
     ``fields``: vLLM's ``EngineArgs`` dataclass fields."""
+    import typing
+
     for f in fields:
-        if f.name in args and f.type in (bool, "bool") and not isinstance(args[f.name], bool):
+        kinds = set(typing.get_args(f.type)) or {f.type}  # bool, or bool | None
+        if f.name not in args or not ({bool, "bool"} & kinds) or not kinds <= {bool, "bool", type(None)}:
+            continue
+        if not isinstance(args[f.name], bool) and not (args[f.name] is None and type(None) in kinds):
             raise VLLMError(f"--vllm-arg {f.name}={args[f.name]!r}: vLLM's {f.name} is true or false; write "
                             f"{f.name}=true or {f.name}=false (on/off and yes/no are read too)")
 
@@ -212,6 +217,14 @@ def settings_identity(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sorted(settings.items()) if k not in MEMORY_ONLY and k != "in_process"}
 
 
+def _quiet_vllm_loggers() -> None:
+    """vLLM's loggers at WARNING: its own handler writes to stdout, and each module's logger may carry a level of
+    its own, so the "vllm" logger's level alone does not reach them (where vLLM was imported before
+    VLLM_LOGGING_LEVEL could be set, as in a test)."""
+    for name in [n for n in logging.root.manager.loggerDict if n == "vllm" or n.startswith("vllm.")]:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class VLLMBackend(Backend):
     name = "vllm"
     takes_engine_args = True
@@ -225,16 +238,29 @@ class VLLMBackend(Backend):
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
                  engine_args: dict | None = None, **_):
         self.settings = engine_settings(path, device, dtype, engine_args)
+        # variables vLLM reads while it is imported and its engine built (it has no argument for them), restored
+        # after: an in-process engine on a CPU, and its INFO lines (~25 a run, some printed at import) off unless
+        # --verbose
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.settings["in_process"] else {}
+        quiet = not log.isEnabledFor(logging.DEBUG)
+        if quiet and "VLLM_LOGGING_LEVEL" not in os.environ:
+            env["VLLM_LOGGING_LEVEL"] = "WARNING"
+        with mock.patch.dict(os.environ, env):
+            self._start(path, tokenizer, quiet)
+
+    def _start(self, path: str, tokenizer: str | None, quiet: bool) -> None:
+        if quiet:  # what it logs while importing, before its own logging is set up, reaches our handlers
+            logging.getLogger("vllm").setLevel(logging.WARNING)
         try:
             import vllm
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
-            if not log.isEnabledFor(logging.DEBUG):  # its per-engine INFO lines; --verbose keeps them
-                logging.getLogger("vllm").setLevel(logging.WARNING)
         except Exception as e:  # noqa: BLE001  a broken install fails in many ways (ImportError, OSError, ...)
             raise VLLMError(f"vLLM is installed ({self.settings['vllm']}) but does not import: {type(e).__name__}: "
                             f"{e}. On a CPU its CUDA companions break it: pip uninstall -y torchvision torchaudio "
                             "torchcodec (nothing here uses them); `python -m harness.doctor` says more") from None
+        if quiet:
+            _quiet_vllm_loggers()
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         kwargs = {k: v for k, v in self.settings.items() if k not in ("device", "family", "vllm", "in_process")}
         unknown = sorted(set(kwargs) - known)
@@ -243,17 +269,16 @@ class VLLMBackend(Backend):
                             "(see vllm.engine.arg_utils.EngineArgs)")
         check_engine_types(kwargs, dataclasses.fields(EngineArgs))
         t0 = time.perf_counter()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.settings["in_process"] else {}
         try:
-            # variables vLLM reads while its engine is built (it has no argument for them), restored after
-            with mock.patch.dict(os.environ, env):
-                self.llm = LLM(model=path, tokenizer=tokenizer or path, seed=0, **kwargs)
+            self.llm = LLM(model=path, tokenizer=tokenizer or path, seed=0, **kwargs)
         except Exception as e:  # noqa: BLE001  the engine's own message, without its worker traceback
             raise VLLMError(f"vLLM's engine did not start for {path} ({self.settings['vllm']}, "
                             f"{self.settings['device']}): {type(e).__name__}: {str(e).strip()[:800]}\nIts memory is "
                             "set with --vllm-arg "
                             "kv_cache_memory_bytes=N (or gpu_memory_utilization=F); --verbose shows the traceback; "
                             "--backend transformers runs every family without vLLM") from e
+        if quiet:
+            _quiet_vllm_loggers()  # loggers the engine made as it started
         self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
         self.max_context = self.llm.llm_engine.model_config.max_model_len

@@ -45,6 +45,8 @@ def metrics_table(by_condition: dict[str, dict], metrics: tuple[str, ...], condi
     rows = []
     for value, m in by_condition.items():
         row = {condition: value, "n": m["n"], "skipped": m["skipped"], "answer_found": m.get("answer_found")}
+        if "tool_calls_per_row" in m:  # a run with the tool: what it did
+            row["tool_calls_per_row"], row["rows_with_tool_calls"] = m["tool_calls_per_row"], m["rows_with_tool_calls"]
         for k in metrics:
             row[k] = m[k]
             row[f"{k}_se"] = m[f"{k}_se"]
@@ -56,12 +58,21 @@ def format_markdown(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]) -> s
     return format_table(df, metrics, id_cols).to_markdown(index=False)
 
 
+TABLE_LEGEND = ("metrics in percent: mean ± standard error (bootstrap over questions); answer found: percent of "
+                "scored rows where an answer was found; tool calls: mean per scored row, and rows with at least one")
+
+
 def format_table(df, metrics: tuple[str, ...], id_cols: tuple[str, ...]):
     """Metrics in percent as 'mean ± SE'; ``answer found`` is the share of scored generations in which the
-    answer rule found an answer (a low rate means format failures, not wrong answers)."""
+    answer rule found an answer (a low rate means format failures, not wrong answers); a run with the tool adds
+    what it did: calls per scored row and the rows with at least one (a tool never called is a finding)."""
     shown = df[[*id_cols, "n", "skipped"]].copy()
     if "answer_found" in df:
         shown["answer found"] = [f"{100 * v:.1f}" if v == v and v is not None else "n/a" for v in df["answer_found"]]
+    if "tool_calls_per_row" in df and df["tool_calls_per_row"].notna().any():
+        shown["tool calls/row"] = [f"{v:.2f}" if v == v and v is not None else "" for v in df["tool_calls_per_row"]]
+        shown["rows with a call"] = [f"{int(v)}" if v == v and v is not None else ""
+                                     for v in df["rows_with_tool_calls"]]
     for m in metrics:
         shown[m] = [(f"{100 * v:.1f} ± " + (f"{100 * s:.1f}" if s is not None and s == s else "n/a")) if v == v
                     else "n/a" for v, s in zip(df[m], df[f"{m}_se"])]  # one row: no spread to state

@@ -35,7 +35,7 @@ from harness.engine.audit import audit_rows
 from harness.engine.config import ConfigError, RunConfig, settings_hash
 from harness.engine.identity import awaits_download, model_identity
 from harness.engine.prompting import PromptTemplate
-from harness.engine.results import format_markdown, git_hash, metrics_table, versions
+from harness.engine.results import TABLE_LEGEND, format_markdown, git_hash, metrics_table, versions
 from harness.engine.runlog import (
     ResumeMismatchError,
     RunDirError,
@@ -442,7 +442,8 @@ class EvalRun:
                                                                                 self.prepared.engine_args)
             results["audit"] = audit_rows(cfg, backend, records, lambda key: self.request(by_key[key]), cfg.audit)
         df = metrics_table(by_condition, task.metrics, task.condition)
-        results["table"] = format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
+        results["table"] = (format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
+                            + f"\n\n{TABLE_LEGEND}")
         results["files"] = ["results.json", "samples.jsonl", *task.write_outputs(records, out, conditions),
                             "table.md", "table.csv", *lm_eval_format.write(out, results, records, task.metrics)]
         write_atomic(out / "table.csv", df.to_csv(index=False))

@@ -40,6 +40,8 @@ def _condition_row(recs: list[dict], metrics: tuple[str, ...], seed: int, axis_s
         if any("tool_calls" in r for r in scored):
             calls = [c for r in scored for c in r.get("tool_calls", [])]
             row["tool_calls"] = len(calls)
+            row["tool_calls_per_row"] = len(calls) / len(scored)
+            row["rows_with_tool_calls"] = sum(1 for r in scored if r.get("tool_calls"))
             for status in ("ok", "no_match", "error", "timeout"):
                 row[f"tool_{status}"] = sum(1 for c in calls if c["status"] == status)
     if axis_statistic and recs:
