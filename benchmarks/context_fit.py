@@ -15,12 +15,13 @@ import statistics
 from evals import get_task
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.cache import cache_dir
+from harness.engine.config import HelpFormatter
 
 GPT2 = cache_dir() / "gpt2-bpe"
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--context", type=int, default=2048, help="Phi-1.5's")
     ap.add_argument("--max-new-tokens", type=int, default=96)

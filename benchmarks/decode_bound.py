@@ -16,10 +16,11 @@ import torch
 
 from harness.tools.checks import decode_table, memory_bandwidth
 from harness.training.grid import device_name
+from harness.engine.config import HelpFormatter
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--size", choices=["tiny", "real"], default=None, help="default: real on CUDA, tiny on CPU")
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=16)

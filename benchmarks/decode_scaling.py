@@ -14,10 +14,11 @@ import tempfile
 from harness.tools.checks import decode_cost
 from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
+from harness.engine.config import HelpFormatter
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)

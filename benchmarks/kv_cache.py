@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.masks import block_attention_mask
 from harness.models.phi_mamba import PhiAttentionMixer, PhiMambaConfig, PhiMambaForCausalLM
+from harness.engine.config import HelpFormatter
 
 
 def concat_forward(self, u, full_mask, state, pos):
@@ -65,7 +66,7 @@ def decode(model, prompt, steps, step, before_step=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)

@@ -18,6 +18,7 @@ import torch
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
+from harness.engine.config import HelpFormatter
 
 CHOICES = [" yes", " no", " Paris, France", " the river Olm", " 1887", " a small town in the north"]
 
@@ -35,7 +36,7 @@ def timed(backend, pairs, share: bool, batch: int):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--distractors", type=int, default=4)

@@ -17,11 +17,12 @@ from evals.fixture import FIXTURE_PATH
 from harness.backends.generation import GenRequest
 from harness.backends.loading import load_backend
 from harness.tiny import make_tiny_model
+from harness.engine.config import HelpFormatter
 from retrieval import RetrievalTool
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)

@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from harness.engine.config import HelpFormatter
 
 SCANS = ("parallel", "sequential")
 
@@ -148,7 +149,7 @@ def _sync(device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="timed training steps per cell (after one warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="timed scans per length (the best is shown)")

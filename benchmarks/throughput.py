@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from harness.backends.prefix_tree import PrefixTree
 from harness.backends.loading import load_backend
 from harness.backends.planner import forget_costs
 from harness.engine.prompting import PromptTemplate
+from harness.engine.config import HelpFormatter
 from harness.tiny import make_tiny_model
 
 STOP = HotpotQA.stop
@@ -159,8 +161,21 @@ print("RESULT " + json.dumps({{"start_s": start, "generate_s": time.perf_counter
     return out
 
 
+class Progress:
+    """One line on stderr per system timed, with its wall time, so a long run says where it is."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def __call__(self, what: str, fn, *args, **kw):
+        self.done += 1
+        print(f"[{self.done}/{self.total}, {time.perf_counter() - self.t0:.0f} s] timing {what} ...", file=sys.stderr,
+              flush=True)
+        return fn(*args, **kw)
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--positions", default="first,middle,last")
     ap.add_argument("--distractors", type=int, default=10)
@@ -189,13 +204,19 @@ def main():
         print(f"{len(prompts)} prompts (4-shot, {a.distractors} distractors), {min(map(len, ids))}-{max(map(len, ids))} "
               f"tokens, max {a.max_new_tokens} new; random Phi d={a.hidden} L={a.layers}, CPU, "
               f"{torch.get_num_threads()} threads\n")
+        progress = Progress(len(a.plans.split(",")) + 3 + (2 if a.backend == "vllm" else 0))
         run_harness(backend, prompts[:2], 4, "none")  # warm-up
-        plans = {p: run_harness(backend, prompts, a.max_new_tokens, p) for p in a.plans.split(",")}
-        gen, t_gen = run_generate(backend.model, backend.tokenizer, prompts, a.max_new_tokens)
-        lme, t_lme = run_lm_eval(model_dir, prompts, a.max_new_tokens, a.lm_eval_batch_size)
-        lmi, t_lmi = run_lm_eval(model_dir, prompts, a.max_new_tokens, a.icr_batch_size, model="icr")
-        vllm = {c: run_vllm(model_dir, prompts, a.max_new_tokens, c) for c in (True, False)} \
-            if a.backend == "vllm" else {}
+        plans = {p: progress(f"the harness, plan {p}", run_harness, backend, prompts, a.max_new_tokens, p)
+                 for p in a.plans.split(",")}
+        gen, t_gen = progress("transformers.generate, one sample at a time", run_generate, backend.model,
+                              backend.tokenizer, prompts, a.max_new_tokens)
+        lme, t_lme = progress("lm-eval's hf model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
+                              a.lm_eval_batch_size)
+        lmi, t_lmi = progress("lm-eval's icr model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
+                              a.icr_batch_size, model="icr")
+        vllm = {c: progress(f"vLLM, prefix caching {'on' if c else 'off'}", run_vllm, model_dir, prompts,
+                            a.max_new_tokens, c) for c in (True, False)} if a.backend == "vllm" else {}
+        print(file=sys.stderr)
     n = len(prompts)
     bound = prompt_tokens / tree_tokens
     print(f"{'system':48s} {'seconds':>8s} {'samples/s':>10s} {'vs generate':>12s} {'of bound':>9s} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from harness.engine.config import HelpFormatter
 from concurrent.futures import ThreadPoolExecutor
 
 from retrieval import RetrievalTool
@@ -22,7 +23,7 @@ UNITS = ["a" * 64 + "!"]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1.0)
     a = ap.parse_args()

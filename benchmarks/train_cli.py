@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from harness.procs import project_env
+from harness.engine.config import HelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +50,7 @@ def projection(cell: list[str], batch: int, steps: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--arch", default="mamba")
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--setup", default="retrieval")

@@ -224,10 +224,11 @@ def main(argv=None) -> int:
         todo = [c for c in cells if finished_result(c) is None]  # a cell of other settings is refused, not read
         jobs = args.jobs or max(1, min(3, os.cpu_count() or 1, len(todo) or 1))
         if todo:
+            expected, how = estimate_seconds(todo, jobs)
             print(f"training {len(todo)} of {len(cells)} cells ({len(cells) - len(todo)} cached) under {root}/, "
-                  f"{jobs} at a time; about {_minutes(todo, jobs)} on a 2-core CPU", flush=True)
+                  f"{jobs} at a time: about {_duration(expected)} on this machine ({how})", flush=True)
             train_in_processes("demo", sorted(todo, key=_cost, reverse=True), jobs, 1, args.progress, False,
-                               cost=_cost)
+                               cost=_cost, expected_s=expected)
         rows = collect(cells)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished cells are kept under {root}/; run the same command to continue",
@@ -245,10 +246,44 @@ def main(argv=None) -> int:
     return 0
 
 
-def _minutes(cells: list[TrainConfig], jobs: int) -> str:
-    """A rough wall-time estimate from the cells' sizes (fitted to the default demo on 2 CPU cores: 214 s)."""
-    seconds = 15 + sum(_cost(c) for c in cells) / 5.0e4 / jobs
-    return f"{max(1, round(seconds / 60))} min"
+def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
+    """What the cells will take on this machine as it is now, from a short measurement rather than a constant
+    (the old constant held on a quiet machine and read 4 minutes for 18 on a loaded one): each architecture's
+    optimizer step at the longest length, timed here on one thread as a cell trains (so other load counts),
+    scaled to each cell's length and steps, plus its evaluations as forward passes and, per cell, twice this
+    process's own start-up (imports included: a cell's process imports as much again, and its live evaluation
+    sets up the engine; measured on 2 loaded cores, a cell's overhead was 2-2.5x). Returns the seconds and what
+    was measured, in words."""
+    import torch
+
+    from harness.procs import process_started
+    from harness.training.grid import measure_cell
+
+    startup = max(1.0, time.perf_counter() - process_started())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        per_token = {}
+        for arch in dict.fromkeys(c.arch for c in cells):
+            cell = max((c for c in cells if c.arch == arch), key=lambda c: c.length)
+            m = measure_cell(cell, torch.device("cpu"), BATCH, steps=2, draws=4)
+            per_token[arch] = (m["step_s"] / (cell.length + 6), m["forward_s"] / (cell.length + 6))
+    finally:
+        torch.set_num_threads(before)
+    total = 0.0
+    for c in cells:
+        step, forward = per_token[c.arch]
+        evals = (c.samples // c.eval_every + 2) * -(-c.eval_samples // c.eval_batch_size)  # + the live one
+        total += (c.samples // c.batch_size) * step * (c.length + 6) + evals * forward * (c.length + 6) + 2 * startup
+    how = ", ".join(f"a {arch} step at L={max(c.length for c in cells if c.arch == arch)} takes "
+                    f"{1000 * step * (max(c.length for c in cells if c.arch == arch) + 6):.0f} ms"
+                    for arch, (step, _) in per_token.items())
+    return total / max(1, min(jobs, len(cells))), (f"measured just now on one thread: {how}; a cell's process "
+                                                    f"starts in about {2 * startup:.0f} s")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 if __name__ == "__main__":

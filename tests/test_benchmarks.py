@@ -45,3 +45,16 @@ def test_benchmark_runs(script):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert expect in res.stdout and "False" not in res.stdout, res.stdout[-2000:]
+    if script == "throughput.py":  # it says where it is before its table
+        assert "[1/8, " in res.stderr and "timing transformers.generate" in res.stderr, res.stderr[-2000:]
+
+
+def test_a_benchmarks_help_shows_every_default():
+    """Flags without a help text of their own show their default too (HelpFormatter)."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split("options:", 1)[1].split())
+    for flag, default in (("--questions QUESTIONS", "8"), ("--distractors DISTRACTORS", "10"),
+                          ("--icr-batch-size ICR_BATCH_SIZE", "8"), ("--backend {transformers,vllm}", "transformers")):
+        assert f"(default: {default})" in text.split(flag, 1)[1][:200], flag

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.demo import collect, demo_cells, findings, gaps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,8 @@ def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
     first = demo(out, "--lengths", "4,6", "--steps", "25", "--jobs", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training 6 of 6 cells" in first.stdout
+    # what it will take here, from a measurement made as it starts (not a constant fitted to a quiet machine)
+    assert "on this machine (measured just now on one thread: a transformer step at L=6 takes" in first.stdout
     cells = sorted(p.parent.name for p in out.glob("*/result.json"))
     assert cells == sorted(f"{a}-smoke-index-L{n}-seed42-steps25" for a in ("transformer", "hybrid", "mamba")
                            for n in (4, 6))
@@ -109,3 +113,14 @@ def test_findings_say_what_the_numbers_say():
     assert failed.startswith("This run does not show the expected pattern") and "Transformer 100% -> 14%" in failed
     flat = findings(_rows({"transformer": (1.0, 1.0), "hybrid": (1.0, 1.0), "mamba": (1.0, 0.97)}))
     assert flat.startswith("This run does not show")
+
+
+def test_the_first_eta_is_the_estimate_and_gives_way_to_the_rate():
+    """A demo's first ETA read 33 hours: a rate extrapolated from seconds of process start-ups. With an estimate
+    up front, the first ETA is the estimate; the measured rate takes over as the work progresses."""
+    from harness.training.grid import eta_seconds
+
+    assert eta_seconds(0.0, 5.0, expected=300.0) == 295.0
+    assert eta_seconds(0.001, 10.0, expected=300.0) == pytest.approx(290.0 * 0.996 + 0.004 * 9990.0)
+    assert eta_seconds(0.5, 100.0, expected=300.0) == 100.0  # the rate alone past a quarter
+    assert eta_seconds(0.001, 10.0) is None and eta_seconds(0.1, 10.0) == pytest.approx(90.0)

@@ -129,8 +129,22 @@ def cell_threads(base: TrainConfig, jobs: int) -> int:
     return base.threads or max(1, (os.cpu_count() or 1) // jobs)
 
 
+def eta_seconds(fraction: float, elapsed: float, expected: float | None = None) -> float | None:
+    """Seconds left: the measured rate once enough is done, the up-front estimate (``expected``, seconds for the
+    whole) before, and a blend between, so the first ETA is not a rate extrapolated from a few seconds of process
+    start-ups (a demo's read 33 hours). None: nothing to say yet."""
+    rate = elapsed * (1 - fraction) / fraction if fraction > 0 else None
+    prior = max(0.0, expected - elapsed) if expected is not None else None
+    if prior is None:
+        return rate if fraction >= 0.02 else None
+    if rate is None:
+        return prior
+    weight = min(1.0, fraction / 0.25)  # the estimate gives way to the rate over the first quarter
+    return weight * rate + (1 - weight) * prior
+
+
 def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: int, progress: bool,
-                       overwrite: bool, cost=None) -> list[dict]:
+                       overwrite: bool, cost=None, expected_s: float | None = None) -> list[dict]:
     """Cells in child processes, ``jobs`` at a time. A child dies with this process however it ends (SIGKILL
     included), and on any exit here (Ctrl-C, SIGTERM, an error) the running children are stopped before it
     returns: no cell keeps training unseen, so a rerun never trains a cell twice at once (each cell's directory
@@ -138,7 +152,8 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
     when interrupted and has no public way to stop them.
 
     The progress bar counts the work done in every cell (the steps in its ``train_log.jsonl``), each cell
-    weighted by ``cost`` (default: its steps), so its ETA moves while long cells train."""
+    weighted by ``cost`` (default: its steps), so its ETA moves while long cells train; ``expected_s``, an up-front
+    estimate of the whole, steadies the first ETA (``eta_seconds``)."""
     ctx = multiprocessing.get_context("spawn")
     pending, running, results, failed = list(cells), {}, [], []
     gpus = torch.cuda.device_count()
@@ -147,7 +162,8 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
     total = sum(weight.values()) or 1.0
     shown = 0.0
     bar = tqdm(total=100.0, desc=f"{name}: {len(cells)} cells", unit="%", disable=not progress,
-               bar_format="{l_bar}{bar}| {n:.0f}% [{elapsed}<{remaining}{postfix}]")
+               bar_format="{l_bar}{bar}| {n:.0f}% [{elapsed}{postfix}]")
+    started, status = time.perf_counter(), ""
     try:
         while pending or running:
             while pending and free:
@@ -166,14 +182,16 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
                 if proc.exitcode == 0 and done.exists():
                     res = json.loads(done.read_text())
                     results.append(res)
-                    bar.set_postfix_str(f"{len(results)} done, last {cell.name}: EM "
-                                        f"{100 * res.get('teacher_forced_em', 0):.0f}%")
+                    status = (f", {len(results)} done, last {cell.name}: EM "
+                              f"{100 * res.get('teacher_forced_em', 0):.0f}%")
                 else:
                     failed.append(f"{cell.name} ({exit_description(proc.exitcode)})")
             now = 100.0 * sum(weight[c.output] * cell_fraction(c) for c in cells) / total
             if now > shown:
                 bar.update(now - shown)
                 shown = now
+            left = eta_seconds(now / 100, time.perf_counter() - started, expected_s)
+            bar.set_postfix_str(("" if left is None else f"<{tqdm.format_interval(left)} left") + status)
     finally:
         _stop(proc for proc, _, _ in running.values())
         bar.close()
