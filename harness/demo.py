@@ -22,13 +22,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import torch
+
 from evals import task_class
 from harness.files import write_atomic
 from harness.reports.runs import load_run
 from harness.reports.paired import paired
 from harness.reports.plotting import pyplot, save
 from harness.training.config import USER_ERRORS, TrainConfig
-from harness.training.grid import train_in_processes
+from harness.procs import process_started
+from harness.training.grid import measure_cell, train_in_processes
 from harness.training.trainer import finished_result
 
 ARCHS = ("transformer", "hybrid", "mamba")
@@ -254,11 +257,6 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
     process's own start-up (imports included: a cell's process imports as much again, and its live evaluation
     sets up the engine; measured on 2 loaded cores, a cell's overhead was 2-2.5x). Returns the seconds and what
     was measured, in words."""
-    import torch
-
-    from harness.procs import process_started
-    from harness.training.grid import measure_cell
-
     startup = max(1.0, time.perf_counter() - process_started())
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -78,6 +78,9 @@ def main(argv=None) -> int:
                     "task's first metric, em for HotpotQA)")
     ap.add_argument("--metric", default=None, help="metric to plot (default: the task's first metric, em for "
                     "HotpotQA)")
+    ap.add_argument("--reference", default=None, metavar="RUN",
+                    help="the run every other run of its task is compared with (default: the first run given); a "
+                         "difference reads RUN_A − RUN_B, positive where A scores higher")
     ap.add_argument("--official-gold", default=None, metavar="DIR",
                     help="also write gold files cut to the scored questions, for the official evaluation script")
     ap.add_argument("--out", default="reports/latest", help="directory for report.md, report.csv and the plots "
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
                               f"every one of {', '.join(a.subset)}; check that these are oracle runs "
                               "(--distractors 0) of the same questions, or drop --subset")
         runs, run_notes = distinct_runs(a.runs)
+        reference = _reference(a.reference, runs)
         df = merge(runs, keep)
         if df.empty or not (df["n"] > 0).any():
             raise ReportError("no scored samples in the runs given" + (" after --subset" if keep else ""))
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
         # everything is rendered into a staging folder first; the previous report is replaced only once the new
         # one is whole, so a failure, a full disk or Ctrl-C leaves the old report as it was
         staged = StagedFiles(Path(a.out), MANIFEST)
-        table = _render(staged, a, runs, run_notes, df, plotted, keep)
+        table = _render(staged, a, runs, run_notes, df, plotted, keep, reference)
         gold_files = write_official_gold(runs, Path(a.official_gold)) if a.official_gold else []
         written = staged.commit()
     except (ReportError, DataError, OSError) as e:
@@ -121,8 +125,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def _reference(asked: str | None, runs: list[str]) -> str | None:
+    """``--reference``, as the run directory it names among those given."""
+    if asked is None:
+        return None
+    same = [d for d in runs if Path(d).resolve() == Path(asked).resolve()]
+    if not same:
+        raise ReportError(f"--reference {asked}: not one of the runs given ({', '.join(runs)}); name one of them")
+    return same[0]
+
+
+DIRECTION = ("Each line is A − B in points of the plotted metric: positive where A scores higher. Within a run, its "
+             "first condition on the axis − its last; between runs, each run − the reference run of its task ({ref}; "
+             "--reference picks another). 95% interval: a bootstrap over questions; McNemar's exact test for 0/1 "
+             "metrics, with its 2x2 of paired rows.")
+
+
 def _render(staged: StagedFiles, a, runs: list[str], run_notes: list[str], df: pd.DataFrame, plotted: dict,
-            keep: set | None) -> str:
+            keep: set | None, reference: str | None = None) -> str:
     """Every file of the report, written into ``staged``; returns report.md's text."""
     staged.write_text("report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))
     tables, pngs, html_tables = [], [], []
@@ -147,12 +167,15 @@ def _render(staged: StagedFiles, a, runs: list[str], run_notes: list[str], df: p
             if column in g and g[column].notna().any():
                 pngs.append(plot_against(g, metric, column, staged.path(f"{prefix}{metric}_vs_{name}.png")))
     header = (f"questions kept by --subset: {len(keep)}\n\n" if keep is not None else "") + f"{TABLE_LEGEND}\n\n"
-    diffs, seeds, notes = comparisons(runs, df, plotted, keep)
+    diffs, seeds, notes = comparisons(runs, df, plotted, keep, reference)
     notes = run_notes + notes
+    label = dict(zip(df["dir"], df["run"]))
+    direction = DIRECTION.format(ref=label.get(reference, reference) if reference else "the first run given")
     if diffs:
         tables.append("## Paired differences (95% CI resampling questions; McNemar's exact test for 0/1 metrics)"
-                      "\n\n" + "\n".join(f"- {'**' if d.significant else ''}{d.line()}{'**' if d.significant else ''}"
-                                           for d in diffs))
+                      f"\n\n{direction}\n\n" + "\n".join(
+                          f"- {'**' if d.significant else ''}{d.line()}{'**' if d.significant else ''}"
+                          + (f"\n  - 2x2: {d.table()}" if d.table() else "") for d in diffs))
     if seeds:
         tables.append("## Runs that differ only in --seed\n\n" + "\n".join(seed_line(x) for x in seeds))
     if notes:
@@ -163,7 +186,8 @@ def _render(staged: StagedFiles, a, runs: list[str], run_notes: list[str], df: p
                                                        "notes": notes}, indent=2))
     staged.write_text("report.html", render_html(
         title=f"icr-harness report: {', '.join(runs)}", tables=html_tables, pngs=pngs, diffs=diffs,
-        seeds=[seed_line(x) for x in seeds], notes=notes, runs=explorer_runs(runs, df, keep), plotted=plotted))
+        seeds=[seed_line(x) for x in seeds], notes=notes, runs=explorer_runs(runs, df, keep), plotted=plotted,
+        direction=direction, legend=TABLE_LEGEND))
     for png in pngs:
         staged.add(png.name)
     return table

@@ -193,3 +193,92 @@ def test_runs_of_two_tasks_keep_apart_in_the_explorer(report, tiny_phi_dir, phi_
         prompt = "".join(data["strings"][i] for i in r[9])
         asked = prompt[prompt.rfind("Recall: ") + 8:].split("\n")[0].split()
         assert [prompt[s:e] for s, e, _ in r[10]] == [f"{k} {v}" for k, v in zip(asked, r[6].split())]
+
+
+def test_the_list_sorts_filters_by_finish_reason_and_keeps_the_view_in_the_url(browser, report):
+    """A shared link opens the same view: the filters, the sort and the open row live in the URL's fragment."""
+    from selenium.webdriver.common.by import By
+
+    page, runs = report
+    _open(browser, page)
+    rows = [json.loads(line) for d in runs for line in (d / "samples.jsonl").read_text().splitlines()]
+    reasons = {r["finish_reason"] for r in rows}
+    assert len(reasons) > 1  # the filter has something to tell apart
+    reason = sorted(reasons)[0]
+    _select(browser, "f-fin", reason)
+    assert browser.find_element(By.ID, "count").text.startswith(
+        f"{sum(r['finish_reason'] == reason for r in rows)} of ")
+    assert {td.text for td in browser.find_elements(By.CSS_SELECTOR, "#rows td.finish")} == {reason}
+    _select(browser, "f-fin", "any")
+    browser.find_element(By.CSS_SELECTOR, "#heads th[data-col='gen']").click()
+    browser.find_element(By.CSS_SELECTOR, "#heads th[data-col='gen']").click()  # twice: descending
+    snippets = [td.get_attribute("title") for td in browser.find_elements(By.CSS_SELECTOR, "#rows td.snippet")]
+    assert len(set(snippets)) > 1 and snippets == sorted(snippets, reverse=True)
+    _select(browser, "f-out", "wrong")
+    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[2].click()
+    key = browser.find_element(By.CSS_SELECTOR, "#detail .panel").get_attribute("data-key")
+    url = browser.current_url
+    assert "out=1" in url and "sort=gen%3A-1" in url and "open=" in url
+    count = browser.find_element(By.ID, "count").text
+    browser.get("about:blank")
+    _open_url(browser, url)
+    assert browser.find_element(By.ID, "count").text == count
+    assert browser.find_element(By.CSS_SELECTOR, "#detail .panel").get_attribute("data-key") == key
+    assert browser.find_element(By.CSS_SELECTOR, "#heads th[data-col='gen']").get_attribute("data-dir") == "-1"
+
+
+def test_an_opened_row_shows_its_context_at_the_evidence_with_the_gold_answer_marked(browser, report):
+    from selenium.webdriver.common.by import By
+
+    page, runs = report
+    _open(browser, page)
+    rows = [json.loads(line) for line in (runs[0] / "samples.jsonl").read_text().splitlines()]
+
+    import re
+
+    def answer_in_gold(r):  # as a whole word, as the page marks it
+        return any(re.search(rf"(?<!\w){re.escape(r['gold'].lower())}(?!\w)", r["prompt"][s:e].lower())
+                   for s, e, lab in r["evidence"] if lab.startswith("gold"))
+    row = next(r for r in rows if len(r["gold"]) > 2 and answer_in_gold(r) and r["condition"] == "last")
+    browser.find_element(By.ID, "f-text").send_keys(row["id"])
+    _select(browser, "f-run", browser.find_elements(By.CSS_SELECTOR, "#f-run option")[1].text)
+    _select(browser, "f-cond", "last")
+    browser.find_elements(By.CSS_SELECTOR, "#rows tr")[0].click()
+    card = browser.find_element(By.CSS_SELECTOR, "#detail .panel")
+    assert card.get_attribute("data-key") == row["key"]
+    assert card.find_element(By.TAG_NAME, "details").get_attribute("open") is not None  # the context is open ...
+    pre = card.find_element(By.CSS_SELECTOR, "details pre")
+    assert browser.execute_script("return arguments[0].scrollTop", pre) > 0  # ... at the evidence, far down
+    answers = card.find_elements(By.CSS_SELECTOR, "mark.ev-gold mark.ev-answer")
+    assert answers and all(m.get_attribute("textContent").lower() == row["gold"].lower() for m in answers)
+    assert "%" in card.find_element(By.CSS_SELECTOR, ".scores").text  # a row's scores in percent, as the tables
+
+
+def test_each_mcnemar_test_shows_its_2x2_and_figures_enlarge(browser, report):
+    from selenium.webdriver.common.by import By
+
+    page, _ = report
+    _open(browser, page)
+    assert "positive where A scores higher" in browser.find_element(By.ID, "direction").text
+    diffs = browser.find_elements(By.CSS_SELECTOR, "#diffs .diff")
+    with_test = [d for d in diffs if "McNemar" in d.text]
+    assert with_test and all(d.find_elements(By.CSS_SELECTOR, "table.mcnemar") for d in with_test)
+    for d in with_test:
+        cells = [int(td.text) for td in d.find_elements(By.CSS_SELECTOR, "table.mcnemar td")]
+        pairs = int(d.text.split("(paired, ")[1].split(" rows")[0])
+        assert len(cells) == 4 and sum(cells) == pairs
+    legend = browser.find_elements(By.CSS_SELECTOR, "p.legend")
+    assert legend and "standard error" in legend[0].text
+    settings = browser.find_elements(By.CSS_SELECTOR, "#runs details.settings")
+    assert len(settings) == 2
+    figure = browser.find_elements(By.CSS_SELECTOR, ".figures figure")[0]
+    before = figure.size["width"]
+    figure.click()
+    assert "big" in figure.get_attribute("class") and figure.size["width"] > 1.5 * before
+
+
+def _open_url(browser, url: str):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(url)
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))

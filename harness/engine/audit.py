@@ -21,6 +21,7 @@ from typing import Any, Callable
 from harness.backends.generation import GenRequest
 from harness.backends.loading import load_backend
 from harness.backends.vllm_backend import parse_engine_args
+from harness.procs import project_env
 
 log = logging.getLogger("harness")
 
@@ -70,8 +71,6 @@ def audit_rows(cfg, backend, records: list[dict], request: Callable[[str], GenRe
 def generate_in_child(cfg, backend: str, requests: list[GenRequest]) -> list[tuple[str, str]]:
     """Each request generated alone by ``backend`` in float32, no CUDA graphs, in a child Python: (text, finish
     reason) per request. The requests (prompts, stops, each row's own retrieval tool) travel pickled."""
-    from harness.procs import project_env
-
     job = {"model": cfg.model, "tokenizer": cfg.tokenizer, "device": cfg.device, "backend": backend,
            "requests": requests}
     with tempfile.TemporaryDirectory(prefix="icr-audit-") as d:

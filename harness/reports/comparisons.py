@@ -11,11 +11,12 @@ from harness.reports.paired import matcher, paired, pairing, same_question, seed
 from harness.reports.runs import data_hash, load_run, run_settings
 
 
-def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], keep_ids: set[str] | None = None
-                ) -> tuple[list, list[dict], list[str]]:
+def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], keep_ids: set[str] | None = None,
+                reference: str | None = None) -> tuple[list, list[dict], list[str]]:
     """Paired differences (``harness.reports.paired``) of each task's plotted metric: within each run, its first
-    condition on the plot's axis against its last; between runs, each later run against the first of its task,
-    per shared condition and over all of them (clustered by question); and runs that differ only in a ``--seed``
+    condition on the plot's axis against its last; between runs, each run against the reference run of its task
+    (``reference``, a run directory; default the first given), per shared condition and over all of them
+    (clustered by question); and runs that differ only in a ``--seed``
     that reaches the task's data, pooled with their between-seed spread. Rows pair only where they hold the same
     question; the notes say where runs were given that pair nothing or replicate nothing."""
     diffs, seeds, notes = [], [], []
@@ -42,8 +43,8 @@ def comparisons(run_dirs: list[str], df: pd.DataFrame, metrics: dict[str, str], 
                 if got is not None:
                     got.task = task
                     diffs.append(got)
-        base = dirs[0]
-        for d in dirs[1:]:  # each run against the first, per condition and over all shared ones
+        base = reference if reference in dirs else dirs[0]
+        for d in [d for d in dirs if d != base]:  # each run against the reference, per condition and all shared
             shared = [c for c in dict.fromkeys(g[g["dir"] == d]["condition"]) if c in set(g[g["dir"] == base]["condition"])]
             for c in shared + (["all"] if len(shared) > 1 else []):
                 pick = (lambda r: True) if c == "all" else (lambda r, c=c: r["condition"] == c)

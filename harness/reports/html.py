@@ -69,7 +69,7 @@ def explorer_data(runs: list[dict], plotted: dict[str, str], diffs: list) -> dic
         by_label[(task, run["label"])] = i  # labels tell a task's runs apart; two tasks' runs may share one
         out_runs.append({"label": f"{run['label']} · {task}" if several else run["label"], "dir": run["dir"],
                          "task": task, "condition": run["condition_name"], "metrics": metrics,
-                         "metric": plotted[task]})
+                         "metric": plotted[task], "settings": run.get("settings") or {}})
         for rec in run["rows"]:
             generation = rec.get("generation") or ""
             cut = len(generation) > MAX_GENERATION
@@ -106,7 +106,10 @@ def _diff_entry(d, by_label: dict, runs: list[dict]) -> dict:
     discordant = [p for p in pairs if p[0]["scores"].get(metric) != p[1]["scores"].get(metric)]
     rest = [p for p in pairs if p[0]["scores"].get(metric) == p[1]["scores"].get(metric)]
     return {"line": d.line(), "metric": metric, "significant": d.significant, "discordant": len(discordant),
-            "pairs": [[x["key"], y["key"], x["id"]] for x, y in discordant + rest], "runs": [ra, rb]}
+            "pairs": [[x["key"], y["key"], x["id"]] for x, y in discordant + rest], "runs": [ra, rb],
+            "a": d.a, "b": d.b,  # McNemar's 2x2 (0/1 metrics): [[both right, only a], [only b, both wrong]]
+            "table": [[d.concordant[0], d.discordant[0]], [d.discordant[1], d.concordant[1]]]
+            if d.discordant is not None and d.concordant is not None else None}
 
 
 def pack(data: dict) -> str:
@@ -123,12 +126,13 @@ def png_data_uri(path: Path) -> str:
 
 
 def render_html(*, title: str, tables: list[tuple[str, str]], pngs: list[Path], diffs: list,
-                seeds: list[str], notes: list[str], runs: list[dict], plotted: dict[str, str]) -> str:
+                seeds: list[str], notes: list[str], runs: list[dict], plotted: dict[str, str], direction: str = "",
+                legend: str = "") -> str:
     """The page. ``tables``: (heading, HTML table) per task, escaped by pandas; everything else is escaped by Jinja
     or set as text by the script."""
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     page = env.from_string(TEMPLATE.read_text()).render(
         title=title, tables=[(h, jinja2.utils.markupsafe.Markup(t)) for h, t in tables],
-        figures=[(p.name, png_data_uri(p)) for p in pngs], seeds=seeds, notes=notes,
-        data=pack(explorer_data(runs, plotted, diffs)))
+        figures=[(p.name, png_data_uri(p)) for p in pngs], seeds=seeds, notes=notes, direction=direction,
+        legend=legend, data=pack(explorer_data(runs, plotted, diffs)))
     return page

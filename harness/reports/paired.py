@@ -39,6 +39,7 @@ class Difference:
     ci_high: float
     mcnemar_p: float | None = None  # 0/1 metrics
     discordant: tuple[int, int] | None = None  # (a right and b wrong, a wrong and b right)
+    concordant: tuple[int, int] | None = None  # (both right, both wrong): with ``discordant``, McNemar's 2x2
     mismatched: int = 0  # rows whose key both sides hold but whose content differs: not paired
     unverified: int = 0  # rows whose key both sides hold where nothing shows the same question: not paired
     task: str = ""  # the task whose runs these are (a report may hold several)
@@ -58,6 +59,13 @@ class Difference:
         return (f"{self.a} − {self.b} ({self.condition}): {pts * self.diff:+.1f} pts "
                 f"[{pts * self.ci_low:+.1f}, {pts * self.ci_high:+.1f}] (paired, {self.pairs} rows of "
                 f"{self.questions} questions{test}; dropped {self.dropped_a} + {self.dropped_b}{extra})")
+
+    def table(self) -> str | None:
+        """McNemar's 2x2 in words (None for a metric that is not 0/1)."""
+        if self.discordant is None or self.concordant is None:
+            return None
+        return (f"both right {self.concordant[0]}, only {self.a} right {self.discordant[0]}, only {self.b} right "
+                f"{self.discordant[1]}, both wrong {self.concordant[1]}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "significant": self.significant}
@@ -147,6 +155,7 @@ def paired(a_rows: Iterable[dict], b_rows: Iterable[dict], metric: str, key, clu
                      mismatched=got.mismatched, unverified=got.unverified)
     if binary and set(np.unique(np.concatenate([x, y]))) <= {0.0, 1.0}:
         out.mcnemar_p, out.discordant = mcnemar(x, y)
+        out.concordant = (int(((x == 1) & (y == 1)).sum()), int(((x == 0) & (y == 0)).sum()))
     return out
 
 

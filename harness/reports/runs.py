@@ -102,6 +102,16 @@ def run_settings(cfg: dict) -> dict:
     return {**{k: v for k, v in filled.items() if k != "task_args"}, **options, **(cfg.get("task_args") or {})}
 
 
+def implied_out(settings: dict, task: type) -> dict:
+    """Settings without what another setting implies: the template a run used because of ``--retrieval`` (its
+    task's default for that choice) is no difference of its own ("+retrieval", not "+retrieval
+    template=hotpotqa_cot_retrieval")."""
+    implied = task.retrieval_template if settings.get("retrieval") else task.default_template
+    if settings.get("template") in (implied, None):
+        return {k: v for k, v in settings.items() if k != "template"}
+    return settings
+
+
 def _defaults(cls) -> dict:
     """A dataclass's fields that have defaults, as JSON holds them."""
     out = {}
@@ -192,7 +202,8 @@ def merge(run_dirs: list[str], keep_ids: set[str] | None = None) -> pd.DataFrame
         idx = [i for i, t in enumerate(tasks) if t == task]
         axis = loaded[idx[0]][0]["condition"]  # the plot's x: never what tells runs apart
         swept = {p for name in axis.split("@") for p in (name, f"{name}s")}
-        configs = [{k: v for k, v in run_settings(loaded[i][0]["config"]).items() if k not in swept} for i in idx]
+        configs = [implied_out({k: v for k, v in run_settings(loaded[i][0]["config"]).items() if k not in swept},
+                               task_class(task)) for i in idx]
         conds = [set(run_conditions(loaded[i][0])) for i in idx]
         for i, label in zip(idx, run_labels(configs, conds, task_class(task))):
             labels[i] = label
@@ -222,6 +233,7 @@ def explorer_runs(runs: list[str], df: pd.DataFrame, keep_ids: set[str] | None) 
         results, samples = load_run(d)
         out.append({"label": label.get(str(d), str(d)), "dir": str(d), "task": results["task"],
                     "condition_name": results["condition"], "data_sha256": data_hash(results),
+                    "settings": results["config"],
                     "rows": [r for r in samples if keep_ids is None or r["id"] in keep_ids]})
     return out
 
