@@ -82,17 +82,29 @@ WHISPER_SDIST = "openai-whisper==20250625"  # ships whisper/assets/gpt2.tiktoken
 def gpt2_tokenizer():
     """GPT-2's real BPE, built once from the ranks file in the openai-whisper sdist fetched from the package
     index and cached under ~/.cache/icr-harness (never committed). Skipped, saying so, where no index answers."""
+    from pathlib import Path
+
+    from filelock import FileLock
+    from transformers import PreTrainedTokenizerFast
+
+    cache = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness")) / "gpt2-bpe"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache) + ".lock"):  # parallel test workers build it once, and never read it half-written
+        _build_gpt2_bpe(cache)
+    tok = PreTrainedTokenizerFast.from_pretrained(cache)
+    assert len(tok) == 50257 and tok("Hello world")["input_ids"] == [15496, 995]  # GPT-2's own ids
+    return tok
+
+
+def _build_gpt2_bpe(cache):
     import subprocess
     import sys
     import tarfile
     import tempfile
     from pathlib import Path
 
-    from transformers import PreTrainedTokenizerFast
-
     from harness.tiny import gpt2_tokenizer_from_tiktoken
 
-    cache = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness")) / "gpt2-bpe"
     if not (cache / "tokenizer.json").is_file():
         with tempfile.TemporaryDirectory() as tmp:
             res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
@@ -107,9 +119,6 @@ def gpt2_tokenizer():
                 ranks = Path(tmp) / "gpt2.tiktoken"
                 ranks.write_bytes(tar.extractfile(member).read())
             gpt2_tokenizer_from_tiktoken(ranks).save_pretrained(cache)
-    tok = PreTrainedTokenizerFast.from_pretrained(cache)
-    assert len(tok) == 50257 and tok("Hello world")["input_ids"] == [15496, 995]  # GPT-2's own ids
-    return tok
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 and records how many agree; a row that does not match what the model writes is found (issue 21)."""
 import json
 
+import pytest
+
 from harness.engine import run_eval
 from tests.helpers import assert_varied, run_config
 
@@ -28,6 +30,7 @@ def test_an_audit_of_a_cpu_run_agrees_and_a_tampered_row_is_found(tiny_phi_dir, 
                                   "cuda_graphs": False, "dtype": "float32"}
 
 
+@pytest.mark.slow
 def test_the_reference_of_an_engine_runs_in_a_child_and_generates_what_the_backend_generates(tiny_phi_dir,
                                                                                               phi_backend, tmp_path):
     """vLLM's audit regenerates its rows with the transformers backend in a child process (its own cache and

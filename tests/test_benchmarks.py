@@ -37,6 +37,7 @@ def test_every_benchmark_is_covered():
     assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")) == sorted(CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_runs(script):
     args, expect = CASES[script]

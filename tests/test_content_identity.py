@@ -125,6 +125,7 @@ def _hub_snapshot(cache: Path, repo: str, commit: str, src: Path) -> None:
     (base / "refs" / "main").write_text(commit)
 
 
+@pytest.mark.slow
 def test_a_redownloaded_hub_model_is_refused_by_its_commit(tmp_path, tiny_phi_dir, tiny_tokenizer):
     """Loaded by hub id from the HF cache, offline, in a real process: the run is keyed by the snapshot commit;
     after a re-download that moved main to another commit the run is refused, naming both commits."""
@@ -264,6 +265,7 @@ def test_a_template_includes_its_sibling_and_is_hashed_with_it(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ Ctrl-C, SIGTERM
+@pytest.mark.slow
 def test_an_interrupted_eval_says_what_it_kept_and_resumes(tiny_phi_dir, tmp_path):
     import signal
 

@@ -21,6 +21,7 @@ def demo(out: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
     out = tmp_path / "demo"
     first = demo(out, "--lengths", "4,6", "--steps", "25", "--jobs", "2")
@@ -90,6 +91,7 @@ def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
     assert refused.returncode == 2 and refused.stderr.startswith("error: ") and "other settings" in refused.stderr
 
 
+@pytest.mark.slow
 def test_demo_bad_flags_are_one_error_line(tmp_path):
     res = demo(tmp_path / "d", "--lengths", "4,x")
     assert res.returncode == 2 and res.stderr.startswith("error: --lengths") and "Traceback" not in res.stderr

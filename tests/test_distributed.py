@@ -50,6 +50,7 @@ def single_rank(tiny_phi_dir, tmp_path_factory):
     return out, res
 
 
+@pytest.mark.slow
 def test_two_ranks_merge_to_the_single_rank_result(tiny_phi_dir, single_rank, tmp_path):
     out1, res1 = single_rank
     out = tmp_path / "two"
@@ -65,6 +66,7 @@ def test_two_ranks_merge_to_the_single_rank_result(tiny_phi_dir, single_rank, tm
     assert res2["metrics"] == res1["metrics"]
 
 
+@pytest.mark.slow
 def test_killed_rank_then_resume_with_another_world_size(tiny_phi_dir, single_rank, tmp_path):
     out1, res1 = single_rank
     out = tmp_path / "killed"

@@ -152,6 +152,7 @@ def test_the_docs_hold_commands_and_runnable_blocks():
     assert {b.page.name for b in RUNNABLE} >= {"README.md", "evaluation.md", "run-directories.md", "trainer.md"}
 
 
+@pytest.mark.slow
 def test_every_documented_command_uses_flags_its_program_takes():
     problems = []
     for block in SHELL:
@@ -188,6 +189,7 @@ def test_the_flag_check_sees_a_flag_that_does_not_exist():
         "samples, shots, values)"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.name)
 def test_runnable_block_runs(block, tmp_path):
     """The block as a user pastes it, from an empty folder, offline (tiny models are built, never fetched)."""
@@ -218,7 +220,7 @@ def test_the_readme_is_a_short_front_page_listing_every_page():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.split("\n")) <= 300
     assert readme.index("pip install torch==2.13.0 && pip install -e . && python -m harness.demo") < 600
-    assert "pip install torch==2.13.0 && pip install -e \".[dev]\" && python -m pytest -q" in readme
+    assert "pip install torch==2.13.0 && pip install -e \".[dev]\" && python -m pytest -n 2" in readme
     listed = set(re.findall(r"\]\((docs/[^)]+\.md)\)", readme))
     pages = {str(p.relative_to(ROOT)) for p in PAGES if p.parent.name == "docs"}
     assert pages <= listed, f"pages the README's contents do not list: {sorted(pages - listed)}"

@@ -38,6 +38,7 @@ def mamba_ssm_src():
         pytest.skip(f"mamba-ssm kernels under the interpreter: the package index cannot be reached ({e})")
 
 
+@pytest.mark.slow
 def test_mamba_ssm_kernels_equal_the_reference_under_the_triton_interpreter(mamba_ssm_src, tmp_path):
     """Prompt scan (mamba_chunk_scan_combined) and decode step (selective_state_update), Phi-Mamba and the
     hybrid, a left-padded batch of three lengths, greedy tokens, in a child process with TRITON_INTERPRET=1."""
@@ -62,6 +63,7 @@ def test_asking_for_kernels_where_they_cannot_run_is_an_error():
     assert kernels.require("torch", torch.zeros(1)) is None and kernels.require("auto", torch.zeros(1)) is None
 
 
+@pytest.mark.slow
 def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm_src):
     """mamba-ssm's kernels address a call in 32-bit, so a batch past 2**31 elements runs as row groups; groups of
     one row (the limit lowered, as 2**31 elements cannot be interpreted on CPU) give the whole batch's logits."""

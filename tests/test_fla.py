@@ -52,6 +52,7 @@ def _child(code: str, interpret: bool) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@pytest.mark.slow
 @needs_fla
 def test_gla_batches_exactly_with_tool_calls_under_the_interpreter():
     """Batch 3 with the prefix reused == batch 1 == no reuse == an uncached per-sample reference, with tool
@@ -65,6 +66,7 @@ def test_gla_batches_exactly_with_tool_calls_under_the_interpreter():
     assert all(got["same"].values()), got["same"]
 
 
+@pytest.mark.slow
 @needs_fla
 def test_an_fla_model_on_cpu_without_the_interpreter_is_one_clear_error(tmp_path):
     code = (f"from harness.tiny import make_tiny_model\nmake_tiny_model({str(tmp_path / 'm')!r}, 'gla')\n"
@@ -76,6 +78,7 @@ def test_an_fla_model_on_cpu_without_the_interpreter_is_one_clear_error(tmp_path
     assert "TRITON_INTERPRET=1" in res.stdout and "need a GPU" in res.stdout
 
 
+@pytest.mark.slow
 def test_an_fla_checkpoint_without_fla_installed_is_one_error_line_with_the_install_command(tmp_path):
     """Runs with or without fla: the child blocks its import, as a machine without the extra has none."""
     from harness.tiny import build_tokenizer

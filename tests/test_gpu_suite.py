@@ -13,6 +13,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     out = tmp_path / "suite"
     res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--out", str(out)], cwd=REPO,
@@ -41,6 +42,7 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
     assert (out / "decode.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path):
     """Every step (Triton scan in the interpreter, trainer steps and the grid's hours, the sweep, decode) with
     numbers; then a budget too small for all of it: steps are stopped at their limit or skipped with the reason,
@@ -111,6 +113,7 @@ def test_a_budget_counted_from_the_start_counts_the_imports():
     assert 1.5 <= float(res.stdout) < 60
 
 
+@pytest.mark.slow
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path):
     """Its ops import; afterwards nothing else (transformers) can find a mamba_ssm with stand-in extensions."""
     from harness.cache import cache_dir

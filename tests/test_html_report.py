@@ -15,6 +15,9 @@ from harness.engine import run_eval
 from harness.report import main as report_main
 from tests.helpers import run_config
 
+# its runs and report are built once, in one worker, with one browser (--dist loadgroup); a browser test is slow
+pytestmark = [pytest.mark.xdist_group("test_html_report"), pytest.mark.slow]
+
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromedriver")
 EVIL = '<script>window.PWNED = 1</script><img src=x onerror="window.PWNED = 2">ünïcødé ✓'
 
@@ -103,6 +106,7 @@ def _select(browser, element_id: str, text: str):
     Select(browser.find_element(By.ID, element_id)).select_by_visible_text(text)
 
 
+@pytest.mark.slow
 def test_the_explorer_filters_opens_a_sample_and_marks_the_gold_paragraphs(browser, report, tmp_path):
     from selenium.webdriver.common.by import By
 

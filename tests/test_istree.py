@@ -10,6 +10,9 @@ from evals import istree
 from evals.synthetic import loss_mask
 from harness.models.istree import ARCHS, build_model, trainable_parameters
 
+# its trained models are built once, in one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_istree")
+
 
 def _connected(n, edges):
     adj = {i: set() for i in range(n)}
@@ -234,6 +237,7 @@ def trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_few_hundred_steps_reduce_the_loss(trained, arch):
     cfg, res = trained[arch]
@@ -244,6 +248,7 @@ def test_a_few_hundred_steps_reduce_the_loss(trained, arch):
     assert log[-1]["loss"] < log[0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys):
     from harness.eval import main as eval_main
@@ -262,6 +267,7 @@ def test_checkpoint_round_trip_into_the_eval_cli(trained, arch, tmp_path, capsys
     assert "| n=6" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     """IsTree's verdict is its stop string: the vLLM path must set it and score exactly as the stepped one."""
     from harness.backends.loading import load_backend
@@ -286,6 +292,7 @@ def test_istree_scores_through_the_vllm_logic(trained, tmp_path):
     assert chunked["metrics"]["n=6"]["answer_found"] > 0.9  # verdicts found: the stop string was kept
 
 
+@pytest.mark.slow
 def test_a_fresh_process_evaluates_a_trained_hybrid(trained, tmp_path):
     """Regression: the hybrid's config type was registered only when the trainer's models were imported, so
     ``harness.eval`` in a new process could not load a hybrid checkpoint."""

@@ -46,6 +46,7 @@ def _generate(backend, graphs, reqs, batch, reuse="none"):
         backend.graphs = None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
 def test_graphed_decode_equals_eager(backend, long):
     tok = backend.tokenizer

@@ -56,6 +56,7 @@ def test_grid_options_given_to_a_single_run(tmp_path, capsys, flag):
     assert flag[0] in err and "grids only" in err
 
 
+@pytest.mark.slow
 def test_an_interrupted_projection_says_nothing_was_kept(tmp_path):
     out = tmp_path / "grid"
     proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--grid", "smoke", "--plan", "--output", str(out)],
@@ -80,6 +81,7 @@ def _die(how: str):
     sys.exit(3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, said", [("kill", "killed by SIGKILL (out of memory"), ("exit", "exit code 3")])
 def test_a_dead_cell_says_how_it_died(how, said):
     proc = multiprocessing.get_context("spawn").Process(target=_die, args=(how,))
@@ -111,6 +113,7 @@ def test_every_switch_is_checked_before_anything_starts(tmp_path, capsys):
     assert time.perf_counter() - t < 60  # refused at once, not after nine cells
 
 
+@pytest.mark.slow
 def test_an_exported_scan_leaves_a_transformer_run_as_it_was(tmp_path, capsys, monkeypatch):
     """``ICR_SCAN`` names the scan of models that have one: a Transformer run made without it is the same run
     with it (resumed as finished), and its result records no scan of its own."""

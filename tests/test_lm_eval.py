@@ -115,6 +115,7 @@ def _cli(model: str, ckpt: str, tasks: Path, out: Path):
     return results, samples
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_runs_icr_as_its_hf_model(tiny_llama_dir, tmp_path):
     tasks = _tasks(tmp_path)
     icr = _cli("icr", tiny_llama_dir, tasks, tmp_path / "icr")
@@ -129,6 +130,7 @@ def test_lm_eval_command_line_runs_icr_as_its_hf_model(tiny_llama_dir, tmp_path)
     assert icr[0]["icr_tiny_mc"]["acc,none"] == hf[0]["icr_tiny_mc"]["acc,none"]
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_bad_model_args_are_one_error_line(tiny_llama_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1"}
     for model_args, says in ((f"pretrained={tiny_llama_dir},dytpe=float32", "icr takes no dytpe"),

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 ABSENT = ("datasets", "mamba_ssm", "causal_conv1d", "vllm", "lm_eval")
 
@@ -44,6 +46,7 @@ sys.exit(rc)
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_and_a_fixture_run_works_without_the_absent_packages(tiny_phi_dir, tmp_path):
     res = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(ABSENT), tiny_phi_dir, str(tmp_path / "run")],
                          cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -173,6 +173,7 @@ def _legacy(run, edit=lambda r: None, data=None):
         (run / "results.json").write_text(json.dumps(res))
 
 
+@pytest.mark.slow
 def test_legacy_rows_pair_only_where_the_prompt_the_data_or_the_question_says_so(tiny_phi_dir, phi_backend,
                                                                                  tmp_path):
     """Rows without instance hashes: an id and a gold never pair them alone. Other held-out sets with the same ids

@@ -1,6 +1,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from harness.engine import run_eval
 from harness.report import main as report_main
 from harness.reports.runs import merge, oracle_subset
@@ -46,6 +48,7 @@ def test_subset_keeps_only_questions_every_oracle_run_answered(tiny_phi_dir, phi
     assert list(df.n) == [2, 2]
 
 
+@pytest.mark.slow
 def test_three_runs_are_three_labelled_lines_with_readable_ticks(tiny_phi_dir, tiny_llama_dir, phi_backend,
                                                                  llama_backend, tmp_path):
     import matplotlib

@@ -122,6 +122,7 @@ def _child_report(args: list[str], preexec=None, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=preexec, **kw)
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_report_leaves_the_old_report(made, tmp_path):
     """A real write failure: the child may write no file past 60 KB (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC),
     so the page (larger) fails after the figures and tables were written to the staging folder."""
@@ -143,6 +144,7 @@ def test_a_disk_that_fills_mid_report_leaves_the_old_report(made, tmp_path):
     assert _files(report) == before  # nothing staged is left behind either
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_report_leaves_the_old_report(made, tmp_path):
     run, report = _copy(made, tmp_path)
     before = _files(report)

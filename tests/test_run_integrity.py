@@ -42,6 +42,7 @@ def test_a_second_run_into_a_locked_directory_is_refused_naming_the_holder(tiny_
     assert not (tmp_path / "samples.jsonl").exists()  # the refused run wrote nothing
 
 
+@pytest.mark.slow
 def test_two_concurrent_processes_lose_no_row(tiny_phi_dir, tmp_path):
     """A long and a short run started together into one directory: one runs, the other is refused; the
     finished run holds every one of its rows."""

@@ -86,6 +86,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_triton_scan_equals_the_sequential_one_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=REPO,
@@ -148,6 +149,7 @@ AOT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_kernels_compile_for_nvidia_gpus_without_one(tmp_path):
     """Every kernel variant compiled ahead of time to a cubin for sm_80 and sm_90 by Triton's own NVIDIA backend
     (its bundled ptxas): a kernel that the interpreter runs but a GPU's compiler rejects fails here, on CPU."""

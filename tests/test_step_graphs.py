@@ -59,6 +59,7 @@ def test_shapes_past_the_limit_and_eager_steps_between_replays(monkeypatch):
     assert len(step.graphs) == 2 and step.replays == 3 + 2  # shapes 0 and 1, each after two eager warm-ups
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_graphs_without_cuda(tmp_path):
     res = subprocess.run([sys.executable, "-m", "harness.train", "--arch", "mamba", "--size", "smoke", "--nodes", "4",
                           "--setup", "direct", "--samples", "64", "--batch-size", "8", "--output", str(tmp_path / "r"),

@@ -56,6 +56,7 @@ def test_runs_with_the_same_data_share_one_store_built_once(tmp_path):
     assert other.path != a.path
 
 
+@pytest.mark.slow
 def test_workers_build_the_same_store_as_one_process(tmp_path, monkeypatch):
     monkeypatch.setattr(st, "SHARD", 16)
     one = st.ensure_store(_task(), 50, tmp_path / "a")

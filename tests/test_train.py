@@ -240,6 +240,7 @@ def test_tensorboard_tracker_gets_the_curves(tmp_path):
     assert list((tmp_path / "run" / "tracker").rglob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_global_batch_is_split_over_processes(tmp_path):
     """Under two processes the batch is 64 (here 16) in all, not per process: the same number of steps."""
     out = tmp_path / "dp"

@@ -59,6 +59,7 @@ def _scalars(run: Path, tag: str) -> list[int]:
     return sorted(steps)
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_weights_and_curve_of_one_never_killed(tmp_path):
     pytest.importorskip("tensorboard")
     whole = _train(tmp_path / "whole", "--report-to", "tensorboard")
@@ -117,6 +118,7 @@ def test_a_cell_is_never_trained_by_two_processes_at_once(tmp_path):
     assert not (tmp_path / "cell" / "train_run.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_grid_cells_die_with_the_grid(tmp_path, sig):
@@ -171,6 +173,7 @@ def test_every_trainer_flag_is_checked_before_anything_is_written(tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
     """A file-size limit (what a full disk does to a write) hit while the next checkpoint is written: the error
     names what was kept, and the kept checkpoint is the previous one, whole."""
@@ -230,6 +233,7 @@ def test_the_live_evaluation_never_counts_rows_of_another_checkpoint(tmp_path):
     assert len(list((run / "eval").glob("replaced-*"))) == 1  # the first checkpoint's rows, kept apart
 
 
+@pytest.mark.slow
 def test_a_scheduler_runs_cells_and_a_killed_cell_resumes_on_the_rerun(tmp_path):
     """Cells through submitit's local executor (real job processes, the code path of --launcher slurm): one
     cell's process is killed mid-training; the grid names it and keeps the other; the rerun resumes the killed

@@ -30,6 +30,7 @@ def _requests(backend, prompts, free):
     return reqs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("report_eos", [True, False])
 @pytest.mark.parametrize("which", ["phi", "llama"])
 def test_vllm_logic_equals_the_stepped_loop(which, report_eos, request):

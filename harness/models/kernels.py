@@ -165,10 +165,31 @@ def triton_on_cpu() -> None:
 
 
 def fetch_mamba_ssm_sources(cache_dir: str | Path) -> Path:
-    """The mamba-ssm source tree from its sdist on the package index, cached under ``cache_dir``."""
+    """The mamba-ssm source tree from its sdist on the package index, cached under ``cache_dir``; fetched under a
+    file lock, so processes that ask at once (parallel test workers, two doctors) fetch it once and never read a
+    half-extracted tree."""
+    from filelock import FileLock
+
     root = Path(cache_dir) / f"mamba_ssm-{MAMBA_SSM_VERSION}"
-    if (root / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py").is_file():
+    marker = root / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py"
+    if marker.is_file():
         return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"), tempfile.TemporaryDirectory() as tmp:
+        if marker.is_file():  # another process fetched it while this one waited
+            return root
+        env = dict(os.environ, MAMBA_SKIP_CUDA_BUILD="TRUE")
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                              "--no-build-isolation", "-q", "-d", tmp, f"mamba-ssm=={MAMBA_SSM_VERSION}"],
+                             capture_output=True, text=True, timeout=600, env=env)
+        sdists = list(Path(tmp).glob("*.tar.gz"))
+        if res.returncode != 0 or not sdists:
+            raise OSError(f"could not fetch mamba-ssm=={MAMBA_SSM_VERSION} from the package index: "
+                          f"{res.stderr.strip()[-300:]}")
+        with tarfile.open(sdists[0]) as tar:
+            members = [m for m in tar.getmembers() if "/mamba_ssm/" in m.name and m.isfile()]
+            tar.extractall(root.parent, members=members, filter="data")
+    return root
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, MAMBA_SKIP_CUDA_BUILD="TRUE")
         res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
