@@ -9,19 +9,18 @@ under ~/.cache/icr-harness/gpt2-bpe; else the tiny test tokenizer, which says so
 the generation budget fit the context, as the engine decides before it skips a prompt as too long."""
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from evals import get_task
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.cache import cache_dir
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 GPT2 = cache_dir() / "gpt2-bpe"
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--context", type=int, default=2048, help="Phi-1.5's")
     ap.add_argument("--max-new-tokens", type=int, default=96)

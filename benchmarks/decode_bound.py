@@ -10,17 +10,16 @@ is bandwidth / (weight bytes + decoding-state bytes): a step reads every weight 
 The same table as ``python -m harness.doctor``'s decode section."""
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from harness.tools.checks import decode_table, memory_bandwidth
 from harness.training.grid import device_name
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--size", choices=["tiny", "real"], default=None, help="default: real on CUDA, tiny on CPU")
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=16)

@@ -8,17 +8,16 @@ state (KV cache or conv+SSM state) in bytes, which is the memory that grows, or 
 Ratios are to the shortest length, so a flat model prints ~1.0x."""
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 from harness.tools.checks import decode_cost
 from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=128)

@@ -10,7 +10,6 @@ Chromium through Selenium: time to first contentful paint (the tables) and until
 selenium (the dev extra)."""
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
@@ -22,7 +21,7 @@ from evals.base import ToolSpec
 from evals.hotpotqa import HotpotQA
 from harness.engine.prompting import PromptTemplate
 from harness.reports.html import render_html
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 # Invented words drawn by Zipf's law (a 20,000-word vocabulary): text about as compressible as English prose
 # (gzip ~3x), so the page's size is not flattered by repetitive filler.
@@ -102,7 +101,7 @@ def load_times(page: Path) -> tuple[float, float]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--questions", type=int, default=7405, help="HotpotQA dev has 7,405")
     ap.add_argument("--positions", default="first,middle,last")
     a = ap.parse_args()

@@ -11,7 +11,6 @@ resident; and the same with the cache handed over fresh every step, as a decoder
 it in. Prints ms per decode step side by side and checks the greedy tokens are identical."""
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.masks import block_attention_mask
 from harness.models.phi_mamba import PhiAttentionMixer, PhiMambaConfig, PhiMambaForCausalLM
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 
 def concat_forward(self, u, full_mask, state, pos):
@@ -66,7 +65,7 @@ def decode(model, prompt, steps, step, before_step=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)

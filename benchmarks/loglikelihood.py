@@ -9,7 +9,6 @@ scored alone, so its ratio shows the cost of the check) and Phi-Mamba models of 
 tokens computed, seconds and the speedup, and checks scores and greedy flags agree (within 1e-4)."""
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
@@ -18,7 +17,7 @@ import torch
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.backends.loading import load_backend
 from harness.tiny import build_tokenizer, make_tiny_model
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 CHOICES = [" yes", " no", " Paris, France", " the river Olm", " 1887", " a small town in the north"]
 
@@ -36,7 +35,7 @@ def timed(backend, pairs, share: bool, batch: int):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--distractors", type=int, default=4)

@@ -11,7 +11,6 @@ included, pads included), the tree's distinct tokens, generation seconds (model 
 every mode's generations equal ``none``'s, and whether the snapshots stayed within their memory budget."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from harness.backends.loading import load_backend
 from harness.engine import run_eval
 from harness.engine.config import RunConfig
 from harness.tiny import build_tokenizer, make_tiny_model
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 MODES = ("auto", "tree-rows", "tree-block", "batch", "none")
 HF_ARCHS = ("phi", "llama", "mamba")  # what lm-eval's hf model loads (Phi-Mamba is this project's own class)
@@ -64,7 +63,7 @@ def lm_eval_hf(model_dir: str, rows: dict, stop, a) -> tuple[dict | None, float 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--models", default="phi,llama,mamba,phi-mamba,hybrid-phi-mamba")
     ap.add_argument("--questions", type=int, default=4, help="HotpotQA questions (14 prompts each)")
     ap.add_argument("--samples", type=int, default=4, help="needle samples (15 prompts each)")

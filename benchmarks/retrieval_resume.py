@@ -7,7 +7,6 @@ and a tool whose call tags are taken from text the model writes, so calls happen
 same tokens (checked); the printed ratio is wall time re-prefill / cache resume, measured in one run."""
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
@@ -17,12 +16,12 @@ from evals.fixture import FIXTURE_PATH
 from harness.backends.generation import GenRequest
 from harness.backends.loading import load_backend
 from harness.tiny import make_tiny_model
-from harness.engine.config import HelpFormatter
 from retrieval import RetrievalTool
+from harness.tools.bench import benchmark_parser
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)

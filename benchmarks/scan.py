@@ -27,7 +27,8 @@ import sys
 import time
 
 import torch
-from harness.engine.config import HelpFormatter
+
+from harness.tools.bench import benchmark_parser
 
 SCANS = ("parallel", "sequential")
 
@@ -149,7 +150,7 @@ def _sync(device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="timed training steps per cell (after one warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="timed scans per length (the best is shown)")

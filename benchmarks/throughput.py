@@ -17,7 +17,6 @@ number to watch. Every number comes from one run on one machine; model loading i
 ``generate_until`` alone (lm-eval's task indexing and set-up, several seconds, excluded)."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -34,8 +33,8 @@ from harness.backends.prefix_tree import PrefixTree
 from harness.backends.loading import load_backend
 from harness.backends.planner import forget_costs
 from harness.engine.prompting import PromptTemplate
-from harness.engine.config import HelpFormatter
 from harness.tiny import make_tiny_model
+from harness.tools.bench import benchmark_parser
 
 STOP = HotpotQA.stop
 
@@ -175,7 +174,7 @@ class Progress:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--positions", default="first,middle,last")
     ap.add_argument("--distractors", type=int, default=10)

@@ -10,20 +10,19 @@ result (checked); the printed ratio is wall time sequential / side by side, meas
 here, not in the tests: a loaded machine stretches wall time."""
 from __future__ import annotations
 
-import argparse
 import time
-from harness.engine.config import HelpFormatter
 from concurrent.futures import ThreadPoolExecutor
 
 from retrieval import RetrievalTool
 from retrieval.search import RegexSearcher
+from harness.tools.bench import benchmark_parser
 
 CALL = "<search>(a+)+$</search>"
 UNITS = ["a" * 64 + "!"]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1.0)
     a = ap.parse_args()

@@ -12,7 +12,6 @@ saves) over B - A, so start-up, warm-up and the final evaluation cancel. The pro
 cell, in a fresh process. Both scans train to the same losses (checked)."""
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from harness.procs import project_env
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +49,7 @@ def projection(cell: list[str], batch: int, steps: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--arch", default="mamba")
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--setup", default="retrieval")

@@ -23,11 +23,11 @@ import torch
 
 from harness.training.config import TrainConfig
 from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, cell_parameters, device_name, measure_cell
-from harness.engine.config import HelpFormatter
+from harness.tools.bench import benchmark_parser
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--sizes", default="0.5M,2M", help="sizes to measure (others are projected from the measured "
                                                         "size nearest in trainable parameters)")
     ap.add_argument("--nodes", default="16,32,64")

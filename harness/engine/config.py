@@ -8,7 +8,6 @@ different settings."""
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -200,17 +199,6 @@ class RunConfig:
                 # graphs pad a batch to its bucket: GEMMs of another shape may round differently
                 **({"cuda_graphs": True} if graphs_used(self.cuda_graphs, backend, dev) else {}),
                 "tool_max_chars": self.tool_max_chars}
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with the module docstring as written and every flag's default (the benchmarks' parsers),
-    flags without a help text included (argparse shows nothing for those)."""
-
-    def _format_action(self, action):
-        if not action.help and action.option_strings and action.default not in (argparse.SUPPRESS, None):
-            action = copy.copy(action)
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
 
 
 def task_arg_pairs(pairs: list[str]) -> dict[str, str]:
