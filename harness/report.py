@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         # everything is rendered into a staging folder first; the previous report is replaced only once the new
         # one is whole, so a failure, a full disk or Ctrl-C leaves the old report as it was
         staged = StagedFiles(Path(a.out), MANIFEST)
-        table = _render(staged, a, runs, run_notes, df, plotted, keep, reference)
+        table = _render(staged, runs, run_notes, df, plotted, keep, reference)
         gold_files = write_official_gold(runs, Path(a.official_gold)) if a.official_gold else []
         written = staged.commit()
     except (ReportError, DataError, OSError) as e:
@@ -141,7 +141,7 @@ DIRECTION = ("Each line is A − B in points of the plotted metric: positive whe
              "metrics, with its 2x2 of paired rows.")
 
 
-def _render(staged: StagedFiles, a, runs: list[str], run_notes: list[str], df: pd.DataFrame, plotted: dict,
+def _render(staged: StagedFiles, runs: list[str], run_notes: list[str], df: pd.DataFrame, plotted: dict,
             keep: set | None, reference: str | None = None) -> str:
     """Every file of the report, written into ``staged``; returns report.md's text."""
     staged.write_text("report.csv", df.drop(columns=["x", "series"]).to_csv(index=False))

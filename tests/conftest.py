@@ -15,6 +15,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HYPOTHESIS_NO_PLUGINS", "1")
 
 
+def pytest_configure(config):
+    """A parallel worker (pytest-xdist: two on two cores) computes on one thread, and so do the processes it
+    starts: two workers of two OpenMP threads each oversubscribe the cores, and OpenMP's spinning threads then make
+    the whole suite several times slower than running it serially."""
+    if hasattr(config, "workerinput"):
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from harness.tiny import build_tokenizer
