@@ -20,5 +20,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's parser; its rows are printed as they are measured, also into a pipe or a log file."""
-    sys.stdout.reconfigure(line_buffering=True)
+    if hasattr(sys.stdout, "reconfigure"):  # a real stream (not one a caller redirected into a buffer)
+        sys.stdout.reconfigure(line_buffering=True)
     return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
