@@ -190,17 +190,3 @@ def fetch_mamba_ssm_sources(cache_dir: str | Path) -> Path:
             members = [m for m in tar.getmembers() if "/mamba_ssm/" in m.name and m.isfile()]
             tar.extractall(root.parent, members=members, filter="data")
     return root
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, MAMBA_SKIP_CUDA_BUILD="TRUE")
-        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                              "--no-build-isolation", "-q", "-d", tmp, f"mamba-ssm=={MAMBA_SSM_VERSION}"],
-                             capture_output=True, text=True, timeout=600, env=env)
-        sdists = list(Path(tmp).glob("*.tar.gz"))
-        if res.returncode != 0 or not sdists:
-            raise OSError(f"could not fetch mamba-ssm=={MAMBA_SSM_VERSION} from the package index: "
-                          f"{res.stderr.strip()[-300:]}")
-        root.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if "/mamba_ssm/" in m.name and m.isfile()]
-            tar.extractall(root.parent, members=members, filter="data")
-    return root
