@@ -151,6 +151,18 @@ def test_scoring_equals_transformers(engine, references, arch):
     assert max(abs(a - b) for (a, _), (b, _) in zip(got, ref)) < 1e-3  # float32 sums of ~100 log-probabilities
 
 
+def test_scoring_a_row_that_fills_the_context(engine):
+    """A row as long as the context or longer is scored (its last tokens kept), not refused by vLLM for leaving
+    no room for the one token it generates. (Before the lm-eval test: a second in-process engine, shut down, takes
+    vLLM's process-wide parallel state with it, and the module's cached engines cannot run after that.)"""
+    vl = engine("phi")
+    ids = list(range(10, 200)) * (vl.max_context // 190 + 2)
+    pairs = [(ids[:vl.max_context - 2], ids[vl.max_context - 2:vl.max_context]),
+             (ids[:vl.max_context + 5], ids[vl.max_context + 5:vl.max_context + 8])]
+    got = vl.loglikelihood(pairs)
+    assert len(got) == 2 and all(lp < 0 for lp, _ in got)
+
+
 def _samples(run_dir):
     return {json.loads(line)["key"]: json.loads(line) for line in open(run_dir / "samples.jsonl")}
 
@@ -303,14 +315,3 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     rows = [line for line in res.stdout.splitlines() if line.startswith("vllm-cpu")]
     assert len(rows) == 2 and all("1/1" in r for r in rows), res.stdout[-2000:]
     assert "harness default" in res.stdout
-
-
-def test_scoring_a_row_that_fills_the_context(engine):
-    """A row as long as the context or longer is scored (its last tokens kept), not refused by vLLM for leaving
-    no room for the one token it generates."""
-    vl = engine("phi")
-    ids = list(range(10, 200)) * (vl.max_context // 190 + 2)
-    pairs = [(ids[:vl.max_context - 2], ids[vl.max_context - 2:vl.max_context]),
-             (ids[:vl.max_context + 5], ids[vl.max_context + 5:vl.max_context + 8])]
-    got = vl.loglikelihood(pairs)
-    assert len(got) == 2 and all(lp < 0 for lp, _ in got)
