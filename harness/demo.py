@@ -261,9 +261,9 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        per_token = {}
+        per_token, longest = {}, {}
         for arch in dict.fromkeys(c.arch for c in cells):
-            cell = max((c for c in cells if c.arch == arch), key=lambda c: c.length)
+            cell = longest[arch] = max((c for c in cells if c.arch == arch), key=lambda c: c.length)
             m = measure_cell(cell, torch.device("cpu"), BATCH, steps=2, draws=4)
             per_token[arch] = (m["step_s"] / (cell.length + 6), m["forward_s"] / (cell.length + 6))
     finally:
@@ -273,8 +273,7 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
         step, forward = per_token[c.arch]
         evals = (c.samples // c.eval_every + 2) * -(-c.eval_samples // c.eval_batch_size)  # + the live one
         total += (c.samples // c.batch_size) * step * (c.length + 6) + evals * forward * (c.length + 6) + 2 * startup
-    how = ", ".join(f"a {arch} step at L={max(c.length for c in cells if c.arch == arch)} takes "
-                    f"{1000 * step * (max(c.length for c in cells if c.arch == arch) + 6):.0f} ms"
+    how = ", ".join(f"a {arch} step at L={longest[arch].length} takes {1000 * step * (longest[arch].length + 6):.0f} ms"
                     for arch, (step, _) in per_token.items())
     return total / max(1, min(jobs, len(cells))), (f"measured just now on one thread: {how}; a cell's process "
                                                     f"starts in about {2 * startup:.0f} s")

@@ -6,7 +6,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -111,12 +113,11 @@ class StagedFiles:
         return self.add(name)
 
     def commit(self) -> list[Path]:
-        import signal
-
         listed = self.dest / self.manifest
         old = listed.read_text().split() if listed.exists() else []
         held = []
-        previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if _main_thread() else None
+        main = threading.current_thread() is threading.main_thread()  # only there can a signal handler be set
+        previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
         try:
             for name in self.names:
                 os.replace(self.dir / name, self.dest / name)
@@ -137,9 +138,3 @@ class StagedFiles:
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.created and self.dest.is_dir() and not any(self.dest.iterdir()):
             self.dest.rmdir()
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,8 +126,6 @@ def parse_engine_args(pairs: Sequence[str] | None) -> dict[str, Any]:
 def check_engine_types(args: dict[str, Any], fields) -> None:
     """Refuse a value that is not a boolean for a boolean engine argument (a string such as "off" would be true);
     ``fields``: vLLM's ``EngineArgs`` dataclass fields."""
-    import typing
-
     for f in fields:
         kinds = set(typing.get_args(f.type)) or {f.type}  # bool, or bool | None
         if f.name not in args or not ({bool, "bool"} & kinds) or not kinds <= {bool, "bool", type(None)}:
