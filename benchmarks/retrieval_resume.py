@@ -13,7 +13,7 @@ import time
 import torch
 
 from evals.fixture import FIXTURE_PATH
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from harness.backends.loading import load_backend
 from harness.tiny import make_tiny_model
 from retrieval import RetrievalTool

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from evals.hotpotqa import HotpotQA, load_rows, parse_positions
-from harness.backends.generation import GenRequest, first_stop
+from harness.backends.base import GenRequest
+from harness.backends.generation import first_stop
 from harness.backends.prefix_tree import PrefixTree
 from harness.backends.loading import load_backend
 from harness.backends.planner import forget_costs
@@ -136,7 +137,7 @@ def run_vllm(model_dir: str, prompts: list[str], max_new: int, caching: bool) ->
         json.dump(prompts, f)
     code = f"""
 import json, time, torch
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from harness.backends.vllm_backend import VLLMBackend
 prompts, stop = json.load(open({f.name!r})), {list(STOP)!r}
 t0 = time.perf_counter()

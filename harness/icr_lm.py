@@ -27,7 +27,7 @@ except ImportError as e:
     raise ImportError(f'harness.icr_lm is lm-eval\'s model "icr" and needs lm-evaluation-harness ({e}); '
                       'pip install "icr-harness[lm-eval]"') from e
 
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from harness.backends.loading import load_backend
 
 log = logging.getLogger("harness")

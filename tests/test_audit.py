@@ -46,4 +46,4 @@ def test_the_reference_of_an_engine_runs_in_a_child_and_generates_what_the_backe
     here = [(o.text, o.finish_reason) for r in requests for o in phi_backend.generate([r])]
     assert_varied([t for t, _ in here])
     fresh = [run.request(ins) for ins in run.instances[:4]]  # fresh tools, as the audit builds them
-    assert generate_in_child(run.cfg, "transformers", fresh) == here
+    assert generate_in_child(run.prepared.model.reference("transformers"), fresh) == here

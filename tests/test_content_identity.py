@@ -307,18 +307,18 @@ def test_a_lock_file_replaced_under_a_run_is_seen(tmp_path):
 def test_a_checkpoint_rewritten_while_it_loads_is_refused(ckpt, tmp_path, tiny_tokenizer, monkeypatch):
     """Hashed, then loaded while another process writes a retrained checkpoint into the folder: which weights
     were read is unknown, so nothing is written under either identity."""
-    import harness.engine.run as engine
+    from harness.backends.loading import ResolvedModel
     from harness.tiny import make_tiny_model
 
     make_tiny_model(tmp_path / "other", "phi", seed=5, tokenizer=tiny_tokenizer)
-    real = engine.load_backend
+    real = ResolvedModel.load
 
-    def load_while_rewritten(*args, **kw):
-        backend = real(*args, **kw)
+    def load_while_rewritten(model):
+        backend = real(model)
         shutil.copy(tmp_path / "other" / "model.safetensors", ckpt / "model.safetensors")
         return backend
 
-    monkeypatch.setattr(engine, "load_backend", load_while_rewritten)
+    monkeypatch.setattr(ResolvedModel, "load", load_while_rewritten)
     out = tmp_path / "run"
     with pytest.raises(ResumeMismatchError, match="model weights changed"):
         run_eval(_cfg(ckpt, out), progress=False)

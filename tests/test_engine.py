@@ -183,9 +183,11 @@ def test_every_flag_is_in_the_settings_hash_or_marked_as_never_changing_a_row():
     flag is hashed as itself or as what it resolves to, so a new flag must take a side."""
     import dataclasses
 
+    from harness.backends.loading import resolve
     from harness.engine.config import NOT_RESULT_DECIDING, RunConfig
 
-    hashed = RunConfig(task="hotpotqa", model="phi-1.5", device="cpu").resolved("d" * 16, "t" * 16)
+    cfg = RunConfig(task="hotpotqa", model="phi-1.5", device="cpu")
+    hashed = cfg.resolved("d" * 16, "t" * 16, resolve(cfg.model, device=cfg.device))
     flags = {f.name for f in dataclasses.fields(RunConfig)}
     assert not set(NOT_RESULT_DECIDING) & set(hashed)
     resolved_as = {"data": "data_sha256", "template": "template_sha256", "device": "device_type"}

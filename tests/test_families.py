@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harness.backends.families import FAMILIES, family_of
-from harness.backends.generation import GenRequest, greedy_generate
+from harness.backends.base import GenRequest
+from harness.backends.generation import greedy_generate
 from harness.models.kernels import interpreting
 from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
 from tests.helpers import assert_varied

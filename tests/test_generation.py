@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from evals.fixture import FIXTURE_PATH
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from tests.helpers import assert_varied
 
 

@@ -138,7 +138,7 @@ def test_a_divergence_is_measured_by_its_logit_gap_so_a_wrong_token_fails_and_a_
     """The parity check's allowance for bf16 rounding: the gap between the two tokens in the reference's own
     logits. Equal runs have no divergence; a row given the reference's least likely token is far past any
     near-tie; for the second most likely token the gap is the top-two margin."""
-    from harness.backends.generation import GenRequest
+    from harness.backends.base import GenRequest
     from harness.backends.loading import load_backend
     from harness.tiny import build_tokenizer
     from harness.tools.gpu_suite import NEAR_TIE, divergences, model_path

@@ -182,7 +182,8 @@ def _tool_free_reference(model, ids, n, eos=None):
 
 @pytest.mark.parametrize("arch", ["mamba", "hybrid"])
 def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
-    from harness.backends.generation import GenRequest, left_pad, right_pad
+    from harness.backends.base import GenRequest
+    from harness.backends.generation import left_pad, right_pad
     from harness.backends.hf import TransformersBackend
 
     torch.manual_seed(0)

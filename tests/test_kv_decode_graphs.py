@@ -30,7 +30,7 @@ def backend(request, tmp_path_factory, tiny_tokenizer):
 
 
 def _requests(tok, long: bool, tool_end=None, max_new=12):
-    from harness.backends.generation import GenRequest
+    from harness.backends.base import GenRequest
 
     header = HEADER * (8 if long else 1)  # 8 copies: prompts past 256 tokens, so steps cross capacity buckets
     prompts = [f"{header}Question: {q}\nAnswer:" for q in QUESTIONS]

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from harness.models import resolve_model
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
 from tests.helpers import assert_varied
@@ -335,7 +335,7 @@ def test_hybrid_places_attention_at_configured_layers(tiny_hybrid_dir):
 def test_registry_routes_checkpoint_to_phi_mamba_backend(tiny_phi_mamba_dir, phi_mamba_backend):
     assert resolve_model(tiny_phi_mamba_dir).backend == "phi-mamba"
     assert phi_mamba_backend.max_context is None  # no attention: no position limit
-    assert phi_mamba_backend.describe()["scan"] == "pytorch reference"
+    assert phi_mamba_backend.describe().scan == "pytorch reference"
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from harness.backends.generation import GenRequest, common_prefix
+from harness.backends.base import GenRequest
+from harness.backends.generation import common_prefix
 from harness.engine import run_eval
 from harness.engine.config import RunConfig
 from retrieval import RetrievalTool

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from harness.backends.prefix_tree import PrefixTree, parse_bytes
 from harness.engine import run_eval
 from harness.engine.config import ConfigError, RunConfig

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from evals.base import ToolSpec
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from harness.engine.prompting import PromptTemplate
 from retrieval import RegexSearcher, RetrievalTool, parse_call
 from tests.helpers import assert_varied

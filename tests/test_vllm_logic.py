@@ -2,7 +2,7 @@
 continuation contract independently. It must give exactly what the stepped loop gives."""
 import pytest
 
-from harness.backends.generation import GenRequest
+from harness.backends.base import GenRequest
 from retrieval import RetrievalTool
 from tests.helpers import assert_varied, fake_vllm_backend
 from tests.test_generation import _diverse_prompts

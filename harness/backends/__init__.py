@@ -18,13 +18,10 @@ def backend_class(name: str) -> type:
     return BACKENDS.get(name)
 
 
-def graphs_used(mode: str | bool, backend: type | None, device) -> bool:
-    """Whether a run decodes through CUDA graphs: ``on``, or ``auto`` where the backend class has them
-    (``cuda_graphs``) and the device is CUDA. One answer for the settings hash and for the backend that is
-    loaded."""
-    mode = {True: "on", False: "off"}.get(mode, mode)
-    return mode == "on" or (mode == "auto" and backend is not None and backend.cuda_graphs
-                            and str(device).startswith("cuda"))
+def graphs_used(mode: str, backend: type, device) -> bool:
+    """Whether a run decodes through CUDA graphs: ``--cuda-graphs on``, or ``auto`` where the backend class can
+    (``graph_decode_capable``) and the device is CUDA. One answer for the settings hash and the loaded backend."""
+    return mode == "on" or (mode == "auto" and backend.graph_decode_capable and str(device).startswith("cuda"))
 
 
 __all__ = ["BACKENDS", "backend_class", "graphs_used"]

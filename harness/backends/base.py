@@ -1,15 +1,17 @@
-"""The request-level backend interface (``Backend``), what a run counts, and the device/dtype choices every
-backend makes the same way. The step-level contract is ``harness.backends.step``."""
+"""The backends' contract, on the ground floor: what a caller sends (``GenRequest``) and gets back (``GenResult``,
+``Generation``, ``PlanRecord``), what a backend says of itself (``BackendInfo``), the request level every backend
+implements (``Backend``), the step level of models the harness steps itself (``StepModel``, with its optional
+abilities as mixins named in the class line: ``MergesRows``, ``ScoresText``, ``ScoresBlocks``), and the
+device/dtype choices every backend makes the same way. Nothing here imports another backend module; the decode
+loop, the planner, the scorer and the memory probes import this file (``harness.backends.step`` wires them)."""
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
-
-from harness.backends.generation import GenRequest, GenResult
 
 log = logging.getLogger("harness")
 
@@ -36,6 +38,66 @@ def resolve_dtype(dtype: str, device: torch.device, float32_default: bool = Fals
     if dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+class Tool(Protocol):
+    """Something the model calls by writing text that ends in ``call_end``; returns text to insert.
+
+    ``text`` is the whole generation up to and including ``call_end``; ``start`` is where the model's own
+    writing since the previous tool result begins, so a call is parsed from that part only (a pattern can
+    never swallow an earlier result). Calls of one decoding step run concurrently, so a tool must be safe
+    to call from a worker thread."""
+
+    call_end: str
+    max_calls: int
+
+    def __call__(self, text: str, start: int = 0) -> str: ...
+
+
+@dataclass
+class GenRequest:
+    prompt: str
+    max_new_tokens: int
+    stop: Sequence[str] = ()
+    tool: Tool | None = None
+    prompt_ids: list[int] | None = None  # pre-tokenised prompt, when the caller already counted it
+
+
+@dataclass
+class GenResult:
+    text: str
+    finish_reason: str  # "stop" | "eos" | "length" | "context"
+    prompt_tokens: int
+    new_tokens: int  # tokens the model chose
+    tool_tokens: int = 0  # tokens inserted by the tool
+    token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of inserted tokens in token_ids
+    # [start, end) of tokens fed in place of a model token that ran past a call's closing tag (the call text
+    # re-tokenized up to the tag end): the model chose their text, not these exact tokens
+    retokenized_spans: list[tuple[int, int]] = field(default_factory=list)
+    stop_string: str | None = None  # the stop string that ended generation (cut from ``text``)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a loaded backend says it runs with: results.json's ``backend``; the engine's settings hash takes the
+    dtype, the device type and the scan path from it (what really runs, whatever the flags asked)."""
+
+    backend: str
+    device: str
+    dtype: str
+    max_context: int | None = None
+    model_class: str | None = None
+    family: str | None = None  # the transformers family (harness.backends.families)
+    scan: str | None = None  # the Mamba layers' scan path, where its kernels round apart from the reference
+    decode: str | None = None  # eager, or the CUDA graphs' description
+    parameters: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # what one backend alone reports (vLLM's engine settings)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f: getattr(self, f) for f in ("backend", "device", "dtype", "model_class", "max_context", "family",
+                                             "scan", "decode", "parameters")}
+        return {**{k: v for k, v in out.items() if v is not None or k == "max_context"}, **self.extra}
 
 
 def counters(backend) -> dict[str, int]:
@@ -129,8 +191,8 @@ class Generation:
 
 class Backend(ABC):
     """Request level: what the engine, the lm-eval adapter and the audit call. A backend that schedules its own
-    batches (vLLM) implements ``generate_all`` and ``describe``; ``StepBackend`` implements it for models the
-    harness steps itself."""
+    batches (vLLM) implements ``generate_all`` and ``describe``; ``harness.backends.step.StepBackend`` implements
+    ``generate_all`` for a ``StepModel``."""
 
     name = "base"
     tokenizer: Any
@@ -138,12 +200,24 @@ class Backend(ABC):
     max_context: int | None = None
     # What a backend class can do, asked by generic code (never its name):
     float32_default = False  # ``--dtype auto`` is float32 on every device
-    cuda_graphs = False  # decodes from CUDA graphs (``--cuda-graphs on``, and ``auto`` on CUDA)
+    graph_decode_capable = False  # can decode from CUDA graphs (what ``--cuda-graphs`` turns on)
     own_checkpoints = False  # its checkpoints are no transformers models: no other backend can run them
     takes_engine_args = False  # built with an engine's own settings (``--vllm-arg KEY=VALUE``)
     # the backend ``--audit`` regenerates rows with, in a child process, where this one cannot be its own reference
     # (an engine that caches and schedules across requests would regenerate through the very paths it audits)
     audit_reference: str | None = None
+
+    @abstractmethod
+    def describe(self) -> BackendInfo:
+        """What this backend runs with (device, dtype, scan path, decode path, ...)."""
+
+    @classmethod
+    def parse_engine_args(cls, pairs: Sequence[str] | None) -> dict[str, Any]:
+        """``--vllm-arg KEY=VALUE`` pairs as this backend's engine arguments; a backend that takes none (every
+        one but an engine's: ``takes_engine_args``) refuses any."""
+        if pairs:
+            raise ValueError(f"--vllm-arg {' '.join(pairs)}: the {cls.name} backend takes no engine arguments")
+        return {}
 
     @abstractmethod
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
@@ -176,3 +250,86 @@ class Backend(ABC):
         """Bytes of decoding state a sequence of ``tokens`` tokens holds; None where the backend keeps none of
         its own (vLLM)."""
         return None
+
+
+class StepModel(ABC):
+    """The step contract: a model the harness steps itself. Prefill a left-padded batch, feed right-padded blocks,
+    drop and copy rows; the decode loop (``harness.backends.generation``), the planner, the scorer and the memory
+    probes need nothing else. What is exact for it are three questions the planner reads."""
+
+    name: str
+    tokenizer: Any
+    device: torch.device
+
+    @abstractmethod
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Run a left-padded batch; return last-position logits [B, V] and a decoding state."""
+
+    @abstractmethod
+    def step(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Feed a right-padded block per row ([B, L]; usually L = 1). ``attention_mask`` covers everything so
+        far, its last L columns being the block's. Returns logits at each row's last real token, [B, V]."""
+
+    @abstractmethod
+    def select(self, state: Any, keep: torch.Tensor) -> Any:
+        """Keep only the rows at indices ``keep`` (finished rows leave the batch)."""
+
+    @abstractmethod
+    def expand(self, state: Any, n: int) -> Any:
+        """A fresh copy of a one-row state repeated ``n`` times (the shared prefix, copied into each row)."""
+
+    def extend(self, state: Any, ids: Sequence[int], past: int) -> torch.Tensor:
+        """Feed the next run of a prompt's tokens to a one-row state of ``past`` tokens, in place (the prefix
+        tree's prefill below a snapshot); logits [1, V] at the last token. A prefill, never a decode step:
+        backends override it to skip every other position's logits and any CUDA graph."""
+        t = torch.tensor([list(ids)], device=self.device)
+        return self.step(state, t, torch.ones((1, past + len(ids)), dtype=torch.long, device=self.device))
+
+    # -- what is exact here (the planner reads these; nothing else decides) ------------------------------
+    def batches_exact(self) -> bool:
+        """Whether prompts padded into one batch give what each gives alone (else every sample runs alone)."""
+        return True
+
+    def prefix_exact(self) -> bool:
+        """Whether a right-padded block fed after a copied state is exact in one call: the shared prefix's
+        reuse, and the prefix tree's batched prefill below its snapshots."""
+        return True
+
+    def tree_unsupported(self) -> str | None:
+        """Why prompts may not be prefilled through a prefix tree here (None: they may). The tree needs rows
+        prefilled apart to merge into a batch (``MergesRows``), and a prompt prefilled in segments (one-token
+        segments and cuts at any depth included) to equal it prefilled whole."""
+        if not isinstance(self, MergesRows):
+            return f"the {self.name} backend cannot merge rows prefilled apart"
+        return None
+
+    def bytes_per_token(self) -> int:
+        """Memory one cached token costs while decoding; a conservative default (backends say theirs)."""
+        return 1 << 20
+
+
+class MergesRows(ABC):
+    """A step model whose rows, prefilled apart, merge into one batch: what the prefix tree needs."""
+
+    @abstractmethod
+    def merge(self, states: Sequence[Any], lengths: Sequence[int]) -> Any:
+        """One batch state from one-row, unpadded states of ``lengths`` tokens each (prompts prefilled through
+        the prefix tree): attention keys and values left-padded to the longest (the mask hides the pads),
+        recurrent state stacked."""
+
+
+class ScoresText(ABC):
+    """A step model that scores text (``loglikelihood``) from its logits."""
+
+    @abstractmethod
+    def sequence_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of a batch of right-padded sequences, computed from scratch (no state)."""
+
+
+class ScoresBlocks(ABC):
+    """A step model that gives every position's logits of a block fed after a state: continuations sharing a
+    context are scored after one prefill (where ``prefix_exact`` also holds; else contexts are recomputed)."""
+
+    @abstractmethod
+    def block_logits(self, state: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Like ``step``, but logits at every position of the right-padded block, [B, L, V]."""

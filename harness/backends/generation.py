@@ -1,9 +1,8 @@
 """Batched greedy decoding shared by every backend.
 
-A backend supplies the step contract (``harness.backends.step.StepBackend``: prefill a left-padded batch, feed one
-token per row, drop rows); this module
-owns everything above it: stop strings, EOS, ``max_new_tokens``, the context limit, and the tool loop. Tool
-results are fed back through the same steps as *forced* tokens, so a row that is searching and a row that is
+A backend supplies the step contract (``harness.backends.base.StepModel``: prefill a left-padded batch, feed one
+token per row, drop rows); this module owns everything above it: stop strings, EOS, ``max_new_tokens``, the
+context limit, and the tool loop. Tool results are fed back through the same steps as *forced* tokens, so a row that is searching and a row that is
 still reasoning share each forward pass, and generation continues from the cache or recurrent
 state instead of re-reading the prompt. Written by hand because ``transformers.generate`` cannot inject
 per-row tokens mid-generation, and the Phi-Mamba backend needs the same loop over its own state.
@@ -12,50 +11,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: the step contract (step.py) imports this module
-    from harness.backends.step import StepBackend
-
-
-class Tool(Protocol):
-    """Something the model calls by writing text that ends in ``call_end``; returns text to insert.
-
-    ``text`` is the whole generation up to and including ``call_end``; ``start`` is where the model's own
-    writing since the previous tool result begins, so a call is parsed from that part only (a pattern can
-    never swallow an earlier result). Calls of one decoding step run concurrently, so a tool must be safe
-    to call from a worker thread."""
-
-    call_end: str
-    max_calls: int
-
-    def __call__(self, text: str, start: int = 0) -> str: ...
-
-
-@dataclass
-class GenRequest:
-    prompt: str
-    max_new_tokens: int
-    stop: Sequence[str] = ()
-    tool: Tool | None = None
-    prompt_ids: list[int] | None = None  # pre-tokenised prompt, when the caller already counted it
-
-
-@dataclass
-class GenResult:
-    text: str
-    finish_reason: str  # "stop" | "eos" | "length" | "context"
-    prompt_tokens: int
-    new_tokens: int  # tokens the model chose
-    tool_tokens: int = 0  # tokens inserted by the tool
-    token_ids: list[int] = field(default_factory=list)  # model and tool tokens, in order, before stop-cutting
-    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of inserted tokens in token_ids
-    # [start, end) of tokens fed in place of a model token that ran past a call's closing tag (the call text
-    # re-tokenized up to the tag end): the model chose their text, not these exact tokens
-    retokenized_spans: list[tuple[int, int]] = field(default_factory=list)
-    stop_string: str | None = None  # the stop string that ended generation (cut from ``text``)
+from harness.backends.base import GenRequest, GenResult, StepModel
 
 
 @dataclass
@@ -184,7 +144,7 @@ class Started:
 
 
 @torch.inference_mode()
-def greedy_generate(stepper: StepBackend, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
+def greedy_generate(stepper: StepModel, tokenizer, requests: Sequence[GenRequest], *, device="cpu",
                     max_context: int | None = None, start: Started | None = None, stats: dict | None = None
                     ) -> list[GenResult]:
     """Greedy-decode a batch. Rows finish independently and leave the batch; results keep request order.

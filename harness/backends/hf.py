@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
 from harness.backends import fla_models, growing_cache
-from harness.backends.base import resolve_device, resolve_dtype
+from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresText, resolve_device, resolve_dtype
 from harness.backends.families import (
     family_of,
     map_rows,
@@ -27,15 +27,15 @@ from harness.backends.tokenizer import load_tokenizer
 log = logging.getLogger("harness")
 
 
-class TransformersBackend(StepBackend):
+class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
     family's state (and so how freely it batches) comes from ``harness.backends.families``."""
 
     name = "transformers"
-    cuda_graphs = True  # attention families (harness.backends.kv_decode_graphs); others decode eagerly, logged
+    graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 model=None, tok=None, cuda_graphs: bool = False):
+                 model=None, tok=None, graph_decode: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.path = path
@@ -50,7 +50,7 @@ class TransformersBackend(StepBackend):
         self.max_context = getattr(self.model.config, "max_position_embeddings", None) \
             if self.family.max_context else None
         self.graphs, self.decode = None, "eager"
-        if cuda_graphs:
+        if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
             why = unsupported(self.model, self.family)
@@ -196,9 +196,10 @@ class TransformersBackend(StepBackend):
         # K and V for every layer, plus the hidden state and the logits row of the step that uses them.
         return 2 * layers * heads * head_dim * elt + 8 * cfg.hidden_size * elt
 
-    def describe(self):
-        return {"backend": self.name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "model_class": type(self.model).__name__, "max_context": self.max_context,
-                "family": self.family.name, "padding": self.family.padding,
-                "decode": self.graphs.describe() if self.graphs is not None else self.decode,
-                "parameters": sum(p.numel() for p in self.model.parameters())}
+    def describe(self) -> BackendInfo:
+        return BackendInfo(backend=self.name, device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+                           model_class=type(self.model).__name__, max_context=self.max_context,
+                           family=self.family.name,
+                           decode=self.graphs.describe() if self.graphs is not None else self.decode,
+                           parameters=sum(p.numel() for p in self.model.parameters()),
+                           extra={"padding": self.family.padding})

@@ -1,19 +1,26 @@
-"""A model name to a loaded backend: the registry resolves the name (a registered model, a hub id or a local
-checkpoint), the hub check names what is missing, and the backend registry builds it. One factory for the
-engine, lm-eval's ``icr`` model, the audit, the doctor and the GPU suite."""
+"""A model name to a loaded backend, in two steps: ``resolve`` decides everything once (the registry's spec for
+the name, the backend class, the device, the dtype, CUDA graphs, the engine's arguments) into a
+``ResolvedModel``, which the run's settings hash, ``load`` and the audit all read; ``load`` builds the backend
+(the hub check names what is missing). One factory for the engine, lm-eval's ``icr`` model, the audit, the
+doctor and the GPU suite."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
+
+import torch
 
 from harness import hub
 from harness.backends import BACKENDS, backend_class, graphs_used
-from harness.backends.base import resolve_device
+from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.fla_models import FlaError
 from harness.backends.tokenizer import TokenizerError
 from harness.backends.vllm_backend import VLLMError
 from harness.models import resolve_model
+from harness.models.registry import ModelSpec
 
 log = logging.getLogger("harness")
 
@@ -41,27 +48,84 @@ def backend_name(model: str, spec, backend: str = "auto") -> str:
     return name
 
 
-def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                 tokenizer: str | None = None, cuda_graphs: str | bool = "auto", engine_args: dict | None = None,
-                 spec=None):
-    """Resolve a model name through the registry and build its backend (``backend`` overrides the default,
-    ``tokenizer`` the checkpoint's own or the registry's tokenizer; ``engine_args``: an engine's own settings,
-    ``--vllm-arg``; ``spec``: ``model_spec``'s answer for these, where the caller has it already)."""
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model as the run will load it, decided once: the registry's spec, the backend, the device and dtype as
+    given (what the backend is built with) and as they resolve here (what the settings hash records), whether it
+    decodes from CUDA graphs, and the engine's arguments (parsed by the backend class)."""
+
+    name: str  # as given (a registered name, a hub id or a folder)
+    spec: ModelSpec
+    backend: str
+    device_arg: str
+    dtype_arg: str
+    device: torch.device
+    dtype: str  # float32, bfloat16 or float16
+    graph_decode: bool
+    engine_args: dict[str, Any]
+    tokenizer_given: bool = False
+
+    @property
+    def backend_class(self) -> type[Backend]:
+        return backend_class(self.backend)
+
+    def identity(self) -> dict[str, Any]:
+        """What the settings hash holds for this backend beyond the flags (an engine's version and settings)."""
+        return self.backend_class.run_identity(self.spec.path, self.device_arg, self.dtype_arg, self.engine_args)
+
+    def on_device(self, device: str) -> "ResolvedModel":
+        """The same model on another device (a rank's GPU)."""
+        return resolve(self.name, self.spec.tokenizer if self.tokenizer_given else None, self.backend, device,
+                       self.dtype_arg, "on" if self.graph_decode else "off", self.engine_args, self.spec)
+
+    def reference(self, backend: str | None = None) -> "ResolvedModel":
+        """The audit's reference: float32, no CUDA graphs, by ``backend`` where given (no engine arguments)."""
+        name = backend or self.backend
+        return resolve(self.name, self.spec.tokenizer if self.tokenizer_given else None, name, self.device_arg,
+                       "float32", "off", self.engine_args if name == self.backend else {}, self.spec)
+
+    def load(self) -> Backend:
+        return _build(self)
+
+
+def resolve(model: str, tokenizer: str | None = None, backend: str = "auto", device: str = "auto",
+            dtype: str = "auto", cuda_graphs: str = "auto", engine_args: Sequence[str] | dict | None = None,
+            spec: ModelSpec | None = None) -> ResolvedModel:
+    """Every choice about ``model`` that can be made before it loads; an unknown name, a missing folder, a
+    backend that cannot run the checkpoint or an engine argument it does not take fails here, at once.
+    ``engine_args``: ``--vllm-arg`` pairs (parsed by the backend class) or already parsed ones."""
     spec = spec or model_spec(model, tokenizer)
-    if not tokenizer and spec.tokenizer and Path(spec.path).is_dir():
-        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
     name = backend_name(model, spec, backend)
     cls = backend_class(name)
-    if cuda_graphs in ("on", True) and not cls.cuda_graphs:
-        graphed = ", ".join(n for n in BACKENDS.names() if backend_class(n).cuda_graphs)
+    if cuda_graphs == "on" and not cls.graph_decode_capable:
+        graphed = ", ".join(n for n in BACKENDS.names() if backend_class(n).graph_decode_capable)
         raise ValueError(f"--cuda-graphs applies to the backends that decode from CUDA graphs ({graphed}); {model} "
                          f"runs on the {name} backend")
-    extra = {"cuda_graphs": True} if graphs_used(cuda_graphs, cls, resolve_device(device)) else {}
-    if engine_args:
-        extra["engine_args"] = engine_args
+    dev = resolve_device(device)
+    args = dict(engine_args) if isinstance(engine_args, dict) else cls.parse_engine_args(engine_args)
+    return ResolvedModel(name=model, spec=spec, backend=name, device_arg=device, dtype_arg=dtype, device=dev,
+                         dtype=str(resolve_dtype(dtype, dev, cls.float32_default)).replace("torch.", ""),
+                         graph_decode=graphs_used(cuda_graphs, cls, dev), engine_args=args,
+                         tokenizer_given=bool(tokenizer))
+
+
+def load_backend(model: str, device: str = "auto", dtype: str = "auto", backend: str = "auto",
+                 tokenizer: str | None = None, cuda_graphs: str = "auto", engine_args: dict | None = None) -> Backend:
+    """Resolve a model name and build its backend (``backend`` overrides the registry's choice, ``tokenizer`` the
+    checkpoint's own or the registry's tokenizer; ``engine_args``: an engine's own settings, ``--vllm-arg``)."""
+    return resolve(model, tokenizer, backend, device, dtype, cuda_graphs, engine_args).load()
+
+
+def _build(m: ResolvedModel) -> Backend:
+    spec, model, name, cls = m.spec, m.name, m.backend, m.backend_class
+    if not m.tokenizer_given and spec.tokenizer and Path(spec.path).is_dir():
+        log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
+    extra: dict[str, Any] = {"graph_decode": True} if m.graph_decode else {}
+    if m.engine_args:
+        extra["engine_args"] = m.engine_args
     hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))
     try:
-        return cls(spec.path, tokenizer=spec.tokenizer, device=device, dtype=dtype, **extra)
+        return cls(spec.path, tokenizer=spec.tokenizer, device=m.device_arg, dtype=m.dtype_arg, **extra)
     except OSError as e:
         tok = spec.tokenizer or spec.path
         hint = (f"\n{spec.path} carries no tokenizer of its own (goombalab's folders do not); its tokenizer is "

@@ -4,21 +4,17 @@ budget of ``--batch-size auto``. Each measurement is taken once per backend and 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
-from harness.backends.base import state_nbytes
-
-if TYPE_CHECKING:  # annotations only: step.py imports this module
-    from harness.backends.step import StepBackend
+from harness.backends.base import StepModel, state_nbytes
 
 _STATE_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> (bytes, bytes per token) | None
 _PREFILL_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> bytes per prefilled token
 
 
 @torch.inference_mode()
-def state_bytes(backend: StepBackend, tokens: int) -> int | None:
+def state_bytes(backend: StepModel, tokens: int) -> int | None:
     """Bytes of decoding state one sequence of ``tokens`` tokens holds (KV cache at its length, conv and SSM
     state, both for hybrids): fitted once from two real prefills as a constant plus a per-token part (exact
     for both kinds of state). None where the backend cannot prefill a state of its own."""
@@ -36,7 +32,7 @@ def state_bytes(backend: StepBackend, tokens: int) -> int | None:
     return None if fit is None else int(round(fit[0] + fit[1] * tokens))
 
 
-def token_budget(backend: StepBackend) -> int:
+def token_budget(backend: StepModel) -> int:
     """Tokens (batch x sequence length) one batch may hold; used by ``--batch-size auto``. A token costs the
     larger of what its cache holds while decoding (``bytes_per_token``) and what a prefill needs per token,
     measured."""
@@ -48,7 +44,7 @@ def token_budget(backend: StepBackend) -> int:
 
 
 @torch.inference_mode()
-def prefill_bytes_per_token(backend: StepBackend, length: int = 2048) -> int:
+def prefill_bytes_per_token(backend: StepModel, length: int = 2048) -> int:
     """Peak CUDA memory one prefilled token takes (activations, the kernels' scratch, its cache), measured once
     on one prompt of ``length`` tokens. A recurrent model's cache is small but its prefill is not: on an H100 a
     Phi-Mamba batch sized by its cache alone ran out of memory."""

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from harness.backends.base import resolve_device, resolve_dtype
+from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresText, resolve_device, resolve_dtype
 from harness.backends.generation import logits_at_last_real
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
@@ -16,16 +16,16 @@ from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState
 log = logging.getLogger("harness")
 
 
-class PhiMambaBackend(StepBackend):
+class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     name = "phi-mamba"
     # the paper's Phi-Mamba numbers (and the official evaluation) ran in float32; bf16 moved logits by up to
     # 2e-2 and flipped 0-2% of argmaxes on CPU
     float32_default = True
-    cuda_graphs = True
+    graph_decode_capable = True
     own_checkpoints = True  # goombalab's modules, not a transformers model type
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 model: PhiMambaForCausalLM | None = None, tok=None, cuda_graphs: bool = False):
+                 model: PhiMambaForCausalLM | None = None, tok=None, graph_decode: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.float32_default)
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
@@ -35,15 +35,15 @@ class PhiMambaBackend(StepBackend):
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
         on_device = torch.empty(0, device=self.device)
-        self.scan_path = (f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
+        self.scan = (f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
                           if kernels.require("auto", on_device) else "pytorch reference")
         self.graphs = None
-        if cuda_graphs:
+        if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
             self.graphs = GraphedDecode(self.model)
         log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
-                 cfg.attn_layers or "no", self.scan_path, "CUDA graphs" if self.graphs else "eager")
+                 cfg.attn_layers or "no", self.scan, "CUDA graphs" if self.graphs else "eager")
 
     def prefill(self, input_ids, attention_mask):
         logits, state = self.model(input_ids, attention_mask, logits_to_keep=1)
@@ -82,8 +82,9 @@ class PhiMambaBackend(StepBackend):
         kv = 2 * len(cfg.attn_layers) * cfg.d_model * elt
         return kv + 8 * cfg.d_model * elt + (cfg.padded_vocab * 4) // 64
 
-    def describe(self):
-        cfg = self.model.config
-        return {"backend": self.name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "model_class": type(self.model).__name__, "attn_layers": cfg.attn_layers, "scan": self.scan_path,
-                "max_context": self.max_context, "parameters": sum(p.numel() for p in self.model.parameters())}
+    def describe(self) -> BackendInfo:
+        return BackendInfo(backend=self.name, device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+                           model_class=type(self.model).__name__, max_context=self.max_context, scan=self.scan,
+                           decode=self.graphs.describe() if self.graphs is not None else None,
+                           parameters=sum(p.numel() for p in self.model.parameters()),
+                           extra={"attn_layers": self.model.config.attn_layers})

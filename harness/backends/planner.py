@@ -24,14 +24,12 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from harness.backends.base import Generation, PlanRecord, count, counters
+from harness.backends.base import GenRequest, GenResult, Generation, PlanRecord, StepModel, count, counters
 from harness.backends.generation import (
-    GenRequest,
-    GenResult,
     Prefix,
     Started,
     common_prefix,
@@ -45,9 +43,6 @@ from harness.backends.prefix_tree import (
     default_budget,
     parse_bytes,
 )
-
-if TYPE_CHECKING:  # annotations only: step.py imports this module (StepBackend.generate_all is the planner)
-    from harness.backends.step import StepBackend
 
 log = logging.getLogger("harness")
 
@@ -79,14 +74,14 @@ class Costs:
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def forget_costs(backend: StepBackend) -> None:
+def forget_costs(backend: StepModel) -> None:
     """Measure ``backend``'s cost model again at its next ``auto`` plan (a benchmark times ``auto`` as a fresh
     run pays it)."""
     _COSTS.pop(backend, None)
 
 
 @torch.inference_mode()
-def measure_costs(backend: StepBackend, length: int, rows: int) -> Costs:
+def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
     """The cost model's rates, measured once per backend, length and rows (a few prefills of throwaway
     tokens; nothing is counted as the run's work)."""
     cache = _COSTS.setdefault(backend, {})
@@ -181,7 +176,7 @@ def _estimate(name: str, costs: Costs, lengths: list[int], batches: list[list[in
     return snapshots + sum(costs.prefill(len(b), max(below[i] for i in b)) for b in batches)
 
 
-def make_plan(backend: StepBackend, ids: list[list[int]], max_new: int, batch_size: int | str = "auto",
+def make_plan(backend: StepModel, ids: list[list[int]], max_new: int, batch_size: int | str = "auto",
               asked: str = "auto", costs: Costs | None = None) -> Plan:
     """The plan for these prompts: ``asked`` where it is possible (else the next one down, tree → batch → none,
     with the reason), the cheapest by the cost model where several are (``auto``, and the tree's two prefills)."""
@@ -191,7 +186,7 @@ def make_plan(backend: StepBackend, ids: list[list[int]], max_new: int, batch_si
     notes = []
     if not backend.batches_exact():
         batch_size = 1
-        notes.append(f"the {backend.describe().get('family', backend.name)} family cannot keep padding out of its "
+        notes.append(f"the {backend.describe().family or backend.name} family cannot keep padding out of its "
                      "state: each sample runs alone and unpadded (exact; the batch size only groups the progress)")
     budget = backend.token_budget() if batch_size == "auto" else 0
     why_not: dict[str, str] = {}
@@ -248,7 +243,7 @@ def make_plan(backend: StepBackend, ids: list[list[int]], max_new: int, batch_si
                 shared=list(shared) if mode == "batch" else [], tree=tree, estimates=estimates, costs=costs)
 
 
-def generate_all(backend: StepBackend, requests: Sequence[GenRequest], batch_size: int | str = "auto",
+def generate_all(backend: StepModel, requests: Sequence[GenRequest], batch_size: int | str = "auto",
                  prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
     """Plan, then generate batch by batch (``Backend.generate_all``'s contract)."""
     tok = backend.tokenizer
@@ -272,7 +267,7 @@ def generate_all(backend: StepBackend, requests: Sequence[GenRequest], batch_siz
     return Generation(record, _run(backend, requests, plan, record))
 
 
-def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, record: PlanRecord
+def _run(backend: StepModel, requests: list[GenRequest], plan: Plan, record: PlanRecord
          ) -> Iterator[tuple[list[int], list[GenResult]]]:
     stats = counters(backend)
     before = stats.get("prefill_tokens", 0)
@@ -294,7 +289,7 @@ def _run(backend: StepBackend, requests: list[GenRequest], plan: Plan, record: P
 
 
 @torch.inference_mode()
-def _prefill_prefix(backend: StepBackend, ids: list[int]) -> Prefix:
+def _prefill_prefix(backend: StepModel, ids: list[int]) -> Prefix:
     t = torch.tensor([ids], device=backend.device)
     logits, state = backend.prefill(t, torch.ones_like(t))
     count(backend, "prefill_tokens", len(ids))
@@ -303,7 +298,7 @@ def _prefill_prefix(backend: StepBackend, ids: list[int]) -> Prefix:
 
 
 @torch.inference_mode()
-def _prefill(backend: StepBackend, reqs: list[GenRequest], batch: list[int], plan: Plan,
+def _prefill(backend: StepModel, reqs: list[GenRequest], batch: list[int], plan: Plan,
              states: PrefixStates | None, prefix: Prefix | None) -> Started:
     """One batch's prompts prefilled the way the plan says."""
     pad = backend.tokenizer.pad_token_id if backend.tokenizer.pad_token_id is not None else \

@@ -1,16 +1,13 @@
 """Scoring a continuation (``loglikelihood``): what every backend feeds (``scoring_window``, decided once so
-backends agree), and the scorer of the backends the harness steps itself, over their ``StepBackend`` methods."""
+backends agree), and the scorer of the backends the harness steps itself, over their ``StepModel`` methods."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from harness.backends.base import count
+from harness.backends.base import ScoresBlocks, StepModel, count
 from harness.backends.generation import pad_batch
-
-if TYPE_CHECKING:  # annotations only: step.py imports this module
-    from harness.backends.step import StepBackend
 
 
 def scoring_window(context: Sequence[int], continuation: Sequence[int], max_tokens: int | None) -> list[int]:
@@ -31,7 +28,7 @@ def scoring_window(context: Sequence[int], continuation: Sequence[int], max_toke
 
 
 @torch.inference_mode()
-def loglikelihood(backend: StepBackend, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8,
+def loglikelihood(backend: StepModel, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8,
                   share_contexts: bool = True) -> list[tuple[float, bool]]:
     """For each (context ids, continuation ids): the continuation's summed log-probability after the context,
     and whether greedy decoding would have produced it token for token, through a step backend's
@@ -59,9 +56,9 @@ def loglikelihood(backend: StepBackend, pairs: Sequence[tuple[Sequence[int], Seq
     return out  # type: ignore[return-value]
 
 
-def _score_shared_contexts(backend: StepBackend, pairs, out: list, batch_size: int) -> list[int]:
+def _score_shared_contexts(backend: StepModel, pairs, out: list, batch_size: int) -> list[int]:
     """Score the pairs whose context another pair shares, one prefill per context; the indices left over."""
-    if not backend.prefix_exact() or not backend.scores_blocks():
+    if not backend.prefix_exact() or not isinstance(backend, ScoresBlocks):
         return list(range(len(pairs)))
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(pairs):

@@ -28,8 +28,8 @@ from unittest import mock
 import torch
 
 from harness import hub
-from harness.backends.base import Backend, Generation, PlanRecord, resolve_device, resolve_dtype
-from harness.backends.generation import GenRequest, chunked_generate
+from harness.backends.base import Backend, BackendInfo, Generation, GenRequest, PlanRecord, resolve_device, resolve_dtype
+from harness.backends.generation import chunked_generate
 from harness.backends.scoring import scoring_window
 
 log = logging.getLogger("harness")
@@ -230,6 +230,10 @@ class VLLMBackend(Backend):
     audit_reference = "transformers"
 
     @classmethod
+    def parse_engine_args(cls, pairs: Sequence[str] | None) -> dict[str, Any]:
+        return parse_engine_args(pairs)
+
+    @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
         """What a run's settings hash must hold beyond the flags: vLLM's version and engine settings."""
         return {"vllm_engine": settings_identity(engine_settings(path, device, dtype, options))}
@@ -337,8 +341,10 @@ class VLLMBackend(Backend):
             results.append((float(sum(lp.logprob for lp in logprobs)), all(lp.rank == 1 for lp in logprobs)))
         return results
 
-    def describe(self):
-        return {"backend": self.name, "device": self.settings["device"], "dtype": self.settings["dtype"],
-                "max_context": self.max_context, "prefix_caching": self.settings["enable_prefix_caching"],
-                "vllm": self.settings["vllm"], "engine": {k: v for k, v in self.settings.items() if k != "vllm"},
-                "startup_s": round(self.startup_s, 2)}
+    def describe(self) -> BackendInfo:
+        return BackendInfo(backend=self.name, device=self.settings["device"], dtype=self.settings["dtype"],
+                           max_context=self.max_context,
+                           extra={"prefix_caching": self.settings["enable_prefix_caching"],
+                                  "vllm": self.settings["vllm"],
+                                  "engine": {k: v for k, v in self.settings.items() if k != "vllm"},
+                                  "startup_s": round(self.startup_s, 2)})

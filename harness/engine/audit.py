@@ -9,7 +9,6 @@ transformers backend), in a child process, so the reference shares no memory, ca
 engine. What ran is recorded with the verdict."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 import random
@@ -19,9 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.backends.generation import GenRequest
-from harness.backends.loading import load_backend
-from harness.backends.vllm_backend import parse_engine_args
+from harness.backends.base import GenRequest
+from harness.backends.loading import ResolvedModel
 from harness.procs import project_env
 
 log = logging.getLogger("harness")
@@ -29,19 +27,15 @@ log = logging.getLogger("harness")
 CHILD_TIMEOUT_S = 3600
 
 
-def reference_backend(cfg, backend):
-    """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy."""
-    if backend is not None and _dtype(backend) == "float32" and getattr(backend, "graphs", None) is None:
+def reference_backend(model: ResolvedModel, backend):
+    """The run's backend where it already is the reference (float32, no CUDA graphs); else a float32 copy of
+    the run's model (``model``: the run's, resolved once)."""
+    if backend is not None and backend.describe().dtype == "float32" and getattr(backend, "graphs", None) is None:
         return backend
-    return load_backend(cfg.model, cfg.device, "float32", cfg.backend, cfg.tokenizer, cuda_graphs="off",
-                        engine_args=parse_engine_args(getattr(cfg, "vllm_arg", None)))
+    return model.reference().load()
 
 
-def _dtype(backend) -> str:
-    return str(backend.describe().get("dtype", "")).replace("torch.", "")
-
-
-def audit_rows(cfg, backend, records: list[dict], request: Callable[[str], GenRequest], n: int) -> dict[str, Any]:
+def audit_rows(cfg, model: ResolvedModel, backend, records: list[dict], request: Callable[[str], GenRequest], n: int) -> dict[str, Any]:
     """Regenerate ``n`` of ``records`` (scored rows only; ``request``: a row's key to what the run asked of the
     backend for it) with the reference path; how many agree, and where the first that does not parts from it."""
     scored = [r for r in records if not r.get("skipped")]
@@ -49,12 +43,12 @@ def audit_rows(cfg, backend, records: list[dict], request: Callable[[str], GenRe
     requests = [request(rec["key"]) for rec in chosen]
     other = getattr(type(backend), "audit_reference", None) if backend is not None else None
     if other is not None:
-        outs = generate_in_child(cfg, other, requests)
+        outs = generate_in_child(model.reference(other), requests)
         tokenizer, reference = backend.tokenizer, {"backend": other, "process": "child", "dtype": "float32"}
     else:
-        ref = reference_backend(cfg, backend)
+        ref = reference_backend(model, backend)
         outs = generate_alone(ref, requests)
-        tokenizer, reference = ref.tokenizer, {"backend": ref.name, "process": "same", "dtype": _dtype(ref)}
+        tokenizer, reference = ref.tokenizer, {"backend": ref.name, "process": "same", "dtype": ref.describe().dtype}
     differ = []
     for rec, (text, finish) in zip(chosen, outs):
         if (text, finish) != (rec["generation"], rec["finish_reason"]):
@@ -74,11 +68,12 @@ def generate_alone(ref, requests: list[GenRequest]) -> list[tuple[str, str]]:
     return [(o.text, o.finish_reason) for req in requests for o in ref.generate([req])]
 
 
-def generate_in_child(cfg, backend: str, requests: list[GenRequest]) -> list[tuple[str, str]]:
-    """Each request generated alone by ``backend`` (``reference_backend``: float32, no CUDA graphs) in a child
-    Python: (text, finish reason) per request. The run's config (with that backend) and the requests (prompts,
-    stops, each row's own retrieval tool) travel pickled."""
-    job = {"cfg": dataclasses.replace(cfg, backend=backend, vllm_arg=[]), "requests": requests}
+def generate_in_child(reference: ResolvedModel, requests: list[GenRequest]) -> list[tuple[str, str]]:
+    """Each request generated alone by the ``reference`` model (float32, no CUDA graphs) in a child Python:
+    (text, finish reason) per request. The resolved model and the requests (prompts, stops, each row's own
+    retrieval tool) travel pickled."""
+    backend = reference.backend
+    job = {"model": reference, "requests": requests}
     with tempfile.TemporaryDirectory(prefix="icr-audit-") as d:
         (Path(d) / "job.pkl").write_bytes(pickle.dumps(job))
         code = "import sys; from harness.engine.audit import _child; _child(sys.argv[1])"
@@ -94,7 +89,7 @@ def generate_in_child(cfg, backend: str, requests: list[GenRequest]) -> list[tup
 def _child(folder: str) -> None:
     """The child's side of ``generate_in_child``."""
     job = pickle.loads((Path(folder) / "job.pkl").read_bytes())
-    outs = generate_alone(reference_backend(job["cfg"], None), job["requests"])
+    outs = generate_alone(job["model"].load(), job["requests"])
     (Path(folder) / "out.pkl").write_bytes(pickle.dumps(outs))
 
 

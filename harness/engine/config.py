@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from harness.backends import BACKENDS, backend_class, graphs_used
-from harness.backends.base import resolve_device, resolve_dtype
+from harness.backends import BACKENDS, backend_class
+from harness.backends.base import resolve_device
+from harness.backends.loading import ResolvedModel
 from harness.backends.planner import PREFIX_REUSE
 from harness.backends.prefix_tree import parse_bytes
 from harness.hashing import json_digest
-from harness.models import UnknownModelError, resolve_model
 from harness.models.registry import MODELS
 
 GRAPH_MODES = ("auto", "on", "off")
@@ -170,26 +170,17 @@ class RunConfig:
             raise ConfigError(f"--device {self.device!r}: MPS is not available here; use --device cpu or auto")
         return dev
 
-    def resolved(self, data_sha256: str, template_sha256: str, model_path: str | None = None,
+    def resolved(self, data_sha256: str, template_sha256: str, model: ResolvedModel,
                  selects: tuple[str, ...] = ()) -> dict[str, Any]:
         """What determines a sample's generation, as content: the key of the resume hash. Limits, ids, batch
         size, prefix reuse (and its memory) and the task options in ``selects`` (conditions, e.g. positions) are left
-        out: they choose which rows exist or how they are computed, not what a row holds."""
-        dev = self.resolved_device()
-        try:
-            backend = backend_class(self.backend if self.backend != "auto" else resolve_model(self.model).backend)
-        except (UnknownModelError, KeyError):
-            backend = None  # reported when the model is loaded
-        try:
-            dtype = str(resolve_dtype(self.dtype, dev, backend is not None and backend.float32_default)
-                        ).replace("torch.", "")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        model = model_path or self.model
-        local = Path(model).expanduser()
+        out: they choose which rows exist or how they are computed, not what a row holds. The dtype, device type
+        and CUDA graphs are what ``model`` (resolved once, by the loader) resolved them to."""
+        dev, dtype = model.device, model.dtype
+        local = Path(self.model).expanduser()
         tok = Path(self.tokenizer).expanduser() if self.tokenizer else None
         # a local folder is identified by its files' content (harness.engine.identity), not by where it lies
-        return {"model": "local folder" if local.is_dir() else model, "backend": self.backend,
+        return {"model": "local folder" if local.is_dir() else self.model, "backend": self.backend,
                 "tokenizer": "local folder" if tok is not None and tok.is_dir() else self.tokenizer,
                 "task": self.task, "task_args": {k: v for k, v in self.task_args.items() if k not in selects},
                 "data_sha256": data_sha256,
@@ -197,7 +188,7 @@ class RunConfig:
                 "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
                 "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
                 # graphs pad a batch to its bucket: GEMMs of another shape may round differently
-                **({"cuda_graphs": True} if graphs_used(self.cuda_graphs, backend, dev) else {}),
+                **({"cuda_graphs": True} if model.graph_decode else {}),
                 "tool_max_chars": self.tool_max_chars}
 
 

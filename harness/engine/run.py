@@ -20,16 +20,9 @@ from tqdm.auto import tqdm
 from evals import get_task, task_class
 from evals.base import KEY_SEPARATOR, DataError, Instance, Task, ToolSpec, read_utf8
 from harness import hub
-from harness.backends.generation import GenRequest
-from harness.backends import backend_class
-from harness.backends.loading import (
-    ModelLoadError,
-    backend_name,
-    load_backend,
-    model_spec,
-)
+from harness.backends.base import GenRequest
+from harness.backends.loading import ModelLoadError, ResolvedModel, resolve
 from harness.backends.tokenizer import load_tokenizer
-from harness.backends.vllm_backend import parse_engine_args
 from harness.engine import lm_eval_format
 from harness.engine.audit import audit_rows
 from harness.engine.config import ConfigError, RunConfig, settings_hash
@@ -116,14 +109,10 @@ def _backend_settings(resolved: dict, backend) -> dict:
     """The dtype and device type a given backend really runs with override what the flags resolve to."""
     if backend is None:
         return resolved
-    d = backend.describe()
-    out = dict(resolved)
-    if d.get("dtype"):
-        out["dtype"] = d["dtype"]
-    if d.get("device"):
-        out["device_type"] = torch.device(d["device"]).type
-    if d.get("scan"):  # Phi-Mamba: the reference scan or mamba-ssm's kernels (and their dot precision) round apart
-        out["scan"] = d["scan"]
+    info = backend.describe()
+    out = {**resolved, "dtype": info.dtype, "device_type": torch.device(info.device).type}
+    if info.scan:  # Phi-Mamba: the reference scan or mamba-ssm's kernels (and their dot precision) round apart
+        out["scan"] = info.scan
     return out
 
 
@@ -134,14 +123,13 @@ def run_eval(cfg: RunConfig, backend=None, progress: bool = True) -> dict[str, A
 
 @dataclass(frozen=True)
 class PreparedRun:
-    """A run as ``prepare`` fixed it before any file is written: the resolved config, the model's spec and
-    engine arguments (resolved once), the task (built with all it needs, never changed afterwards), the template,
+    """A run as ``prepare`` fixed it before any file is written: the resolved config, the model (resolved once:
+    spec, backend, device, dtype, engine arguments), the task (built with all it needs, never changed afterwards), the template,
     the selected rows, their instances and prompts, what each row asks of the backend (stop strings, the scorer's
     options, the tool's settings) and the settings hash with what it hashes."""
 
     cfg: RunConfig
-    spec: ModelSpec
-    engine_args: dict
+    model: ResolvedModel
     task: Task
     template: PromptTemplate
     rows: list[dict]
@@ -164,9 +152,9 @@ def prepare(cfg: RunConfig, backend=None, dist=None) -> tuple[PreparedRun, Any]:
     model's identity), and the settings hash; returns the prepared run and the backend (``backend``, or the model
     loaded here when a hub model must be fetched before its identity is known)."""
     cfg.validate()
-    engine_args = parse_engine_args(cfg.vllm_arg)
-    spec = model_spec(cfg.model, cfg.tokenizer)  # an unknown name or a missing folder fails here, at once
-    name = backend_name(cfg.model, spec, cfg.backend)
+    # an unknown name, a missing folder or a backend that cannot run it fails here, at once
+    model = resolve(cfg.model, cfg.tokenizer, cfg.backend, cfg.device, cfg.dtype, cfg.cuda_graphs, cfg.vllm_arg)
+    spec = model.spec
     absent = hub.missing((spec.path, "model"), (spec.tokenizer, "tokenizer")) if backend is None else []
     tokenizer = None
     if task_class(cfg.task).needs_tokenizer:  # e.g. contexts measured in the model's tokens
@@ -197,13 +185,14 @@ def prepare(cfg: RunConfig, backend=None, dist=None) -> tuple[PreparedRun, Any]:
     identity = model_identity(spec.path, spec.tokenizer)
     if awaits_download(spec.path, spec.tokenizer, identity) and backend is None:
         # a hub model not in the HF cache: loading it downloads it, and then its commit is known
-        backend = _load_model(cfg, dist, spec, engine_args)
+        backend = _load_model(model, dist)
         identity = model_identity(spec.path, spec.tokenizer)
     selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
-    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, selects=selects), backend)
+    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, model, selects=selects),
+                                 backend)
     resolved.update(identity)
-    resolved.update(backend_class(name).run_identity(spec.path, cfg.device, cfg.dtype, engine_args))
-    return PreparedRun(cfg=cfg, spec=spec, engine_args=engine_args, task=task, template=template,
+    resolved.update(model.identity())
+    return PreparedRun(cfg=cfg, model=model, task=task, template=template,
                        rows=rows, instances=instances, prompts=prompts,
                        stop=cfg.stop if cfg.stop is not None else task.stop,
                        score_kw={"answer_phrase": answer_phrase} if answer_phrase else {}, tool_spec=tool_spec,
@@ -268,7 +257,7 @@ class EvalRun:
             todo, n_todo, n_stale = self.resume()
             t_load = time.perf_counter()
             if self.backend is None and (todo or not self.has_meta):
-                self.backend = _load_model(self.cfg, self.dist, self.prepared.spec, self.prepared.engine_args)
+                self.backend = _load_model(self.prepared.model, self.dist)
                 self._identity_after_loading(fresh=not self.has_meta and not self.samples.records)
             load_s = time.perf_counter() - t_load
             self._log_backend()
@@ -325,7 +314,7 @@ class EvalRun:
         """The loaded files hashed again: a hub model can resolve to a newer commit once it is fetched (a new run
         takes the commit it loaded; a resumed one is refused), and a local checkpoint rewritten while it loaded
         may have been read half old, half new (refused)."""
-        spec = self.prepared.spec
+        spec = self.prepared.model.spec
         now = model_identity(spec.path, spec.tokenizer)
         before = {k: self.resolved.get(k) for k in now}
         if now != before:
@@ -337,9 +326,9 @@ class EvalRun:
 
     def _log_backend(self) -> None:
         if self.backend is not None:
-            d = self.backend.describe()
-            log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", self.cfg.model, d.get("backend"),
-                     d.get("device"), d.get("dtype"), self.cfg.batch_size)
+            info = self.backend.describe()
+            log.info("model %s: backend=%s device=%s dtype=%s batch_size=%s", self.cfg.model, info.backend,
+                     info.device, info.dtype, self.cfg.batch_size)
 
     def generate(self, todo: list[Instance]) -> tuple[float, int]:
         """Generate and score ``todo`` batch by batch, each batch's rows written as soon as it is done. A prompt
@@ -428,7 +417,7 @@ class EvalRun:
         results = {
             "task": cfg.task, "task_summary": task.describe(self.prepared.template.variables), "condition": task.condition,
             "model": cfg.model, "config": cfg.to_dict(), "config_hash": self.config_hash, "resolved": self.resolved,
-            "backend": self.backend.describe() if self.backend is not None else None,
+            "backend": self.backend.describe().to_json() if self.backend is not None else None,
             "metrics": by_condition,
             "counts": {"questions": len(self.rows), "instances": len(self.instances), **counts, "ranks": self.world,
                        "skipped_too_long": sum(m["skipped_too_long"] for m in by_condition.values())},
@@ -438,9 +427,9 @@ class EvalRun:
         }
         if cfg.audit:
             by_key = {i.key: i for i in self.instances}
-            backend = self.backend if self.backend is not None else _load_model(cfg, self.dist, self.prepared.spec,
-                                                                                self.prepared.engine_args)
-            results["audit"] = audit_rows(cfg, backend, records, lambda key: self.request(by_key[key]), cfg.audit)
+            backend = self.backend if self.backend is not None else _load_model(self.prepared.model, self.dist)
+            results["audit"] = audit_rows(cfg, self.prepared.model, backend, records,
+                                          lambda key: self.request(by_key[key]), cfg.audit)
         df = metrics_table(by_condition, task.metrics, task.condition)
         results["table"] = (format_markdown(df, task.metrics, id_cols=(task.condition,)) + audit_line(results)
                             + f"\n\n{TABLE_LEGEND}")
@@ -473,13 +462,11 @@ def _run_files(out: Path) -> set[str]:
     return names
 
 
-def _load_model(cfg: RunConfig, dist, spec: ModelSpec, engine_args: dict):
+def _load_model(model: ResolvedModel, dist):
     """The run's backend, on this rank's GPU when launched on several."""
-    device = cfg.device
-    if dist is not None and device == "auto" and torch.cuda.is_available():
-        device = f"cuda:{dist.local_process_index}"
-    return load_backend(cfg.model, device, cfg.dtype, cfg.backend, cfg.tokenizer, cfg.cuda_graphs,
-                        engine_args=engine_args, spec=spec)
+    if dist is not None and model.device_arg == "auto" and torch.cuda.is_available():
+        model = model.on_device(f"cuda:{dist.local_process_index}")
+    return model.load()
 
 
 def audit_line(results: dict) -> str:

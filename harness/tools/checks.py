@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from harness.backends.base import state_nbytes
-from harness.backends.generation import GenRequest, left_pad
+from harness.backends.base import GenRequest
+from harness.backends.generation import left_pad
 from harness.backends.hf import TransformersBackend
 from harness.backends.loading import load_backend
 from harness.backends.vllm_backend import VLLMBackend, vllm_build

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from harness.tools.fixture_prompts import fixture_prompts
-from harness.backends.generation import GenRequest, common_prefix
+from harness.backends.base import GenRequest
+from harness.backends.generation import common_prefix
 from harness.backends.loading import load_backend
 from harness.backends.planner import forget_costs, plan_batches
 from harness.backends.prefix_tree import PrefixTree
