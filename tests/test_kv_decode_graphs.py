@@ -67,7 +67,7 @@ def test_graphed_decode_equals_eager(backend, long):
             f"{backend.family.name}: batch {batch}"
         assert _fields(_generate(backend, graphs, _requests(tok, long, tool_end), batch)) == _fields(with_tool), \
             f"{backend.family.name}: batch {batch}, tool calls"
-        assert graphs.graphs and graphs.disabled is None
+        assert graphs.cache.graphs and graphs.disabled is None
         # decoding after a copied shared prefix and after the prefix tree's merged rows
         for reuse in ("batch", "tree-rows"):
             assert _fields(_generate(backend, graphs, _requests(tok, long, tool_end), batch, reuse)) == \

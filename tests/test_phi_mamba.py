@@ -196,11 +196,11 @@ def test_graphed_decode_buffers_equal_the_plain_step(attn_layers):
             tok = _step_both(model, decode, plain, graphed, tok, mask)
             seen.update(tok[:, 0].tolist())
     assert len(seen) > 3  # the compared steps decode different tokens, not one repeated token
-    assert sorted(rows for rows, _ in decode.graphs) == [1, 2, 4]
+    assert sorted(rows for rows, _ in decode.cache.graphs) == [1, 2, 4]
 
 
 def test_kv_capacity_buckets_are_few_and_tight():
-    from harness.models.decode_graphs import capacity_bucket
+    from harness.cuda_graphs import capacity_bucket
 
     caps = [capacity_bucket(n) for n in range(1, 8193)]
     assert all(c >= n and c % 64 == 0 for n, c in enumerate(caps, 1))
@@ -254,7 +254,7 @@ def test_graphed_hybrid_kv_cache_resident_grown_and_handed_over():
         seen.update(tok[:, 0].tolist())
     assert len(seen) > 3
     # growing the static cache dropped the graphs over the old one; the second state's were captured again
-    assert decode.buffers.capacity == 320 and set(decode.graphs) == {(2, 320), (1, 256)}
+    assert decode.buffers.capacity == 320 and set(decode.cache.graphs) == {(2, 320), (1, 256)}
     with pytest.raises(ValueError, match="attention mask covers"):
         decode(graphed, tok, mask[:, 1:])
 
@@ -283,7 +283,7 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
     backend.graphs = GraphedDecode(backend.model, capture=False)
     try:
         graphed = backend.generate(reqs(), prefix_reuse="batch")
-        buckets = sorted(rows for rows, _ in backend.graphs.graphs)
+        buckets = sorted(rows for rows, _ in backend.graphs.cache.graphs)
         tree = backend.generate(reqs(), prefix_reuse="tree-rows")
         tree_block = backend.generate(reqs(), prefix_reuse="tree-block")
     finally:
@@ -313,7 +313,7 @@ def test_one_graphed_backend_serves_batch_sizes_and_contexts_in_turn(which, requ
         pools = []
         for run, want in zip(runs, eager):
             assert [r.token_ids for r in backend.generate([GenRequest(p, 12) for p in run])] == want
-            pools.append(decoder.pools)
+            pools.append(decoder.cache.pools)
     finally:
         backend.graphs = None
     assert_varied([t for run in eager for t in run])

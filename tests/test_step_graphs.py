@@ -56,7 +56,7 @@ def test_shapes_past_the_limit_and_eager_steps_between_replays(monkeypatch):
     losses, w, step = train(True)
     assert len(set(plain_losses)) > 1
     assert losses == pytest.approx(plain_losses, rel=1e-6) and torch.allclose(w, plain_w, rtol=0, atol=1e-6)
-    assert len(step.graphs) == 2 and step.replays == 3 + 2  # shapes 0 and 1, each after two eager warm-ups
+    assert len(step.cache.graphs) == 2 and step.replays == 3 + 2  # shapes 0 and 1, each after two eager warm-ups
 
 
 @pytest.mark.slow

@@ -116,7 +116,7 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
 
     def step(self, state, input_ids, attention_mask):
         fam, n = self.family, input_ids.shape[1]
-        if self.graphs is not None and n == 1:
+        if self.graphs is not None:
             logits = self.graphs(state, input_ids, attention_mask)
             if logits is not None:
                 return logits

@@ -2,8 +2,9 @@
 
 Eager decoding of a Phi-1.5-sized model at batch 1 is bound by Python and kernel launches, not by memory
 bandwidth (7% of the bandwidth bound on an H100). A graph replays one step's kernels at fixed addresses and
-shapes. This is ``harness.models.decode_graphs`` (Phi-Mamba's graphs) for transformers' own models, with the
-same buckets and the same ownership rules:
+shapes. This is ``harness.models.decode_graphs`` (Phi-Mamba's graphs) for transformers' own models: the same
+``harness.cuda_graphs.StaticDecode`` (buckets, graph cache, resident state, failure policy), its own buffers
+and run:
 
 - rows: buckets 1, 2, 4, ... 64; rows past the batch are padding whose logits are dropped. A larger batch, a
   block of several tokens (a tool result) or a cache the graphs do not cover runs the eager step.
@@ -23,32 +24,39 @@ with the eager step, per family); capture and replay need CUDA (``harness.doctor
 A family whose step cannot be captured falls back to eager decoding with a warning, never to a wrong answer."""
 from __future__ import annotations
 
-import logging
-import weakref
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from harness.backends.growing_cache import GrowingLayer
-from harness.cuda_graphs import ReplayedStep, new_pool
-from harness.models.decode_graphs import ROW_BUCKETS, capacity_bucket
-
-log = logging.getLogger("harness")
+from harness.cuda_graphs import ReplayedStep, StaticDecode
 
 ATTENTION = ("sdpa", "eager")  # implementations that take an additive 4D mask as it is
 
 
 def unsupported(model, family) -> str | None:
-    """Why this model's decode step cannot run from these graphs (None: it can)."""
+    """Why this model's decode step cannot run from these graphs (None: it can, and its attention is now one
+    that takes an additive mask: ``masked_attention``)."""
     if family.padding != "masked" or family.own_cache or family.module_state or not family.positions \
             or not family.step_mask or family.cache_out != "past_key_values":
         return f"{family.name} keeps a cache other than keys and values"
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in ATTENTION:
-        return f"its attention implementation {impl!r} takes no additive mask (graphs need {' or '.join(ATTENTION)})"
     if getattr(model.config, "sliding_window", None) or getattr(model.config, "layer_types", None) and any(
             t != "full_attention" for t in model.config.layer_types):
         return f"{family.name} has sliding-window layers"
+    if masked_attention(model) is None:
+        return f"its attention cannot be set to one that takes an additive mask (graphs need {' or '.join(ATTENTION)})"
+    return None
+
+
+def masked_attention(model) -> str | None:
+    """Set the model's attention to the first of ``ATTENTION`` it supports, through transformers' public
+    ``set_attn_implementation`` (the configured one is a private attribute): the one set, or None where it takes
+    neither. Both compute the same attention; the eager step, on the same model, then runs it too."""
+    for impl in ATTENTION:
+        try:
+            model.set_attn_implementation(impl)
+            return impl
+        except (ValueError, ImportError, AttributeError):
+            continue
     return None
 
 
@@ -109,111 +117,70 @@ class _Graph(ReplayedStep):
         self.output = out.logits[:, -1]
 
 
-class GraphedKVDecode:
-    """Callable as ``(state, ids [b, 1], attention_mask [b, past + 1]) -> logits [b, V] or None``, where
-    ``state`` is ``TransformersBackend``'s (``{"cache": DynamicCache, "pos": [b]}``), updated in place. None:
-    this step is not one the graphs cover (the caller runs its eager step)."""
+class GraphedKVDecode(StaticDecode):
+    """``StaticDecode`` over ``TransformersBackend``'s state (``{"cache": DynamicCache, "pos": [b]}``), updated in
+    place; a cache whose layers are not plain keys and values is not covered (None: the eager step runs it)."""
+
+    logits_dtype = torch.float32
 
     def __init__(self, model, capture: bool = True):
-        self.model, self.capture = model, capture
-        self.device = next(model.parameters()).device
+        super().__init__(model, capture)
         self.dtype = model.dtype
-        self.buffers: _StaticBuffers | None = None
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.copies_in = 0  # caches copied into the buffers (a resident cache is not): the tests count them
-        self.disabled: str | None = None  # why the graphs stopped (a capture that failed): eager from then on
-        self.pool = new_pool(self.capture)
-        self._owner = None  # weak reference to the cache whose layers are views of the static buffers
 
-    def __call__(self, state: dict, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        b = ids.shape[0]
-        rows = next((r for r in ROW_BUCKETS if r >= b), None)
-        layers = _kv_layers(state["cache"])
-        if self.disabled or rows is None or ids.shape[1] != 1 or layers is None:
-            return None
+    def takes(self, state):
+        return _kv_layers(state["cache"]) is not None
+
+    def past(self, state, attention_mask):
         past = attention_mask.shape[1] - 1
+        layers = _kv_layers(state["cache"])
         if any(layer.keys.shape[2] != past for layer in layers):
             raise ValueError(f"attention mask covers {past + 1} positions; the cache holds "
                              f"{layers[0].keys.shape[2]} and the step adds 1")
-        capacity = capacity_bucket(past + 1)
-        try:
-            self._reserve(layers, rows, capacity)
-            buf = self.buffers
-            if not self._resident(state["cache"], layers, b):
-                self._release_owner()
-                self._copy_in(layers, b, past)
-            step = attention_mask[:, -1:]
-            pos = state["pos"] + step[:, 0]
-            buf.ids[:b].copy_(ids)
-            buf.pos[:b, 0].copy_(pos)
-            mask = buf.mask[:rows, 0, 0, :capacity]
-            mask.fill_(torch.finfo(self.dtype).min)
-            mask[:b, : past + 1].masked_fill_(attention_mask.bool(), 0.0)
-            mask[:, past] = 0.0  # a query sees itself (as Phi-Mamba's graphs): no padding row is all masked
-            buf.write_at.fill_(past)
-            key = (rows, capacity)
-            if key not in self.graphs:
-                self.graphs[key] = _Graph(self.model, buf, rows, capacity, self.capture, self.pool)
-            # a copy: the next replay overwrites the graph's logits
-            logits = self.graphs[key].replay()[:b].to(torch.float32, copy=True)
-        except torch.cuda.OutOfMemoryError:
-            self._give_up("the static cache does not fit in free GPU memory")
-            return None
-        except RuntimeError as e:  # a family whose step syncs with the host cannot be captured
-            if not self.capture or "captur" not in str(e).lower():
-                raise
-            self._give_up(f"its step could not be captured ({str(e).splitlines()[0][:160]})")
-            return None
-        # the cache becomes (or stays) views of the static buffers: the next step copies none of it
-        for layer, k, v in zip(layers, buf.keys, buf.values):
-            layer._k, layer._v = k[:b], v[:b]
-            layer._n = layer._nv = past + 1
-        state["pos"] = pos
-        self._owner = weakref.ref(state["cache"])
-        return logits
+        return past
 
-    def describe(self) -> str:
-        return f"eager ({self.disabled})" if self.disabled else "CUDA graphs" if self.capture else "static cache"
+    def fits(self, state):
+        return self.buffers.fits(_kv_layers(state["cache"]))
 
-    def _give_up(self, why: str) -> None:
-        log.warning("CUDA-graph decode is off for the rest of this run: %s; decoding eagerly", why)
-        self._release_owner()
-        self.disabled, self.buffers = why, None
-        self.graphs.clear()
+    def allocate(self, state, rows, capacity):
+        return _StaticBuffers(_kv_layers(state["cache"]), rows, capacity, self.dtype, self.device)
 
-    def _reserve(self, layers, rows: int, capacity: int) -> None:
-        """Static buffers at least ``rows`` x ``capacity``; growing them drops every graph (new addresses)."""
-        buf = self.buffers
-        if buf is not None and buf.rows >= rows and buf.capacity >= capacity and buf.fits(layers):
-            return
-        if buf is not None and buf.fits(layers):
-            rows, capacity = max(rows, buf.rows), max(capacity, buf.capacity)
-        self._release_owner()
-        self.graphs.clear()
-        self.pool = new_pool(self.capture)
-        self.buffers = None  # freed before the larger set is allocated
-        self.buffers = _StaticBuffers(layers, rows, capacity, self.dtype, self.device)
-
-    def _copy_in(self, layers, b: int, past: int) -> None:
-        self.copies_in += 1
-        for layer, k, v in zip(layers, self.buffers.keys, self.buffers.values):
+    def copy_in(self, state, b, past):
+        for layer, k, v in zip(_kv_layers(state["cache"]), self.buffers.keys, self.buffers.values):
             k[:b, :, :past].copy_(layer.keys)
             v[:b, :, :past].copy_(layer.values)
 
-    def _resident(self, cache, layers, b: int) -> bool:
-        """Whether ``cache`` is already the static buffers' first ``b`` rows (left so by the previous step)."""
+    def fill(self, state, ids, attention_mask, rows, capacity, past):
+        buf, b = self.buffers, ids.shape[0]
+        buf.ids[:b].copy_(ids)
+        buf.pos[:b, 0].copy_(state["pos"] + attention_mask[:, -1])
+        mask = buf.mask[:rows, 0, 0, :capacity]
+        mask.fill_(torch.finfo(self.dtype).min)
+        mask[:b, : past + 1].masked_fill_(attention_mask.bool(), 0.0)
+        mask[:, past] = 0.0  # a query sees itself (as Phi-Mamba's graphs): no padding row is all masked
+        buf.write_at.fill_(past)
+
+    def new_graph(self, rows, capacity, pool):
+        return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool)
+
+    def hold(self, state, b, past):
+        for layer, k, v in zip(_kv_layers(state["cache"]), self.buffers.keys, self.buffers.values):
+            layer._k, layer._v = k[:b], v[:b]
+            layer._n = layer._nv = past + 1
+        state["pos"] = self.buffers.pos[:b, 0].clone()
+
+    def owned(self, state):
+        return state["cache"]
+
+    def resident(self, state, b):
+        """Whether the cache is already the static buffers' first ``b`` rows (left so by the previous step)."""
+        cache = state["cache"]
         if self._owner is None or self._owner() is not cache:
             return False
         return all(layer._k.data_ptr() == k.data_ptr() and layer._k.shape == k[:b].shape
                    and layer._v.data_ptr() == v.data_ptr() and layer._v.shape == v[:b].shape
-                   for layer, k, v in zip(layers, self.buffers.keys, self.buffers.values))
+                   for layer, k, v in zip(_kv_layers(cache), self.buffers.keys, self.buffers.values))
 
-    def _release_owner(self) -> None:
-        """Give the cache that holds views of the static buffers its own copies before they are reused."""
-        owner = self._owner() if self._owner is not None else None
-        self._owner = None
-        if owner is None or self.buffers is None:
-            return
+    def detach(self, owner):
         for layer in _kv_layers(owner) or ():
             for name in ("_k", "_v"):
                 t = getattr(layer, name)
@@ -221,7 +188,6 @@ class GraphedKVDecode:
                        for mine in self.buffers.keys + self.buffers.values):
                     filled = layer._n if name == "_k" else layer._nv
                     setattr(layer, name, t[:, :, :filled].clone())
-
 
 
 def _kv_layers(cache) -> list[GrowingLayer] | None:

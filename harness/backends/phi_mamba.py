@@ -50,8 +50,10 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         return logits[:, -1], state
 
     def step(self, state, input_ids, attention_mask):
-        if self.graphs is not None and input_ids.shape[1] == 1:
-            return self.graphs(state, input_ids, attention_mask)
+        if self.graphs is not None:
+            logits = self.graphs(state, input_ids, attention_mask)
+            if logits is not None:
+                return logits
         logits, state = self.model(input_ids, attention_mask, state)
         return logits_at_last_real(logits, attention_mask[:, -input_ids.shape[1]:])
 

@@ -3,10 +3,11 @@
 A decode step is dozens of small kernels per layer whose launch overhead, not memory bandwidth, bounds
 batch-1 decoding on a GPU. A graph replays them at fixed addresses and shapes, so ``GraphedDecode`` keeps one
 set of static buffers (the largest batch and context seen so far) and captures one graph per (batch bucket,
-context bucket) over views of them:
+context bucket) over views of them; the cache of graphs, the buckets, the resident state and the failure policy
+are ``harness.cuda_graphs``'s (``StaticDecode``), shared with transformers' graphs:
 
 - rows: buckets 1, 2, 4, ... 64. Rows past the batch are padding (mask 0), which leaves their state untouched
-  and their logits unused. A larger batch runs the eager step.
+  and their logits unused. A larger batch runs the eager step (the backend's).
 - attention layers (the hybrid): a fixed-capacity KV cache with a device-side write index. Each step writes
   the new key and value at that index and attends over the bucket's capacity (``capacity_bucket``) through a
   visibility mask copied from the step's attention mask, so a graph never sees a shape change; past 256
@@ -23,27 +24,10 @@ step; graph capture and replay need CUDA (``harness.doctor`` compares them with 
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from harness.cuda_graphs import ReplayedStep, new_pool
+from harness.cuda_graphs import ReplayedStep, StaticDecode
 from harness.models.phi_mamba import PhiMambaState
-
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MIN_CAPACITY = 256
-
-
-def capacity_bucket(positions: int) -> int:
-    """KV capacity a graph covers for ``positions`` positions: 256, then five to eight eighths of the next power
-    of two (320, 384, 448, 512, 640, ...): at most 1.25x the positions, while a run to 8k positions captures
-    21 graphs per batch bucket."""
-    if positions <= MIN_CAPACITY:
-        return MIN_CAPACITY
-    power = MIN_CAPACITY
-    while power < positions:
-        power *= 2
-    return next(power * k // 8 for k in (5, 6, 7, 8) if power * k // 8 >= positions)
 
 
 class _StaticBuffers:
@@ -109,36 +93,27 @@ class _Graph(ReplayedStep):
         self.output = logits[:, -1]
 
 
-class GraphedDecode:
-    """Callable as ``(state, ids [b, 1], attention_mask [b, past + 1]) -> logits [b, V]``, updating ``state``
-    in place (for the hybrid, its KV cache becomes views of the static cache)."""
+class GraphedDecode(StaticDecode):
+    """``StaticDecode`` over a ``PhiMambaState``, updated in place (for the hybrid, its KV cache becomes views of
+    the static cache)."""
 
     def __init__(self, model, capture: bool = True):
-        self.model, self.capture = model, capture
-        self.device = model.lm_head.weight.device
+        super().__init__(model, capture)
         self.attn = list(model.config.attn_layers)
-        self.buffers: _StaticBuffers | None = None
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pools = 0  # memory pools taken: one for every set of graphs over one set of buffers
-        self.pool = self._new_pool()
-        self._owner = None  # weak reference to the state whose KV cache lives in the static buffers
+        self.has_capacity = bool(self.attn)
 
-    def __call__(self, state, ids, attention_mask) -> torch.Tensor:
-        b = ids.shape[0]
-        rows = next((r for r in ROW_BUCKETS if r >= b), None)
-        if rows is None or ids.shape[1] != 1:
-            logits, _ = self.model(ids, attention_mask, state)
-            return logits[:, -1]
+    def past(self, state, attention_mask):
         past = state.layers[self.attn[0]]["len"] if self.attn else 0
         if self.attn and attention_mask.shape[1] != past + 1:
             raise ValueError(f"attention mask covers {attention_mask.shape[1]} positions; the state holds {past} "
                              "and the step adds 1")
-        capacity = capacity_bucket(past + 1) if self.attn else 0
-        self._reserve(rows, capacity)
-        buf = self.buffers
-        if not self._resident(state, b):
-            self._release_owner()
-            self._copy_in(state, b, past)
+        return past
+
+    def allocate(self, state, rows, capacity):
+        return _StaticBuffers(self.model, rows, capacity, self.device)
+
+    def fill(self, state, ids, attention_mask, rows, capacity, past):
+        buf, b = self.buffers, ids.shape[0]
         buf.ids[:b].copy_(ids)
         buf.mask.zero_()
         buf.mask[:b].copy_(attention_mask[:, -1:])
@@ -147,24 +122,23 @@ class GraphedDecode:
             buf.visible[:b, : past + 1].copy_(attention_mask.bool())
             buf.visible[:rows, past] = True  # a query sees itself (as in block_attention_mask): no empty row
             buf.write_at.fill_(past)
-        key = (rows, capacity)
-        if key not in self.graphs:
-            self.graphs[key] = _Graph(self.model, buf, rows, capacity, self.capture, self.pool)
-        logits = self.graphs[key].replay()[:b].clone()
-        # the state becomes (or stays) views of the static buffers: the next step copies none of it
+
+    def new_graph(self, rows, capacity, pool):
+        return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool)
+
+    def hold(self, state, b, past):
+        buf = self.buffers
         for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers)):
             theirs.update({k: mine[k][:b] for k in self._held(i, mine)})
             if i in self.attn:
                 theirs["len"] = past + 1
         state.pos = buf.state.pos[:b]
-        self._owner = weakref.ref(state)
-        return logits
 
     def _held(self, i: int, layer: dict) -> tuple[str, ...]:
         """The names of layer ``i``'s tensors the static buffers hold."""
         return ("k", "v") if i in self.attn else tuple(layer)
 
-    def _copy_in(self, state, b: int, past: int) -> None:
+    def copy_in(self, state, b, past):
         for i, (mine, theirs) in enumerate(zip(self.buffers.state.layers, state.layers)):
             for k in self._held(i, mine):
                 if i in self.attn:
@@ -173,37 +147,14 @@ class GraphedDecode:
                     mine[k][:b].copy_(theirs[k])
         self.buffers.state.pos[:b].copy_(state.pos)
 
-    def _reserve(self, rows: int, capacity: int) -> None:
-        """Static buffers at least ``rows`` x ``capacity``; growing them drops every graph (new addresses)."""
-        buf = self.buffers
-        if buf is not None and buf.rows >= rows and buf.capacity >= capacity:
-            return
-        if buf is not None:
-            rows, capacity = max(rows, buf.rows), max(capacity, buf.capacity)
-        self._release_owner()
-        self.graphs.clear()
-        self.pool = self._new_pool()
-        self.buffers = buf = None  # freed before the larger set is allocated
-        self.buffers = _StaticBuffers(self.model, rows, capacity, self.device)
-
-    def _new_pool(self):
-        """A fresh memory pool for the graphs of a new set of buffers (``cuda_graphs.new_pool``), counted."""
-        self.pools += 1
-        return new_pool(self.capture)
-
-    def _resident(self, state, b: int) -> bool:
+    def resident(self, state, b):
         """Whether ``state`` is already the static buffers' first ``b`` rows (left so by the previous step)."""
         buf = self.buffers
         pairs = [(theirs[k], mine[k]) for i, (mine, theirs) in enumerate(zip(buf.state.layers, state.layers))
                  for k in self._held(i, mine)] + [(state.pos, buf.state.pos)]
         return all(t.data_ptr() == m.data_ptr() and t.shape[0] == b for t, m in pairs)
 
-    def _release_owner(self) -> None:
-        """Give the state that holds views of the static buffers its own copies before they are reused."""
-        owner = self._owner() if self._owner is not None else None
-        self._owner = None
-        if owner is None or self.buffers is None:
-            return
+    def detach(self, owner):
         for i, (mine, theirs) in enumerate(zip(self.buffers.state.layers, owner.layers)):
             for k in self._held(i, mine):
                 if theirs[k].data_ptr() == mine[k].data_ptr():

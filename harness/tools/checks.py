@@ -88,6 +88,8 @@ def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple
             mask = torch.cat([mask, mask.new_ones(len(seqs), 1)], 1)
             if graphs is not None:
                 last = graphs(state, tok, mask)
+                if last is None:  # the graphs went off (a failed capture): the comparison must not pass silently
+                    raise RuntimeError(f"decode graphs did not run this step: {graphs.describe()}")
             else:
                 out, state = model(tok, mask, state)
                 last = out[:, -1]
@@ -149,7 +151,7 @@ def check_cuda_graphs(device="cuda") -> dict:
                 backend = load_backend(path, device, "float32", cuda_graphs=graphs)
                 reqs = [GenRequest(t, 8 + 4 * i) for i, t in enumerate(texts)]
                 runs[graphs] = [r.token_ids for r in backend.generate(reqs, batch_size=3, prefix_reuse="none")]
-                if graphs == "on" and (backend.graphs is None or backend.graphs.disabled or not backend.graphs.graphs):
+                if graphs == "on" and (backend.graphs is None or backend.graphs.disabled or not backend.graphs.cache.graphs):
                     same = False  # the graphs never ran: nothing was compared
             same &= runs["on"] == runs["off"] and len({tuple(r) for r in runs["off"]}) > 1
     return {"name": "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama)", "max_diff": worst,

@@ -12,8 +12,9 @@ update) at fixed addresses, following PyTorch's whole-network capture recipe:
   replay reads the current rate (a Python float would be frozen into the graph).
 - gradients are the graph's own buffers: rewritten by every replay, never accumulated; before an eager step
   they are set to None, as an eager step expects.
-- a step that cannot be captured (an op that syncs with the host) turns the graphs off for the run with a
-  warning: the run goes on eagerly, never wrongly.
+- a step that cannot be captured (an op that syncs with the host) or memory that runs out turns the graphs off
+  for the run with a warning: the run goes on eagerly, never wrongly (``harness.cuda_graphs.GraphCache``, the
+  decode graphs' cache and policy too).
 
 ``capture=False`` runs the same code eagerly (what the CPU tests compare with ``optimizer_step``); the GPU check
 (``check_graphed_steps``, in the quick GPU suite) compares losses and weights of graphed and eager steps under a
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from harness.cuda_graphs import ReplayedStep, on_side_stream
+from harness.cuda_graphs import GraphCache, ReplayedStep, on_side_stream
 from harness.training.data import TrainingBatches, TrainTask
 from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
 
@@ -43,6 +44,10 @@ class _Step(ReplayedStep):
 
     def __init__(self, steps: "GraphedSteps", ids: torch.Tensor, mask: torch.Tensor):
         self.steps, self.ids, self.mask = steps, ids.clone(), mask.clone()
+
+    def load(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.ids.copy_(ids)
+        self.mask.copy_(mask)
 
     def run(self) -> None:
         model, opt = self.steps.model, self.steps.opt
@@ -66,35 +71,39 @@ class GraphedSteps:
     def __init__(self, model, opt, device_type: str, bf16: bool, capture: bool = True):
         self.model, self.opt, self.capture = model, opt, capture
         self.device_type, self.bf16 = device_type, bf16
-        self.graphs: dict[tuple[int, ...], _Step] = {}
+        self.cache = GraphCache("training steps", capture, max_graphs=MAX_SHAPES)
         self.seen: dict[tuple[int, ...], int] = {}
-        self.disabled: str | None = None
-        self.replays = 0
         self._grads_static = False  # whether parameters' .grad are a graph's buffers (set None before eager steps)
+
+    @property
+    def disabled(self) -> str | None:
+        return self.cache.disabled
+
+    @property
+    def replays(self) -> int:
+        return self.cache.replays
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         shape = tuple(ids.shape)
-        step = self.graphs.get(shape)
-        if step is None:
-            if self.disabled or len(self.graphs) >= MAX_SHAPES:
-                return self._eager_step(ids, mask)
-            if self.seen.get(shape, 0) < WARMUP:
-                self.seen[shape] = self.seen.get(shape, 0) + 1
-                return self._eager_step(ids, mask, side_stream=self.capture)
-            step = self._build(ids, mask)
-            if step is None:
-                return self._eager_step(ids, mask)
-        step.ids.copy_(ids)
-        step.mask.copy_(mask)
-        self.replays += 1
-        self._grads_static = True
-        return step.replay()
+        if not self.cache.covers(shape):
+            return self._eager_step(ids, mask)
+        if shape not in self.cache.graphs and self.seen.get(shape, 0) < WARMUP:
+            self.seen[shape] = self.seen.get(shape, 0) + 1
+            return self._eager_step(ids, mask, side_stream=self.capture)
+
+        def replay():
+            loss = self.cache.replay(shape, lambda pool: self._build(ids, mask, pool), lambda s: s.load(ids, mask))
+            self._grads_static = True
+            return loss
+
+        loss = self.cache.attempt(replay, on_give_up=self._forget_grads)
+        return self._eager_step(ids, mask) if loss is None else loss
 
     def describe(self) -> str:
-        if self.disabled:
-            return f"eager ({self.disabled})"
-        shapes = ", ".join("x".join(map(str, s)) for s in self.graphs)
-        return f"CUDA graphs ({len(self.graphs)} batch shapes: {shapes})" if self.capture else "static buffers"
+        if self.cache.graphs and not self.cache.disabled and self.capture:
+            shapes = ", ".join("x".join(map(str, s)) for s in self.cache.graphs)
+            return f"CUDA graphs ({len(self.cache.graphs)} batch shapes: {shapes})"
+        return self.cache.describe()
 
     # ---------------------------------------------------------------------------------------------------
     def _eager_step(self, ids, mask, side_stream: bool = False) -> torch.Tensor:
@@ -105,29 +114,23 @@ class GraphedSteps:
         # warm-up before a capture runs on a side stream, as PyTorch's capture recipe asks
         return on_side_stream(step, ids.device) if side_stream else step()
 
-    def _build(self, ids, mask) -> _Step | None:
-        """Static inputs for this shape and its step, captured (with capture off: run on them eagerly)."""
+    def _build(self, ids, mask, pool) -> _Step:
+        """Static inputs for this shape and its step, captured (with capture off: run on them eagerly); each
+        replay's inputs are copied in by ``_Step.load``."""
         step = _Step(self, ids, mask)
         if self.capture:
             # the rate a replay reads: a tensor on the device (a resumed run's optimizer state loads on the CPU)
             for group in self.opt.param_groups:
                 if not isinstance(group["lr"], torch.Tensor) or group["lr"].device != ids.device:
                     group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=ids.device)
-            try:  # the shape's eager steps were its warm-up: a warm-up run here would be one more step
-                step.record(ids.device, warm=False)
-            except RuntimeError as e:
-                self._give_up(f"a step could not be captured ({str(e).splitlines()[0][:160]})")
-                return None
-        self.graphs[tuple(ids.shape)] = step
+            step.record(ids.device, pool, warm=False)  # the shape's eager steps were its warm-up
         return step
 
     def autocast(self, cache: bool = True):
         return torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=cache)
 
-    def _give_up(self, why: str) -> None:
-        log.warning("training steps from CUDA graphs are off for the rest of this run: %s; training eagerly", why)
-        self.disabled = why
-        self.graphs.clear()
+    def _forget_grads(self) -> None:
+        """Graphs off: the next (eager) step starts from no gradients, not from a graph's buffers."""
         self.opt.zero_grad(set_to_none=True)
         self._grads_static = False
 
