@@ -8,7 +8,7 @@ tokens, the IsTree n=16 direct, n=16 retrieval and n=64 retrieval lengths. Part 
 (forward, backward, AdamW) of the 0.5M Mamba on real IsTree batches (n=16 direct, n=32 and n=64 retrieval),
 each measurement in a fresh child process so that its peak memory (resident set on a CPU, allocated on a GPU)
 is its own. Both scans train the same weights to the same loss, checked in every row. "parallel" is what the
-trainer runs (``scan_implementation``: the Triton kernels on a GPU where they pass their check, else the PyTorch
+trainer runs (``choose_scan``: the Triton kernels on a GPU where they pass their check, else the PyTorch
 scan); on a GPU part 1 also times the PyTorch scan.
 
     python benchmarks/scan.py --tune --batch 64   # on a GPU: the Triton scan's chunk and channel-block sizes
@@ -34,7 +34,7 @@ SCANS = ("parallel", "sequential")
 
 
 def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
-    from harness.models.selective_scan import selective_scan, sequential_scan
+    from harness.ops.selective_scan import selective_scan, sequential_scan
 
     def pytorch_scan(*args, **kwargs):
         return selective_scan(*args, **kwargs, scan="torch")
@@ -66,8 +66,8 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
 def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chunks=(32, 64, 128), blocks=(8, 16, 32)) -> None:
     """The Triton scan's CHUNK x BLOCK_D on this GPU: seconds of forward+backward and the largest relative
     difference from the PyTorch scan (output and every gradient) per configuration and length."""
-    from harness.models import scan_triton
-    from harness.models.selective_scan import selective_scan
+    from harness.ops import scan_triton
+    from harness.ops.selective_scan import selective_scan
 
     d, n = 128, 16
     default = (scan_triton.CHUNK, scan_triton.BLOCK_D)
@@ -171,9 +171,9 @@ def main():
         return
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
-    from harness.models.selective_scan import scan_implementation
+    from harness.ops.selective_scan import choose_scan
 
-    ran = scan_implementation(torch.zeros(1, 1, 1, device=device), torch.zeros(1, 1, device=device))
+    ran = choose_scan((1, 1, 1), torch.device(device), torch.float32, 1).scan
     print(f"one scan, forward+backward (128 channels x 16 states); parallel = the {ran} scan")
     print(f"{'tokens':>7s} {'batch':>6s} {'parallel s':>11s} {'sequential s':>13s} {'speed-up':>9s}"
           + (f" {'PyTorch scan s':>15s}" if device == "cuda" else ""))

@@ -33,7 +33,7 @@ from harness.tools.checks import (
 )
 from harness.tools.gpu_suite import PARTS, run_suite
 from harness.tools.quick_suite import BUDGET_S, STEPS as QUICK_STEPS, run_quick
-from harness.models import kernels
+from harness.ops import kernels
 from harness.procs import process_started, python_result
 
 
@@ -59,7 +59,7 @@ def _interpreted_kernel_check(cache: Path) -> dict:
         env = kernels.interpreter_env(kernels.fetch_mamba_ssm_sources(cache))
     except OSError as e:
         return {"name": name, "ok": False, "error": f"mamba-ssm's sources: {e}"}
-    code = ("import json, sys\nfrom harness.models import kernels\nkernels.enable_cpu_interpreter()\n"
+    code = ("import json, sys\nfrom harness.ops import kernels\nkernels.enable_cpu_interpreter()\n"
             "from harness.tools.checks import check_phi_mamba_kernels\n"
             "print('RESULT ' + json.dumps(check_phi_mamba_kernels('cpu')))\n")
     out, res = python_result(code, timeout=1800, cwd=Path(__file__).resolve().parent.parent, env=env)

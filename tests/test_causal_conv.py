@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.models.causal_conv import causal_conv
+from harness.ops.causal_conv import causal_conv
 
 
 def _conv1d(x, weight, bias):

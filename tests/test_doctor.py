@@ -29,7 +29,7 @@ def test_doctor_reports_paths_and_passes_on_cpu(capsys, tmp_path):
 @pytest.fixture(scope="session")
 def mamba_ssm_src():
     pytest.importorskip("triton", reason="triton is in the dev extra: pip install -e '.[dev]'")
-    from harness.models import kernels
+    from harness.ops import kernels
 
     cache = Path(os.environ.get("ICR_CACHE", Path.home() / ".cache" / "icr-harness"))
     try:
@@ -56,7 +56,7 @@ def test_mamba_ssm_kernels_equal_the_reference_under_the_triton_interpreter(mamb
 def test_asking_for_kernels_where_they_cannot_run_is_an_error():
     import torch
 
-    from harness.models import kernels
+    from harness.ops import kernels
 
     with pytest.raises(RuntimeError, match="cannot run here"):
         kernels.require("kernel", torch.zeros(1))
@@ -67,13 +67,13 @@ def test_asking_for_kernels_where_they_cannot_run_is_an_error():
 def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm_src):
     """mamba-ssm's kernels address a call in 32-bit, so a batch past 2**31 elements runs as row groups; groups of
     one row (the limit lowered, as 2**31 elements cannot be interpreted on CPU) give the whole batch's logits."""
-    from harness.models.kernels import int32_safe_rows
+    from harness.ops.kernels import int32_safe_rows
 
     assert int32_safe_rows(5, 2**30) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
     assert int32_safe_rows(5, 10) == [slice(0, 5)] and int32_safe_rows(7, 2**29 + 1) == [slice(0, 3), slice(3, 6),
                                                                                           slice(6, 7)]
     src, _ = mamba_ssm_src
-    code = ("import json, torch\nfrom harness.models import kernels\n"
+    code = ("import json, torch\nfrom harness.ops import kernels\n"
             "kernels.enable_cpu_interpreter()\n"
             "from harness.tools.checks import _probe_prompts, _run_paths, _tiny_phi_mamba\n"
             "model, seqs = _tiny_phi_mamba([1], 'cpu'), _probe_prompts()\n"
@@ -84,7 +84,7 @@ def test_rows_split_below_the_kernels_int32_limit_give_the_same_logits(mamba_ssm
             "varies = max((whole[0][0] - r).abs().max().item() for r in whole[0][1:])\n"
             "print('RESULT ' + json.dumps({'diff': diff, 'varies': varies, 'rows': len(seqs), "
             "'scans': [calls['chunk_scan'], kernels.CALLS['chunk_scan'] - calls['chunk_scan']]}))\n")
-    from harness.models.kernels import interpreter_env
+    from harness.ops.kernels import interpreter_env
 
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
                          env=interpreter_env(src))

@@ -12,7 +12,7 @@ import torch
 from harness.backends.families import FAMILIES, family_of
 from harness.backends.base import GenRequest
 from harness.backends.generation import greedy_generate
-from harness.models.kernels import interpreting
+from harness.ops.kernels import interpreting
 from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
 from tests.helpers import assert_varied
 

@@ -117,13 +117,13 @@ def test_a_budget_counted_from_the_start_counts_the_imports():
 def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path):
     """Its ops import; afterwards nothing else (transformers) can find a mamba_ssm with stand-in extensions."""
     from harness.cache import cache_dir
-    from harness.models.kernels import fetch_mamba_ssm_sources
+    from harness.ops.kernels import fetch_mamba_ssm_sources
 
     try:
         src = fetch_mamba_ssm_sources(cache_dir())
     except OSError as e:
         pytest.skip(f"mamba-ssm sources: {e}")
-    code = ("import importlib.util, sys\nfrom harness.models import kernels\nops = kernels.mamba_ssm_ops()\n"
+    code = ("import importlib.util, sys\nfrom harness.ops import kernels\nops = kernels.mamba_ssm_ops()\n"
             "left = [m for m in sys.modules if m.split('.')[0] in ('mamba_ssm', *kernels.STAND_INS)]\n"
             "print('ok' if ops is not None and not left and importlib.util.find_spec('mamba_ssm') is None "
             "else f'ops {ops}, left {left}')\n")

@@ -1,4 +1,4 @@
-"""The Triton selective scan (``harness/models/scan_triton.py``) in Triton's CPU interpreter, in a child process
+"""The Triton selective scan (``harness/ops/scan_triton.py``) in Triton's CPU interpreter, in a child process
 (``TRITON_INTERPRET=1`` must be set before triton is imported): equal to the sequential scan in output and every
 gradient over lengths around its chunk, with and without skip and gate, in the mixer's memory layouts; the
 trainer's Mamba gives the same loss and gradients on it; and the check that guards its use on a GPU turns a
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.models import selective_scan as ss
+from harness.ops import selective_scan as ss
 
 pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ CHILD = textwrap.dedent("""
     import json, os, warnings
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from harness.models import scan_triton as st, selective_scan as ss
+    from harness.ops import scan_triton as st, selective_scan as ss
     from harness.models.istree import build_model
     from harness.training.step import masked_loss
 
@@ -103,12 +103,14 @@ def test_the_triton_scan_equals_the_sequential_one_in_the_interpreter():
 
 
 def test_the_scan_is_chosen_by_device_and_by_the_run(monkeypatch, caplog):
-    u, A = torch.zeros(1, 4, 3), torch.zeros(4, 2)
-    assert ss.scan_implementation(u, A) == "torch"  # a CPU runs the PyTorch scan by default
-    assert ss.scan_implementation(u, A, "triton") == "triton"
-    assert ss.scan_implementation(u, A, "sequential") == "sequential"
+    cpu = ((1, 4, 3), torch.device("cpu"), torch.float32, 2)
+    assert ss.choose_scan(*cpu).scan == "torch"  # a CPU runs the PyTorch scan by default
+    assert ss.choose_scan(*cpu, "auto", fused=True).scan == "mamba-ssm"  # transformers' fused path where it runs
+    assert ss.choose_scan(*cpu, "torch", fused=True).scan == "torch"  # only auto takes it
+    assert ss.choose_scan(*cpu, "triton") == ss.ScanChoice("triton", "cpu", "float32", 2, checked=False)
+    assert ss.choose_scan(*cpu, "sequential").scan == "sequential"
     with pytest.raises(ValueError, match="scan='fast'"):
-        ss.scan_implementation(u, A, "fast")
+        ss.choose_scan(*cpu, "fast")
     # the environment overrides a run's choice, and says so
     monkeypatch.delenv("ICR_SCAN", raising=False)
     assert ss.scan_override("torch") == "torch"
@@ -123,7 +125,7 @@ AOT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from harness.models import scan_triton as st
+    from harness.ops import scan_triton as st
 
     POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "dout", "state", "dtsum", "y", "ends", "starts", "g_in",
                 "scratch", "du", "ddt", "dz", "dB_part", "dC_part", "dA_part", "dD_part"}

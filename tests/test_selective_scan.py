@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import MambaForCausalLM
 
-from harness.models import selective_scan as ss
+from harness.ops import selective_scan as ss
 from harness.models.istree import ScanMixer, build_model, freeze_sinusoidal_embedding, mamba_ssm_init_
 from harness.training.step import masked_loss
 
@@ -183,7 +183,7 @@ def selective_scan_ref():
     import os
 
     from harness.cache import cache_dir
-    from harness.models import kernels
+    from harness.ops import kernels
 
     try:
         src = kernels.fetch_mamba_ssm_sources(cache_dir())
@@ -271,3 +271,17 @@ def test_the_trainers_result_names_the_scan_that_ran(tmp_path):
     from harness.engine.config import ConfigError
     with pytest.raises(ConfigError, match="scan: 'sequential' there, 'auto' now"):
         train_one(TrainConfig(arch="mamba", **base, output=str(tmp_path / "s")).resolved(), progress=False)
+
+
+def test_each_model_keeps_the_scans_its_mixers_chose():
+    """The choice lives on the mixer that ran it (no process-wide record): two models run in turn in one process
+    each read back their own scan; reading with ``forget`` starts a new record."""
+    from harness.models.istree import build_model, scans_ran
+
+    models = {scan: build_model("mamba", "smoke", 32, scan=scan) for scan in ("torch", "sequential")}
+    ids = torch.randint(0, 32, (2, 9))
+    for _ in range(2):
+        for model in models.values():
+            model(input_ids=ids)
+    assert [[r["scan"] for r in scans_ran(m)] for m in models.values()] == [["torch"], ["sequential"]]
+    assert scans_ran(models["torch"], forget=True) and scans_ran(models["torch"]) == []

@@ -15,6 +15,7 @@ PACKAGES = ("harness", "evals", "retrieval")
 LAYERS = [
     ("leaves", ("harness", "harness.files", "harness.hashing", "harness.registry", "harness.hub", "harness.procs",
                 "harness.cache", "harness.cuda_graphs")),
+    ("ops", ("harness.ops",)),
     ("models and the tool", ("harness.models", "retrieval")),
     ("tasks and backends", ("evals", "harness.backends")),
     ("engine", ("harness.engine",)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.models import kernels
+from harness.ops import kernels
 
 INSTALL = 'pip install "icr-harness[fla]"'
 

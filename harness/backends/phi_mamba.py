@@ -9,7 +9,7 @@ from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresT
 from harness.backends.generation import logits_at_last_real
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
-from harness.models import kernels
+from harness.ops import kernels
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState
 
@@ -36,7 +36,7 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
         on_device = torch.empty(0, device=self.device)
         self.scan = (f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
-                          if kernels.require("auto", on_device) else "pytorch reference")
+                          if kernels.require(self.model.scan, on_device) else "pytorch reference")
         self.graphs = None
         if graph_decode:
             if self.device.type != "cuda":

@@ -38,9 +38,9 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
-from harness.models.causal_conv import causal_conv
+from harness.ops.causal_conv import causal_conv
 from harness.models.masks import block_attention_mask
-from harness.models.selective_scan import SCANS, note_scan, selective_scan
+from harness.ops.selective_scan import SCANS, ScanChoice, choose_scan, run_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
 SCANNED_ARCHS = ("mamba", "hybrid")  # the architectures with a selective scan (``--scan`` applies to them only)
@@ -76,20 +76,24 @@ def _mamba_config(vocab, d, layers) -> MambaConfig:
 
 class ScanMixer(MambaMixer):
     """transformers' Mamba mixer (same parameters, same checkpoints) whose cache-free pass over whole sequences,
-    the trainer's forward and backward and its teacher-forced evaluation, runs the parallel ``selective_scan``
-    instead of the library's per-token loop, and ``causal_conv`` in the projections' layout. Decoding with a
-    cache, and (under ``auto``) a GPU where mamba-ssm's fused kernels run, keep the library's own path. Owned here because
-    transformers takes no argument for its scan; a trained model saves and loads as a plain
-    ``MambaForCausalLM``. ``scan`` is the run's choice of scan (``selective_scan.SCANS``), set by ``build_model``."""
+    the trainer's forward and backward and its teacher-forced evaluation, runs the scan ``choose_scan`` picks:
+    the parallel ``selective_scan`` (PyTorch or Triton) with ``causal_conv`` in the projections' layout, or,
+    under ``auto`` on a GPU where mamba-ssm's fused kernels run, the library's own path. Decoding with a cache
+    keeps the library's step. Owned here because transformers takes no argument for its scan; a trained model
+    saves and loads as a plain ``MambaForCausalLM``. ``scan`` is the run's choice (``SCANS``, set by
+    ``build_model``); ``ran`` keeps what each pass chose (``scans_ran`` reads it back for result.json)."""
 
     scan = "auto"
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        if cache_params is not None or (self.scan == "auto" and mamba_kernels_run(hidden_states)):
-            if cache_params is None:
-                note_scan("mamba-ssm", hidden_states.device.type, str(hidden_states.dtype).replace("torch.", ""),
-                          self.ssm_state_size)
+        if cache_params is not None:
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        b, length, _ = hidden_states.shape
+        choice = choose_scan((b, self.intermediate_size, length), hidden_states.device, hidden_states.dtype,
+                             self.ssm_state_size, self.scan, fused=mamba_kernels_run(hidden_states))
+        self.__dict__.setdefault("ran", {})[choice] = None  # not a module attribute: state_dict and copies skip it
+        if choice.scan == "mamba-ssm":
+            return super().forward(hidden_states, cache_params=None, attention_mask=attention_mask, **kwargs)
         # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
         # them without copies, and the scan's own layout changes run along contiguous channels.
         x, gate = self.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
@@ -97,10 +101,22 @@ class ScanMixer(MambaMixer):
         dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
                                dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in the scan, with the softplus
-        y = selective_scan(x.transpose(1, 2), dt.transpose(1, 2), -torch.exp(self.A_log.float()),
-                           B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(), z=gate.transpose(1, 2),
-                           delta_bias=self.dt_proj.bias.float(), delta_softplus=True, scan=self.scan)
+        y = run_scan(choice, x.transpose(1, 2), dt.transpose(1, 2), -torch.exp(self.A_log.float()),
+                     B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(), z=gate.transpose(1, 2),
+                     delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
         return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype))
+
+
+def scans_ran(model: torch.nn.Module, forget: bool = False) -> list[dict]:
+    """Which scans ``model``'s Mamba mixers ran, on what and in which precision (each once, in the order first
+    run): the trainer's result.json. ``forget``: start a new record after reading."""
+    seen: dict[ScanChoice, None] = {}
+    for module in model.modules():
+        if isinstance(module, ScanMixer):
+            seen.update(module.__dict__.get("ran", {}))
+            if forget:
+                module.__dict__["ran"] = {}
+    return [c.to_json() for c in seen]
 
 
 def _masked(hidden_states, attention_mask):

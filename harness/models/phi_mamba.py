@@ -3,7 +3,7 @@
 Loads the ``goombalab/Phi-Mamba`` and ``goombalab/Hybrid-Phi-Mamba`` checkpoints with strict key matching.
 transformers has no class for them and the authors' code needs CUDA kernels and torch 2.1, so the model is
 here; mamba-ssm's Triton kernels run the prompt scan and the decode step when present on a GPU
-(``harness.models.kernels`` decides), and everything runs on the CPU without.
+(``harness.ops.kernels`` decides), and everything runs on the CPU without.
 
 Architecture (parameter names follow the checkpoints):
   backbone.embedding → N blocks → backbone.final_layernorm → lm_head (with bias)
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import hub
-from harness.models import kernels
+from harness.ops import kernels
 from harness.models.masks import block_attention_mask
 
 log = logging.getLogger("harness")
@@ -439,7 +439,7 @@ class PhiMambaForCausalLM(nn.Module):
         self.config = config
         self.backbone = Backbone(config)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=True)
-        self.ssm_path = "auto"  # the Mamba layers' path: auto, kernel (mamba-ssm's Triton kernels) or torch
+        self.scan = "auto"  # the Mamba layers' scan: auto, kernel (mamba-ssm's Triton kernels) or torch
 
     def init_state(self, batch: int, device=None, dtype=None) -> PhiMambaState:
         device = device or self.lm_head.weight.device
@@ -465,7 +465,7 @@ class PhiMambaForCausalLM(nn.Module):
             if blk.attention:
                 mixed = blk.mixer(x, attention_mask, s, pos.clamp_min(0))
             else:
-                mixed = blk.mixer(x, block, s, last, self.ssm_path)
+                mixed = blk.mixer(x, block, s, last, self.scan)
             h = h + mixed + blk.mlp(x)
         state.pos = pos.gather(1, last[:, None]).squeeze(1)
         h = self.backbone.final_layernorm(h if not logits_to_keep else h[:, -logits_to_keep:])

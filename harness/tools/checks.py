@@ -18,7 +18,7 @@ from harness.backends.generation import left_pad
 from harness.backends.hf import TransformersBackend
 from harness.backends.loading import load_backend
 from harness.backends.vllm_backend import VLLMBackend, vllm_build
-from harness.models import kernels
+from harness.ops import kernels
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 from harness.tiny import build_tokenizer, make_tiny_model
@@ -77,7 +77,7 @@ def _run_paths(model, seqs, steps: int, scan: str, device, graphs=None) -> tuple
                                                                              list[list[int]]]:
     """Prefill a left-padded batch, then greedy-decode ``steps`` tokens (through ``graphs``, a GraphedDecode,
     when given); logits at real positions, per-step logits and tokens."""
-    model.ssm_path = scan
+    model.scan = scan
     ids, mask = left_pad(seqs, 0, device)
     with torch.inference_mode():
         logits, state = model(ids, mask)

@@ -30,7 +30,7 @@ import torch
 
 from harness.files import write_atomic
 from harness.procs import project_env
-from harness.models.selective_scan import SelectiveScan
+from harness.ops.selective_scan import SelectiveScan
 from harness.tiny import build_tokenizer
 from harness.tools.checks import check_cuda_graphs, decode_table, environment
 from harness.tools.fixture_prompts import fixture_prompts
@@ -75,7 +75,7 @@ def scan_step(device: str, spec: dict, emit) -> None:
     """The Triton scan against the PyTorch scan, forward and backward, per length and precision: seconds of
     each (the best of ``repeats`` after a warm-up on a GPU) and the largest relative difference over the output
     and every gradient."""
-    from harness.models import scan_triton  # lazy: imports triton, which a CPU install may lack
+    from harness.ops import scan_triton  # lazy: imports triton, which a CPU install may lack
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     d, n, b = spec["channels"], spec["states"], spec["batch"]

@@ -32,8 +32,7 @@ from harness.cache import cache_dir
 from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
-from harness.models.istree import trainable_parameters
-from harness.models.selective_scan import forget_scans, scans_run
+from harness.models.istree import scans_ran, trainable_parameters
 from harness.reports.plotting import pyplot, save
 from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
 from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
@@ -243,7 +242,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=acc.device)  # summed on the device: one host sync per log line
         first_bad = torch.full((), -1, dtype=torch.long, device=acc.device)  # first non-finite loss, no sync
         loss_n = 0
-        forget_scans()  # this run's scans only (a grid trains cells one after another in one process)
+        scans_ran(self.model, forget=True)  # the scans of this run's training and evaluation passes only
         self.model.train()
         bar = tqdm(total=self.steps, initial=st.step, desc=cfg.name, unit="step", dynamic_ncols=True,
                    disable=not (self.show and acc.is_main_process))
@@ -371,7 +370,7 @@ class Trainer:
                   "samples_per_second": round(self.steps * cfg.batch_size / max(st.train_s, 1e-9), 1),
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
-                  "scans": scans_run(),
+                  "scans": scans_ran(self.model),
                   "train_step": self.graphed.describe() if self.graphed is not None else "eager"}
         if cfg.live_eval:
             t1 = time.perf_counter()

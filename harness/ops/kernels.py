@@ -136,7 +136,7 @@ def interpreter_env(mamba_ssm_src: str | Path) -> dict:
 def enable_cpu_interpreter() -> None:
     """In a process started with ``interpreter_env``: make mamba-ssm's Triton kernels runnable on CPU tensors."""
     if not (interpreting() and os.environ.get("ICR_MAMBA_SSM_SRC")):
-        raise RuntimeError("start this process with harness.models.kernels.interpreter_env(SOURCE_TREE)")
+        raise RuntimeError("start this process with harness.ops.kernels.interpreter_env(SOURCE_TREE)")
     triton_on_cpu()
     mamba_ssm_ops.cache_clear()
 

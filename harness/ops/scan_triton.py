@@ -260,9 +260,10 @@ def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
         flags=dict(HAS_D=D is not None, HAS_Z=z is not None, K=chunk, BD=BLOCK_D, BN=bn))
 
 
-def fits(u: torch.Tensor, n: int, chunk: int | None = None) -> bool:
-    """Whether every index the kernels form fits 32 bits (the scratch holds b·d·l·n states)."""
-    b, d, length = u.shape
+def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None) -> bool:
+    """Whether every index the kernels form for ``u`` of ``shape`` (b, d, l) fits 32 bits (the scratch holds
+    b·d·l·n states)."""
+    b, d, length = shape
     chunk = chunk or CHUNK
     padded = triton.cdiv(d, BLOCK_D) * BLOCK_D * triton.cdiv(length, chunk) * chunk * triton.next_power_of_2(n)
     return b * padded < 2**31
@@ -271,7 +272,7 @@ def fits(u: torch.Tensor, n: int, chunk: int | None = None) -> bool:
 def _grid(u, n, chunk):
     """(launch grid, channel blocks, chunks, states padded to a power of two) for u [b, d, l]."""
     b, d, length = u.shape
-    if not fits(u, n, chunk):
+    if not fits(tuple(u.shape), n, chunk):
         raise ValueError(f"the Triton scan indexes in 32 bits: {b} rows of {length} steps are too many at once")
     blocks, n_chunks = triton.cdiv(d, BLOCK_D), triton.cdiv(length, chunk)
     return (b, blocks, n_chunks), blocks, n_chunks, triton.next_power_of_2(n)

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -290,56 +291,76 @@ SCAN_HELP = ("the trainer's Mamba scan: auto (the Triton kernels on a GPU where 
              "PyTorch scan), torch, triton, or sequential (the step-by-step reference: slow, for comparisons)")
 
 
-def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan: str = "auto"):
-    """mamba-ssm's ``selective_scan_fn`` (no returned state): the skip term ``D`` and the gate ``z`` applied
-    inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise, sized like ``u``). ``scan``
-    is one of ``SCANS`` (``scan_implementation`` says what ``auto`` runs)."""
+@dataclass(frozen=True)
+class ScanChoice:
+    """Which scan one call runs, on what and in which precision: ``choose_scan``'s answer, kept by the mixer that
+    ran it and read back from the model into the trainer's result.json (``scans``)."""
+
+    scan: str  # mamba-ssm (transformers' fused path), triton, torch or sequential
+    device: str
+    dtype: str
+    states: int
+    checked: bool | None = None  # triton: ran after its check against the PyTorch scan (False: forced)
+
+    def to_json(self) -> dict:
+        row = {"scan": self.scan, "device": self.device, "dtype": self.dtype, "states": self.states}
+        if self.scan == "triton":
+            row["checked"] = bool(self.checked)
+            row["checked_in"] = self.dtype if self.checked else None
+        return row
+
+
+def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype, states: int,
+                scan: str = "auto", skip: bool = True, gate: bool = True, fused: bool = False) -> ScanChoice:
+    """The one place that decides which scan runs for ``u`` of ``shape`` (b, d, l) with ``states`` states.
+    ``scan`` is the run's ``--scan`` (``SCANS``); ``fused``: mamba-ssm's fused kernels can run this call
+    (transformers' own Mamba path, which ``auto`` prefers). ``auto`` otherwise runs the Triton scan on a CUDA
+    tensor where Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan
+    on that device (checked once per process and launch class), else the PyTorch scan. ``triton`` on a CPU
+    needs ``TRITON_INTERPRET=1`` (tests)."""
+    if scan not in SCANS:
+        raise ValueError(f"scan={scan!r}: use {', '.join(SCANS)}")
+    where = dict(device=torch.device(device).type, dtype=str(dtype).replace("torch.", ""), states=states)
     if scan == "sequential":
-        note_scan("sequential", u.device.type, str(u.dtype).replace("torch.", ""), A.shape[1])
+        return ScanChoice("sequential", **where)
+    if scan == "auto" and fused:
+        return ScanChoice("mamba-ssm", **where)
+    if scan == "torch" or (scan == "auto" and torch.device(device).type != "cuda"):
+        return ScanChoice("torch", **where)
+    try:
+        from harness.ops import scan_triton  # lazy: imports triton, which a CPU install may lack
+    except ImportError:
+        if scan == "triton":
+            raise
+        return ScanChoice("torch", **where)
+    if scan == "triton":
+        return ScanChoice("triton", **where, checked=False)
+    if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
+                                                                  states, skip, gate):
+        return ScanChoice("triton", **where, checked=True)
+    return ScanChoice("torch", **where)
+
+
+def run_scan(choice: ScanChoice, u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+    """mamba-ssm's ``selective_scan_fn`` (no returned state) by the scan ``choice`` names: the skip term ``D``
+    and the gate ``z`` applied inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise,
+    sized like ``u``)."""
+    if choice.scan == "sequential":
         return sequential_scan(u, dt, A, B, C, D, z, delta_bias, delta_softplus)
-    fn = _scan_function(u, A, scan, D is not None, z is not None)
-    note_scan(_NAMES[fn], u.device.type, str(u.dtype).replace("torch.", ""), A.shape[1],
-              checked=scan != "triton" if fn is not SelectiveScan else None)
+    if choice.scan == "triton":
+        from harness.ops.scan_triton import TritonScan  # lazy: imports triton, which a CPU install may lack
+        fn = TritonScan
+    elif choice.scan == "torch":
+        fn = SelectiveScan
+    else:
+        raise ValueError(f"{choice.scan}: runs in transformers' own Mamba path, not here")
     return fn.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
 
 
-# (implementation, device type, activation dtype, states, checked) of every call, in order
-_RAN: dict[tuple, None] = {}
-_NAMES: dict = {SelectiveScan: "torch"}
-
-
-def note_scan(impl: str, device: str, dtype: str, n: int, checked: bool | None = None) -> None:
-    """Record a scan that ran (``checked``: the Triton scan ran after its check against the PyTorch scan, or was
-    forced by ``scan="triton"``); mamba-ssm's fused kernels, in the trainer's mixer, are recorded here too."""
-    _RAN.setdefault((impl, device, dtype, n, checked), None)
-
-
-def forget_scans() -> None:
-    """Start a new record (a trainer's run: cells trained one after another in one process keep apart)."""
-    _RAN.clear()
-
-
-def scans_run() -> list[dict]:
-    """Which scan ran in this process, on what and in which precision, and whether it was checked there against
-    the PyTorch scan (the Triton scan is used only after that check unless ``triton`` forces it): for a
-    trainer's result.json."""
-    out = []
-    for impl, device, dtype, n, checked in _RAN:
-        row = {"scan": impl, "device": device, "dtype": dtype, "states": n}
-        if impl == "triton":
-            row["checked"] = bool(checked)
-            row["checked_in"] = dtype if checked else None
-        out.append(row)
-    return out
-
-
-def scan_implementation(u: torch.Tensor, A: torch.Tensor, scan: str = "auto") -> str:
-    """What ``scan`` runs on tensors like these: "triton" (``harness/models/scan_triton.py``: fused kernels,
-    states in registers), "torch" (this module) or "sequential". ``auto`` runs the Triton scan on a CUDA tensor
-    where Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan on that
-    device (checked once per process and launch class), else the PyTorch scan. ``triton`` on a CPU needs
-    ``TRITON_INTERPRET=1`` (tests)."""
-    return "sequential" if scan == "sequential" else _NAMES[_scan_function(u, A, scan)]
+def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan: str = "auto"):
+    """``run_scan`` with the scan ``choose_scan`` picks for these tensors."""
+    choice = choose_scan(tuple(u.shape), u.device, u.dtype, A.shape[1], scan, D is not None, z is not None)
+    return run_scan(choice, u, dt, A, B, C, D, z, delta_bias, delta_softplus)
 
 
 _LOGGED_OVERRIDES: set[str] = set()  # ICR_SCAN values already logged in this process
@@ -371,25 +392,6 @@ def scan_choice_problem(scan: str) -> str | None:
         return ("--scan triton: the Triton scan runs on a CUDA GPU and none is visible here (on a CPU only under "
                 "Triton's interpreter, TRITON_INTERPRET=1, for tests); use --scan auto or torch")
     return None
-
-
-def _scan_function(u, A, scan: str = "auto", skip: bool = True, gate: bool = True):
-    if scan not in SCANS or scan == "sequential":
-        raise ValueError(f"scan={scan!r}: use auto, torch or triton")
-    if scan == "torch" or (scan == "auto" and not u.is_cuda):
-        return SelectiveScan
-    try:
-        from harness.models import scan_triton  # lazy: imports triton, which a CPU install may lack
-    except ImportError:
-        if scan == "triton":
-            raise
-        return SelectiveScan
-    _NAMES.setdefault(scan_triton.TritonScan, "triton")
-    dtype = str(u.dtype).replace("torch.", "")
-    if scan == "triton" or (scan_triton.fits(u, A.shape[1]) and scan_triton.verified_on(
-            str(u.device), SelectiveScan, dtype, A.shape[1], skip, gate)):
-        return scan_triton.TritonScan
-    return SelectiveScan
 
 
 def sequential_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):

@@ -1,0 +1,9 @@
+"""The operations the architectures in ``harness.models`` run, kept apart from them (as vLLM keeps
+``layers/mamba/ops`` apart from its models): an op knows tensors, never a model.
+
+- ``selective_scan``: Mamba's selective scan for the trainer (PyTorch, its Triton kernels, the step-by-step
+  reference) and ``choose_scan``, the one place that decides which runs.
+- ``scan_triton``: the Triton scan's kernels (forward and backward), checked against the PyTorch scan.
+- ``causal_conv``: the depthwise causal convolution in the projections' layout.
+- ``kernels``: mamba-ssm's Triton kernels for Phi-Mamba (loaded where they run, fetched for the CPU tests).
+"""
