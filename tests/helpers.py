@@ -1,15 +1,21 @@
-"""Shared test helpers: a guard that makes equality tests meaningful, and a scripted model.
+"""Shared test helpers (the only place test files share code from): a guard that makes equality tests
+meaningful, a scripted model, a fake vLLM engine, and the prompts, requests and tools several files use.
 
 ``ScriptedBackend`` runs a real backend's forward passes (cache, padding, prefix copies and tool-result
 blocks all real) but replaces each row's next-token logits with a one-hot on the token a script says the
 model writes next, so the tool loop can be driven exactly as a model imitating the exemplars would drive it."""
 from __future__ import annotations
 
+import random
+import re
 from typing import Callable, Sequence
 
 import torch
 
+from evals.fixture import FIXTURE_PATH
+from harness.backends.base import GenRequest
 from harness.backends.step import StepBackend
+from retrieval import RetrievalTool
 from retrieval.tool import RESULT_CLOSE
 
 
@@ -196,3 +202,144 @@ def fake_vllm_backend(inner: StepBackend, report_eos: bool = True):
     backend.settings = {"enable_prefix_caching": True, "family": "fake"}
     backend.describe = inner.describe
     return backend
+
+
+# -- prompts, requests and scripted tools several test files share -----------------------------------
+def diverse_prompts(n=16, seed=0):
+    text = FIXTURE_PATH.read_text()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(0, len(text) - 2000)
+        out.append(text[start:start + rng.randrange(20, 1500)])
+    return out
+
+
+def reference_greedy(backend, prompt, max_new):
+    """Greedy decoding by re-running the whole sequence each step: no padding, no cache."""
+    ids = backend.tokenizer(prompt)["input_ids"]
+    out = []
+    for _ in range(max_new):
+        logits = backend.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
+        if int(logits.argmax()) == backend.tokenizer.eos_token_id:
+            break  # the loop stops at EOS and does not keep it
+        out.append(int(logits.argmax()))
+    return out
+
+
+UNITS = ["Alvar Everly: Alvar Everly (born 1886) is a poet from Harrowgate Fen, Ostland.",
+         "Karvell: Karvell is a town in the north of Dunholm.",
+         "Karvell: It was founded in 1018 on the banks of the Lisk river.",
+         "Pellin: Pellin is a town in the north of Veloria."]
+
+
+QUESTIONS = ["Which river runs through the old town?", "Who wrote it?",
+             "In what year was the bridge over the harbour finished, and by whom?", "Where is the castle?",
+             "What is the name of the dragon in the story of the silver meadow?", "Why?"]
+
+
+HEADER = "Answer each question in one short sentence.\n\nQuestion: What colour is the sky?\nAnswer: Blue.\n\n"
+
+
+class RecomputeReference:
+    """A stepper with no cache and no padding: each row's whole sequence runs alone at every step."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def _logits(self, rows):
+        return torch.stack([self.model(input_ids=torch.tensor([r])).logits[0, -1].float() for r in rows])
+
+    def prefill(self, input_ids, attention_mask):
+        rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+        return self._logits(rows), rows
+
+    def step(self, rows, input_ids, attention_mask):
+        block = attention_mask[:, -input_ids.shape[1]:].bool()
+        for r, ids, m in zip(rows, input_ids, block):
+            r += ids[m].tolist()
+        return self._logits(rows)
+
+    def select(self, rows, keep):
+        rows[:] = [rows[i] for i in keep.tolist()]
+        return rows
+
+    def expand(self, rows, n):
+        raise AssertionError("the reference never shares a prefix")
+
+
+class EchoTool:
+    """Called whenever the model writes ``call_end``; answers with a text whose length depends on what the
+    model wrote, so rows receive results of different lengths in the same step."""
+
+    max_calls = 2
+
+    def __init__(self, call_end: str, row: int):
+        self.call_end, self.row = call_end, row
+
+    def __call__(self, text: str, start: int = 0) -> str:
+        return "<r>" + " ".join(str(i) for i in range(1 + (3 * self.row + len(text)) % 7)) + "</r>"
+
+
+def family_requests(tok, tool_end=None, max_new=10):
+    prompts = [f"{HEADER}Question: {q}\nAnswer:" for q in QUESTIONS]
+    return [GenRequest(p, max_new, (), EchoTool(tool_end, i) if tool_end else None, prompt_ids=tok(p)["input_ids"])
+            for i, p in enumerate(prompts)]
+
+
+def result_fields(results):
+    return [(r.text, r.token_ids, r.finish_reason, r.tool_spans) for r in results]
+
+
+def generate_with(backend, requests, batch, reuse):
+    """Through the plan asked for (each falls back where it is not exact for the family, as a run's would)."""
+    return backend.generate(requests, batch_size=batch, prefix_reuse=reuse)
+
+
+def tool_scenario(i: int, title_a: str, title_b: str, answer: str) -> tuple[list[str], list[str | None]]:
+    """(segments the model writes, the patterns its calls must carry; None for a call that is an error)."""
+    a, b = re.escape(title_a), re.escape(title_b)
+    end = f" So the answer is: {answer}."
+    if i % 4 == 0:  # exemplar style: the closing tag and the next opening tag written adjacent
+        return [f" Let me look.<search>{a}</search><result>", end], [a]
+    if i % 4 == 1:  # two searches back to back: ``><`` completes the first and opens the second
+        return [f"<search>{a}</search><search>{b}</search><result>", f"<search>{b}</search><result>", end], [a, b]
+    if i % 4 == 2:  # a stray closing tag, then a real call
+        return [" Nothing yet </search>", f" Now<search>{a}</search><result>", end], [None, a]
+    # an anchored pattern right after a result: parsed from the new text only, never across the result
+    return [f"<search>{a}</search><result>", f"<search>^{b}</search><result>", end], [a, f"^{b}"]
+
+
+def sweep_prompts(n_slots=5):
+    """A position sweep in miniature: a shared header, then paragraphs with the odd one at every slot."""
+    head = "Answer from the paragraphs.\n" + "\n".join(UNITS[:2]) + "\n"
+    fill = [f"Note {k}: the river at mile {3 * k} is {['wide', 'slow', 'cold', 'deep', 'green'][k]}." for k in range(5)]
+    gold = UNITS[2]
+    prompts = []
+    for q, ask in enumerate(("When was Karvell founded?", "Where is Pellin?")):
+        for slot in range(n_slots):
+            body = fill[:slot] + [gold] + fill[slot:]
+            # the ending names the slot: tiny recurrent models answer from the last tokens, and must vary
+            prompts.append(head + "\n".join(body) + f"\nQuestion {q}: {ask} ({fill[slot][:12 + 3 * slot]})\nAnswer:")
+    return prompts
+
+
+def stop_window(text: str, start: int) -> str:
+    """Three characters the model writes, from ``start`` on, none of them U+FFFD: a stop string is matched
+    against whole characters (vLLM's incremental detokenizer, like the harness, holds back a cut UTF-8 byte;
+    the fake engine decodes every run whole and would see the U+FFFD one step early)."""
+    for i in range(start, max(start + 1, len(text) - 2)):
+        if "\ufffd" not in text[i:i + 3]:
+            return text[i:i + 3]
+    return text[start:start + 3]
+
+
+def mixed_requests(backend, prompts, free):
+    """Rows with a tool whose tags the model really writes, rows with a stop string it really writes (before or
+    after a call), and free rows (EOS or the length limit)."""
+    reqs = []
+    for i, (p, f) in enumerate(zip(prompts, free)):
+        tool = RetrievalTool(UNITS, max_calls=2, call_open=f.text[0:2], call_close=f.text[5:8]) if i % 3 == 0 else None
+        stop = [stop_window(f.text, 12)] if i % 3 == 1 else (["\n\n"] if i % 3 == 0 else [])
+        reqs.append(GenRequest(p, 32, stop=stop, tool=tool))
+    return reqs

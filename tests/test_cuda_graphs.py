@@ -13,7 +13,7 @@ import torch
 from harness.backends.base import GenRequest
 from harness.cuda_graphs import ROW_BUCKETS, CaptureFailed, GraphCache, capacity_bucket, row_bucket
 from tests.helpers import assert_varied
-from tests.test_generation import _diverse_prompts
+from tests.helpers import diverse_prompts
 
 FAILURES = {"capture": lambda: CaptureFailed("operation not permitted when stream is capturing"),
             "memory": lambda: torch.cuda.OutOfMemoryError("CUDA out of memory")}
@@ -55,7 +55,7 @@ def test_decode_graphs_that_fail_mid_run_fall_back_to_eager_tokens(which, failur
     """Graphs serve the first buckets, then building one more fails: the run goes on eagerly, through the state
     the graphs held (the previous owner keeps its own copy), and every token is the eager backend's."""
     backend = request.getfixturevalue(which)
-    prompts = _diverse_prompts(5, seed=4)
+    prompts = diverse_prompts(5, seed=4)
     eager = backend.generate([GenRequest(p, 16) for p in prompts], batch_size=5)
     assert_varied([r.token_ids for r in eager])
     if which == "hybrid_backend":

@@ -9,7 +9,7 @@ from harness.backends.planner import plan_batches
 from harness.engine.runlog import ResumeMismatchError
 from harness.eval import main as eval_main
 from harness.models import MODELS, UnknownModelError, resolve_model
-from tests.helpers import EachBatch, assert_varied, run_config
+from tests.helpers import assert_varied, EachBatch, run_config
 
 _cfg = run_config
 

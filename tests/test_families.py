@@ -10,72 +10,20 @@ import pytest
 import torch
 
 from harness.backends.families import FAMILIES, family_of
-from harness.backends.base import GenRequest
 from harness.backends.generation import greedy_generate
 from harness.ops.kernels import interpreting
 from harness.tiny import FAMILY_ARCHS, FLA_ARCHS
-from tests.helpers import assert_varied
+from tests.helpers import (
+    HEADER,
+    QUESTIONS,
+    assert_varied,
+    family_requests,
+    generate_with,
+    RecomputeReference,
+    result_fields,
+)
 
-QUESTIONS = ["Which river runs through the old town?", "Who wrote it?",
-             "In what year was the bridge over the harbour finished, and by whom?", "Where is the castle?",
-             "What is the name of the dragon in the story of the silver meadow?", "Why?"]
 INIT_STD = {"lfm2": 0.1}  # large enough that each family's output depends on the whole prompt
-HEADER = "Answer each question in one short sentence.\n\nQuestion: What colour is the sky?\nAnswer: Blue.\n\n"
-
-
-class RecomputeReference:
-    """A stepper with no cache and no padding: each row's whole sequence runs alone at every step."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def _logits(self, rows):
-        return torch.stack([self.model(input_ids=torch.tensor([r])).logits[0, -1].float() for r in rows])
-
-    def prefill(self, input_ids, attention_mask):
-        rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
-        return self._logits(rows), rows
-
-    def step(self, rows, input_ids, attention_mask):
-        block = attention_mask[:, -input_ids.shape[1]:].bool()
-        for r, ids, m in zip(rows, input_ids, block):
-            r += ids[m].tolist()
-        return self._logits(rows)
-
-    def select(self, rows, keep):
-        rows[:] = [rows[i] for i in keep.tolist()]
-        return rows
-
-    def expand(self, rows, n):
-        raise AssertionError("the reference never shares a prefix")
-
-
-class EchoTool:
-    """Called whenever the model writes ``call_end``; answers with a text whose length depends on what the
-    model wrote, so rows receive results of different lengths in the same step."""
-
-    max_calls = 2
-
-    def __init__(self, call_end: str, row: int):
-        self.call_end, self.row = call_end, row
-
-    def __call__(self, text: str, start: int = 0) -> str:
-        return "<r>" + " ".join(str(i) for i in range(1 + (3 * self.row + len(text)) % 7)) + "</r>"
-
-
-def _requests(tok, tool_end=None, max_new=10):
-    prompts = [f"{HEADER}Question: {q}\nAnswer:" for q in QUESTIONS]
-    return [GenRequest(p, max_new, (), EchoTool(tool_end, i) if tool_end else None, prompt_ids=tok(p)["input_ids"])
-            for i, p in enumerate(prompts)]
-
-
-def _fields(results):
-    return [(r.text, r.token_ids, r.finish_reason, r.tool_spans) for r in results]
-
-
-def _run(backend, requests, batch, reuse):
-    """Through the plan asked for (each falls back where it is not exact for the family, as a run's would)."""
-    return backend.generate(requests, batch_size=batch, prefix_reuse=reuse)
 
 
 def _fla_here() -> bool:
@@ -103,7 +51,7 @@ def family_backend(request, tmp_path_factory, tiny_tokenizer):
 def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
     b = family_backend
     tok = b.tokenizer
-    plain_ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in _requests(tok)]
+    plain_ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in family_requests(tok)]
     assert_varied([r.text for r in plain_ref], f"{b.family.name} generations")
     tool_end = None
     if with_tool:  # a text the model really writes, so the tool is called mid-generation in several rows
@@ -112,14 +60,14 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
             for ch in set(r.text[:-2]):
                 counts[ch] = counts.get(ch, 0) + 1
         tool_end = max(sorted(counts), key=counts.get)
-    reqs = _requests(tok, tool_end)
+    reqs = family_requests(tok, tool_end)
     ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in reqs]
     if with_tool:
         lengths = {e - s for r in ref for s, e in r.tool_spans}
         assert len(lengths) > 1, "the tool results must differ in length to make ragged blocks"
     for batch, reuse in [(4, "batch"), (1, "batch"), (4, "none"), (6, "batch"), (4, "tree-rows"), (4, "tree-block")]:
-        got = _run(b, _requests(tok, tool_end), batch, reuse)
-        assert _fields(got) == _fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
+        got = generate_with(b, family_requests(tok, tool_end), batch, reuse)
+        assert result_fields(got) == result_fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
 
 
 PADS = (1, 6, 17)  # left pads that are not a multiple of a Mamba-2 chunk (the tiny configs' is 16), and one that is
@@ -192,7 +140,7 @@ def test_the_tree_runs_only_where_segments_equal_a_whole_prefill(family_backend)
         assert worst < 1e-5, f"{b.family.name}: segments move the logits by {worst:.2e} of their scale"
     if not b.family.segments_exact:
         assert worst > 1e-5, f"{b.family.name}: segments now equal a whole prefill; let the tree run it"
-        gen = b.generate_all(_requests(b.tokenizer)[:3], prefix_reuse="tree")
+        gen = b.generate_all(family_requests(b.tokenizer)[:3], prefix_reuse="tree")
         why = "runs each sample alone" if b.family.padding == "alone" else "segments"
         assert gen.plan.mode != "tree" and why in gen.plan.reason, gen.plan.reason
 

@@ -21,13 +21,13 @@ warnings.simplefilter("ignore")
 from harness.backends.loading import load_backend
 from harness.backends.generation import greedy_generate
 from harness.tiny import build_tokenizer, make_tiny_model
-from tests.test_families import QUESTIONS, RecomputeReference, _fields, _requests, _run
+from tests.helpers import QUESTIONS, family_requests, generate_with, RecomputeReference, result_fields
 
 arch = {arch!r}
 path = make_tiny_model(tempfile.mkdtemp() + "/m", arch, tokenizer=build_tokenizer(), init_std=0.2)
 b = load_backend(str(path), device="cpu", dtype="float32")
 tok = b.tokenizer
-reqs = lambda end: _requests(tok, end, max_new=6)[:3]
+reqs = lambda end: family_requests(tok, end, max_new=6)[:3]
 plain = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in reqs(None)]
 counts = {{}}
 for r in plain:
@@ -35,7 +35,7 @@ for r in plain:
         counts[ch] = counts.get(ch, 0) + 1
 end = max(sorted(counts), key=counts.get)  # a text the model writes, so the tool is called mid-generation
 ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in reqs(end)]
-same = {{f"batch {{n}}, prefix reuse {{reuse}}": _fields(_run(b, reqs(end), n, reuse)) == _fields(ref)
+same = {{f"batch {{n}}, prefix reuse {{reuse}}": result_fields(generate_with(b, reqs(end), n, reuse)) == result_fields(ref)
         for n, reuse in [(3, "batch"), (1, "batch"), (3, "none"), (3, "tree")]}}
 print("RESULT " + json.dumps({{"family": b.family.name, "padding": b.family.padding, "same": same,
                               "distinct": len({{r.text for r in plain}}),

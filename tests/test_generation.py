@@ -6,45 +6,23 @@ import torch
 
 from evals.fixture import FIXTURE_PATH
 from harness.backends.base import GenRequest
-from tests.helpers import assert_varied
-
-
-def _diverse_prompts(n=16, seed=0):
-    text = FIXTURE_PATH.read_text()
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        start = rng.randrange(0, len(text) - 2000)
-        out.append(text[start:start + rng.randrange(20, 1500)])
-    return out
-
-
-def _reference_greedy(backend, prompt, max_new):
-    """Greedy decoding by re-running the whole sequence each step: no padding, no cache."""
-    ids = backend.tokenizer(prompt)["input_ids"]
-    out = []
-    for _ in range(max_new):
-        logits = backend.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
-        if int(logits.argmax()) == backend.tokenizer.eos_token_id:
-            break  # the loop stops at EOS and does not keep it
-        out.append(int(logits.argmax()))
-    return out
+from tests.helpers import assert_varied, diverse_prompts, reference_greedy
 
 
 @pytest.mark.parametrize("which", ["phi", "llama"])
 def test_batched_cached_greedy_equals_uncached_reference(which, request):
     backend = request.getfixturevalue(f"{which}_backend")
-    prompts = _diverse_prompts(6, seed=1)
+    prompts = diverse_prompts(6, seed=1)
     res = backend.generate([GenRequest(p, 10) for p in prompts])
     with torch.inference_mode():
         for p, r in zip(prompts, res):
-            assert r.token_ids == _reference_greedy(backend, p, 10)
+            assert r.token_ids == reference_greedy(backend, p, 10)
 
 
 @pytest.mark.parametrize("which", ["phi", "llama"])
 def test_batch_size_invariance_on_varied_lengths(which, request):
     backend = request.getfixturevalue(f"{which}_backend")
-    prompts = _diverse_prompts(16)
+    prompts = diverse_prompts(16)
     reqs = [GenRequest(p, 16) for p in prompts]
     results = {}
     for bs in (1, 4, 16):
@@ -59,7 +37,7 @@ def test_left_padded_batch_logits_equal_each_prompt_alone(which, request):
     from harness.backends.generation import left_pad
 
     backend = request.getfixturevalue(f"{which}_backend")
-    seqs = [backend.tokenizer(p)["input_ids"] for p in _diverse_prompts(6, seed=7)]
+    seqs = [backend.tokenizer(p)["input_ids"] for p in diverse_prompts(6, seed=7)]
     with torch.inference_mode():
         ids, mask = left_pad(seqs, backend.tokenizer.pad_token_id, "cpu")
         batch, _ = backend.prefill(ids, mask)
@@ -69,7 +47,7 @@ def test_left_padded_batch_logits_equal_each_prompt_alone(which, request):
 
 
 def test_stop_strings_eos_and_length(phi_backend):
-    all_prompts = _diverse_prompts(8, seed=3)
+    all_prompts = diverse_prompts(8, seed=3)
     all_free = phi_backend.generate([GenRequest(p, 20) for p in all_prompts])
     assert all((r.finish_reason == "length" and r.new_tokens == 20) or (r.finish_reason == "eos" and r.new_tokens < 20)
                for r in all_free)

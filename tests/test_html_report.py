@@ -58,12 +58,12 @@ def _scripted(phi_backend):
     real ``re`` tool and the state machine run as in any run (tests/test_tool_protocol.py's scenarios)."""
     from evals.hotpotqa import HotpotQA
     from tests.helpers import ScriptedBackend
-    from tests.test_tool_protocol import _scenario
+    from tests.helpers import tool_scenario
 
     scripts = {}
     for i, r in enumerate(HotpotQA(data="fixture").load()[:6]):
         gold = list(dict.fromkeys(t for t, _ in r["supporting_facts"]))
-        scripts[r["question"]] = _scenario(i, gold[0], gold[-1], r["answer"] if i % 2 else "no idea")[0]
+        scripts[r["question"]] = tool_scenario(i, gold[0], gold[-1], r["answer"] if i % 2 else "no idea")[0]
 
     def script_for(prompt: str):
         question = prompt[prompt.rfind("Question: ") + len("Question: "):].split("\n")[0]

@@ -12,7 +12,7 @@ import torch
 
 from harness.backends.kv_decode_graphs import GraphedKVDecode, unsupported
 from tests.helpers import assert_varied
-from tests.test_families import HEADER, QUESTIONS, EchoTool, _fields
+from tests.helpers import HEADER, QUESTIONS, EchoTool, result_fields
 
 ARCHS = ("phi", "llama", "gpt2")
 
@@ -63,15 +63,15 @@ def test_graphed_decode_equals_eager(backend, long):
     assert sum(len(r.tool_spans) for r in with_tool) >= 2, "the tool must be called mid-generation"
     for batch in (1, 3, 6):  # 3 pads a bucket of 4 rows; rows finish at different lengths (selects)
         graphs = GraphedKVDecode(backend.model, capture=False)
-        assert _fields(_generate(backend, graphs, _requests(tok, long), batch)) == _fields(eager), \
+        assert result_fields(_generate(backend, graphs, _requests(tok, long), batch)) == result_fields(eager), \
             f"{backend.family.name}: batch {batch}"
-        assert _fields(_generate(backend, graphs, _requests(tok, long, tool_end), batch)) == _fields(with_tool), \
+        assert result_fields(_generate(backend, graphs, _requests(tok, long, tool_end), batch)) == result_fields(with_tool), \
             f"{backend.family.name}: batch {batch}, tool calls"
         assert graphs.cache.graphs and graphs.disabled is None
         # decoding after a copied shared prefix and after the prefix tree's merged rows
         for reuse in ("batch", "tree-rows"):
-            assert _fields(_generate(backend, graphs, _requests(tok, long, tool_end), batch, reuse)) == \
-                _fields(with_tool), f"{backend.family.name}: batch {batch}, prefix reuse {reuse}"
+            assert result_fields(_generate(backend, graphs, _requests(tok, long, tool_end), batch, reuse)) == \
+                result_fields(with_tool), f"{backend.family.name}: batch {batch}, prefix reuse {reuse}"
         if long:  # the prompts' lengths cross 256: buffers grew into the next capacity bucket
             assert graphs.buffers.capacity > 256
 

@@ -7,7 +7,7 @@ from harness.backends.base import GenRequest
 from harness.models import resolve_model
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
 from tests.helpers import assert_varied
-from tests.test_generation import _diverse_prompts, _reference_greedy
+from tests.helpers import diverse_prompts, reference_greedy
 
 
 @pytest.mark.parametrize("length,chunk", [(37, 8), (64, 16), (5, 16), (130, 128)])
@@ -73,7 +73,7 @@ def test_all_attention_stack_equals_transformers_phi():
 @pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
 def test_left_padded_batch_equals_each_prompt_alone(which, request):
     backend = request.getfixturevalue(f"{which}_backend")
-    prompts = _diverse_prompts(6, seed=5)
+    prompts = diverse_prompts(6, seed=5)
     batch = backend.generate([GenRequest(p, 12) for p in prompts])
     alone = [backend.generate([GenRequest(p, 12)])[0] for p in prompts]
     assert_varied([r.token_ids for r in batch])
@@ -85,7 +85,7 @@ def test_greedy_equals_full_recompute(which, request):
     """The cached/recurrent loop against greedy by full passes over the growing sequence (no state reuse)."""
     backend = request.getfixturevalue(f"{which}_backend")
 
-    class _Shim:  # _reference_greedy expects an HF-style model returning .logits
+    class _Shim:  # reference_greedy expects an HF-style model returning .logits
         def __init__(self, m):
             self.m = m
 
@@ -93,9 +93,9 @@ def test_greedy_equals_full_recompute(which, request):
             return type("O", (), {"logits": self.m(input_ids)[0]})
 
     shim = type("B", (), {"tokenizer": backend.tokenizer, "model": _Shim(backend.model)})
-    for p in _diverse_prompts(3, seed=9):
+    for p in diverse_prompts(3, seed=9):
         with torch.no_grad():
-            assert backend.generate([GenRequest(p, 8)])[0].token_ids == _reference_greedy(shim, p, 8)
+            assert backend.generate([GenRequest(p, 8)])[0].token_ids == reference_greedy(shim, p, 8)
 
 
 @pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
@@ -104,7 +104,7 @@ def test_decode_from_saved_state_after_appending_tokens(which, request):
     in a batch with a shorter row, and compare the next logits with a fresh pass over the concatenation."""
     backend = request.getfixturevalue(f"{which}_backend")
     m, tok = backend.model, backend.tokenizer
-    a, b = _diverse_prompts(2, seed=13)
+    a, b = diverse_prompts(2, seed=13)
     ids_a, ids_b = tok(a)["input_ids"][:50], tok(b)["input_ids"][:30]
     extra_a, extra_b = tok(" <result>Karvell: a town</result>")["input_ids"], tok(" so")["input_ids"]
     with torch.no_grad():
@@ -267,10 +267,10 @@ def test_graphed_decode_in_the_generation_loop_gives_the_eager_tokens(which, req
     and merged, tool results fed as multi-token blocks, and rows leaving the batch at different lengths."""
     from harness.models.decode_graphs import GraphedDecode
     from retrieval import RetrievalTool
-    from tests.test_retrieval import UNITS
+    from tests.helpers import UNITS
 
     backend = request.getfixturevalue(f"{which}_backend")
-    base = _diverse_prompts(1, seed=21)[0]
+    base = diverse_prompts(1, seed=21)[0]
     prompts = [base + s for s in ("alpha", "beta gamma", "delta", "epsilon zeta", "eta")]
     limits = (10, 24, 16, 24, 6)
     free = backend.generate([GenRequest(p, 24) for p in prompts])
@@ -304,7 +304,7 @@ def test_one_graphed_backend_serves_batch_sizes_and_contexts_in_turn(which, requ
     from harness.models.decode_graphs import GraphedDecode
 
     backend = request.getfixturevalue(f"{which}_backend")
-    prompts = _diverse_prompts(9, seed=5)
+    prompts = diverse_prompts(9, seed=5)
     runs = [prompts[:1], prompts[1:9], [p * 3 for p in prompts[1:3]], prompts[8:9]]
     eager = [[r.token_ids for r in backend.generate([GenRequest(p, 12) for p in run])] for run in runs]
     backend.graphs = decoder = GraphedDecode(backend.model, capture=torch.cuda.is_available()

@@ -4,14 +4,14 @@ import pytest
 
 from harness.backends.planner import Costs, forget_costs, make_plan, measure_costs
 from harness.backends.prefix_tree import PrefixTree
-from tests.test_prefix_tree import _sweep_prompts
+from tests.helpers import sweep_prompts
 
 CPU_LIKE = Costs(call=1e-3, row_token=1e-4, batch_token=3e-4, length=256, rows=2)  # a row is the cheap token
 GPU_LIKE = Costs(call=5e-2, row_token=1e-4, batch_token=2e-6, length=256, rows=4)  # calls dear, batches cheap
 
 
 def _ids(backend):
-    return [backend.tokenizer(p)["input_ids"] for p in _sweep_prompts()]
+    return [backend.tokenizer(p)["input_ids"] for p in sweep_prompts()]
 
 
 def test_auto_takes_the_plan_the_cost_model_prices_lowest(phi_backend):

@@ -9,7 +9,7 @@ from harness.engine import run_eval
 from harness.engine.config import RunConfig
 from retrieval import RetrievalTool
 from tests.helpers import assert_varied
-from tests.test_retrieval import UNITS
+from tests.helpers import UNITS
 
 
 def test_common_prefix_leaves_every_row_a_suffix():
@@ -23,13 +23,13 @@ def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
     backend = request.getfixturevalue(f"{which}_backend")
     from evals.hotpotqa import HotpotQA, load_rows
     from harness.engine.prompting import PromptTemplate
-    from tests.test_generation import _diverse_prompts
+    from tests.helpers import diverse_prompts
 
     rows = load_rows("fixture")
     (inst,) = HotpotQA(distractors=3, positions=["first"]).instances(rows[:1], seed=0, pool_rows=rows)
     exemplars = PromptTemplate("hotpotqa_cot").render(**inst.template_vars(), shots=4).split("Paragraph: ")
     shots = "Paragraph: ".join(exemplars[:9])  # instruction + the four 2-paragraph exemplars
-    prompts = [shots + tail for tail in _diverse_prompts(12, seed=2)]  # endings differ, so outputs do
+    prompts = [shots + tail for tail in diverse_prompts(12, seed=2)]  # endings differ, so outputs do
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
     shared = common_prefix(ids)
     assert len(shared) > 200  # the four exemplars
@@ -46,9 +46,9 @@ def test_prefix_reuse_gives_identical_outputs(which, request, tiny_tokenizer):
 
 
 def test_prefix_reuse_with_tool_calls(phi_backend):
-    from tests.test_generation import _diverse_prompts
+    from tests.helpers import diverse_prompts
 
-    base = _diverse_prompts(1, seed=21)[0]
+    base = diverse_prompts(1, seed=21)[0]
     prompts = [base + s for s in ("alpha", "beta gamma", "delta")]
     free = phi_backend.generate([GenRequest(p, 20) for p in prompts])
 

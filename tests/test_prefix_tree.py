@@ -10,8 +10,8 @@ from harness.backends.prefix_tree import PrefixTree, parse_bytes
 from harness.engine import run_eval
 from harness.engine.config import ConfigError, RunConfig
 from retrieval import RetrievalTool
-from tests.helpers import assert_varied
-from tests.test_retrieval import UNITS
+from tests.helpers import assert_varied, sweep_prompts
+from tests.helpers import UNITS
 
 
 def _distinct_prefixes(seqs) -> int:
@@ -45,20 +45,6 @@ def test_memory_amounts_parse_and_bad_ones_are_refused(tmp_path):
     assert RunConfig(task="hotpotqa", model="x", prefix_reuse=False).prefix_reuse == "none"  # the former on/off flag
 
 
-def _sweep_prompts(n_slots=5):
-    """A position sweep in miniature: a shared header, then paragraphs with the odd one at every slot."""
-    head = "Answer from the paragraphs.\n" + "\n".join(UNITS[:2]) + "\n"
-    fill = [f"Note {k}: the river at mile {3 * k} is {['wide', 'slow', 'cold', 'deep', 'green'][k]}." for k in range(5)]
-    gold = UNITS[2]
-    prompts = []
-    for q, ask in enumerate(("When was Karvell founded?", "Where is Pellin?")):
-        for slot in range(n_slots):
-            body = fill[:slot] + [gold] + fill[slot:]
-            # the ending names the slot: tiny recurrent models answer from the last tokens, and must vary
-            prompts.append(head + "\n".join(body) + f"\nQuestion {q}: {ask} ({fill[slot][:12 + 3 * slot]})\nAnswer:")
-    return prompts
-
-
 def _requests(backend, prompts, tools=None):
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
     return [GenRequest(p, 14, tool=tools[k] if tools else None, prompt_ids=i)
@@ -80,7 +66,7 @@ def _modes(backend, make_requests, batch=4):
 def test_tree_generations_equal_batch_and_none_with_tool_calls(which, request):
     backend = request.getfixturevalue(f"{which}_backend")
     assert backend.tree_unsupported() is None
-    prompts = _sweep_prompts()
+    prompts = sweep_prompts()
     free = [r.text for r in backend.generate(_requests(backend, prompts))]
 
     def with_tools():  # call markers the model writes itself, so its tool is really called mid-generation
@@ -99,7 +85,7 @@ def test_tree_generations_equal_batch_and_none_with_tool_calls(which, request):
 
 
 def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
-    prompts = _sweep_prompts()
+    prompts = sweep_prompts()
     ids = [r.prompt_ids for r in _requests(phi_backend, prompts)]
     plain = [r.token_ids for r in phi_backend.generate(_requests(phi_backend, prompts))]
     assert_varied(plain)

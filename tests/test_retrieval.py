@@ -7,12 +7,7 @@ from evals.base import ToolSpec
 from harness.backends.base import GenRequest
 from harness.engine.prompting import PromptTemplate
 from retrieval import RegexSearcher, RetrievalTool, parse_call
-from tests.helpers import assert_varied
-
-UNITS = ["Alvar Everly: Alvar Everly (born 1886) is a poet from Harrowgate Fen, Ostland.",
-         "Karvell: Karvell is a town in the north of Dunholm.",
-         "Karvell: It was founded in 1018 on the banks of the Lisk river.",
-         "Pellin: Pellin is a town in the north of Veloria."]
+from tests.helpers import UNITS, assert_varied
 
 
 @pytest.mark.parametrize("segment,pattern,error", [
@@ -111,9 +106,9 @@ def test_tool_loop_resumes_from_cache_exactly(which, request):
     insertion and resume are all real. The continuation after each inserted result must equal greedy decoding
     by full forward passes over prompt + everything so far (no cache)."""
     backend = request.getfixturevalue(f"{which}_backend")
-    from tests.test_generation import _diverse_prompts
+    from tests.helpers import diverse_prompts
 
-    prompts = _diverse_prompts(4, seed=11)
+    prompts = diverse_prompts(4, seed=11)
     reqs, tools = [], []
     for i, p in enumerate(prompts):
         text = _free_text(backend, p).text
@@ -177,10 +172,10 @@ class _EveryToken:
 
 
 def test_tool_gets_the_whole_generation_and_length_still_bounds_a_tool_happy_model(phi_backend):
-    from tests.test_generation import _diverse_prompts
+    from tests.helpers import diverse_prompts
 
     tool = _EveryToken()
-    (r,) = phi_backend.generate([GenRequest(_diverse_prompts(1, seed=4)[0], 7, tool=tool)])
+    (r,) = phi_backend.generate([GenRequest(diverse_prompts(1, seed=4)[0], 7, tool=tool)])
     assert r.finish_reason == "length" and r.new_tokens == 7
     assert len(tool.seen) == 6  # a call after each model token but the last
     for a, b in zip(tool.seen, tool.seen[1:]):

@@ -230,3 +230,15 @@ def test_the_layout_page_names_every_module():
     page = (ROOT / "docs" / "layout.md").read_text()
     missing = [str(p.relative_to(ROOT)) for p in MODULES.values() if p.name != "__init__.py" and p.name not in page]
     assert missing == [], f"docs/layout.md does not name: {', '.join(missing)}"
+
+
+def test_test_files_share_code_only_through_helpers():
+    """A test file imports another's code only from ``tests/helpers.py`` (a test module is not a library; its
+    private helpers move with its tests)."""
+    crossing = []
+    for f in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_") \
+                    and node.module != f"tests.{f.stem}":
+                crossing.append(f"{f.name}:{node.lineno} {ast.unparse(node)}")
+    assert crossing == []

@@ -11,23 +11,9 @@ from evals.hotpotqa import HotpotQA
 from harness.backends.loading import load_backend
 from harness.engine import run_eval
 from harness.engine.config import RunConfig
-from tests.helpers import ScriptedBackend, assert_varied
+from tests.helpers import assert_varied, ScriptedBackend, tool_scenario
 
 N_QUESTIONS = 8
-
-
-def _scenario(i: int, title_a: str, title_b: str, answer: str) -> tuple[list[str], list[str | None]]:
-    """(segments the model writes, the patterns its calls must carry; None for a call that is an error)."""
-    a, b = re.escape(title_a), re.escape(title_b)
-    end = f" So the answer is: {answer}."
-    if i % 4 == 0:  # exemplar style: the closing tag and the next opening tag written adjacent
-        return [f" Let me look.<search>{a}</search><result>", end], [a]
-    if i % 4 == 1:  # two searches back to back: ``><`` completes the first and opens the second
-        return [f"<search>{a}</search><search>{b}</search><result>", f"<search>{b}</search><result>", end], [a, b]
-    if i % 4 == 2:  # a stray closing tag, then a real call
-        return [" Nothing yet </search>", f" Now<search>{a}</search><result>", end], [None, a]
-    # an anchored pattern right after a result: parsed from the new text only, never across the result
-    return [f"<search>{a}</search><result>", f"<search>^{b}</search><result>", end], [a, f"^{b}"]
 
 
 def _expected_result(pattern: str | None, units: list[str]) -> str:
@@ -46,7 +32,7 @@ def scripts():
     by_question = {}
     for i, r in enumerate(rows):
         gold = list(dict.fromkeys(t for t, _ in r["supporting_facts"]))
-        by_question[r["question"]] = (r["_id"], *_scenario(i, gold[0], gold[-1], r["answer"]))
+        by_question[r["question"]] = (r["_id"], *tool_scenario(i, gold[0], gold[-1], r["answer"]))
     return by_question
 
 

@@ -22,11 +22,7 @@ if os.environ.get("ICR_REQUIRE_VLLM") != "1":
 from harness.tools.fixture_prompts import fixture_prompts  # noqa: E402
 from harness.backends.loading import load_backend  # noqa: E402
 from harness.eval import main as eval_main  # noqa: E402
-from retrieval import RetrievalTool  # noqa: E402
-from tests.helpers import assert_varied  # noqa: E402
-from tests.test_generation import _diverse_prompts  # noqa: E402
-from tests.test_retrieval import UNITS  # noqa: E402
-from tests.test_vllm_logic import _requests  # noqa: E402
+from tests.helpers import assert_varied, diverse_prompts, mixed_requests  # noqa: E402
 
 ENGINE = {"kv_cache_memory_bytes": 1 << 30}  # 1 GiB of KV cache: tiny models, and the start skips its warm-up
 FIELDS = ("text", "finish_reason", "stop_string", "new_tokens", "tool_tokens", "token_ids", "tool_spans",
@@ -47,12 +43,12 @@ def models(tmp_path_factory, tiny_tokenizer):
 
 
 def _free_requests(tok):
-    prompts = _diverse_prompts(10, seed=5) + fixture_prompts(10, 1)[:2]  # two ~2.3k-token HotpotQA prompts
+    prompts = diverse_prompts(10, seed=5) + fixture_prompts(10, 1)[:2]  # two ~2.3k-token HotpotQA prompts
     assert max(len(tok(p)["input_ids"]) for p in prompts) > 2000
     return [GenRequest(p, 24, stop=["\n\n"] if i % 2 else []) for i, p in enumerate(prompts)]
 
 
-TOOL_PROMPTS = _diverse_prompts(18, seed=31)
+TOOL_PROMPTS = diverse_prompts(18, seed=31)
 
 
 def _score_pairs(tok, greedy):
@@ -63,7 +59,7 @@ def _score_pairs(tok, greedy):
     return pairs
 
 
-SCORE_PROMPTS = _diverse_prompts(6, seed=9)
+SCORE_PROMPTS = diverse_prompts(6, seed=9)
 LM_EVAL_PAIRS = [("The capital of Ostland is", " Harrowgate"), ("Alvar Everly is a", " poet"),
                  ("Alvar Everly is a", " town"), ("Question: who?\nAnswer:", " nobody")]
 
@@ -80,7 +76,7 @@ def references(models, tmp_path_factory):
         greedy = hf.generate([GenRequest(p, 6) for p in SCORE_PROMPTS])
         pairs = _score_pairs(hf.tokenizer, greedy)
         out[arch] = {"free": hf.generate(_free_requests(hf.tokenizer)), "tool_free": free,
-                     "tool": hf.generate(_requests(hf, TOOL_PROMPTS, free)), "pairs": pairs,
+                     "tool": hf.generate(mixed_requests(hf, TOOL_PROMPTS, free)), "pairs": pairs,
                      "scores": hf.loglikelihood(pairs)}
     runs = tmp_path_factory.mktemp("transformers-runs")
     for retrieval in (False, True):
@@ -132,7 +128,7 @@ def test_retrieval_tool_and_stop_strings_through_the_engine(engine, references, 
     really write, free rows: every result field equal to the stepped loop's."""
     vl, ref = engine(arch), references[arch]
     stepped = ref["tool"]
-    got = vl.generate(_requests(vl, TOOL_PROMPTS, ref["tool_free"]))
+    got = vl.generate(mixed_requests(vl, TOOL_PROMPTS, ref["tool_free"]))
     assert_varied([r.text for r in stepped])
     assert [_fields(r) for r in got] == [_fields(r) for r in stepped]
     assert sum(len(r.tool_spans) for r in stepped) >= 2, "no tool call was exercised"

@@ -3,31 +3,7 @@ continuation contract independently. It must give exactly what the stepped loop 
 import pytest
 
 from harness.backends.base import GenRequest
-from retrieval import RetrievalTool
-from tests.helpers import assert_varied, fake_vllm_backend
-from tests.test_generation import _diverse_prompts
-from tests.test_retrieval import UNITS
-
-
-def _window(text: str, start: int) -> str:
-    """Three characters the model writes, from ``start`` on, none of them U+FFFD: a stop string is matched
-    against whole characters (vLLM's incremental detokenizer, like the harness, holds back a cut UTF-8 byte;
-    the fake engine decodes every run whole and would see the U+FFFD one step early)."""
-    for i in range(start, max(start + 1, len(text) - 2)):
-        if "\ufffd" not in text[i:i + 3]:
-            return text[i:i + 3]
-    return text[start:start + 3]
-
-
-def _requests(backend, prompts, free):
-    """Rows with a tool whose tags the model really writes, rows with a stop string it really writes (before or
-    after a call), and free rows (EOS or the length limit)."""
-    reqs = []
-    for i, (p, f) in enumerate(zip(prompts, free)):
-        tool = RetrievalTool(UNITS, max_calls=2, call_open=f.text[0:2], call_close=f.text[5:8]) if i % 3 == 0 else None
-        stop = [_window(f.text, 12)] if i % 3 == 1 else (["\n\n"] if i % 3 == 0 else [])
-        reqs.append(GenRequest(p, 32, stop=stop, tool=tool))
-    return reqs
+from tests.helpers import assert_varied, diverse_prompts, fake_vllm_backend, mixed_requests
 
 
 @pytest.mark.slow
@@ -35,11 +11,11 @@ def _requests(backend, prompts, free):
 @pytest.mark.parametrize("which", ["phi", "llama"])
 def test_vllm_logic_equals_the_stepped_loop(which, report_eos, request):
     backend = request.getfixturevalue(f"{which}_backend")
-    prompts = _diverse_prompts(24, seed=31)
+    prompts = diverse_prompts(24, seed=31)
     free = backend.generate([GenRequest(p, 32) for p in prompts])
-    stepped = backend.generate(_requests(backend, prompts, free))
+    stepped = backend.generate(mixed_requests(backend, prompts, free))
     vllm = fake_vllm_backend(backend, report_eos)
-    chunked = vllm.generate(_requests(backend, prompts, free))
+    chunked = vllm.generate(mixed_requests(backend, prompts, free))
     assert_varied([r.text for r in stepped])
     for a, b in zip(stepped, chunked):
         assert (a.text, a.finish_reason, a.stop_string, a.new_tokens, a.tool_tokens, a.token_ids, a.tool_spans,
@@ -54,7 +30,7 @@ def test_vllm_logic_equals_the_stepped_loop(which, report_eos, request):
 
 def test_vllm_logic_respects_the_context_limit(phi_backend):
     vllm = fake_vllm_backend(phi_backend)
-    prompt = _diverse_prompts(1, seed=3)[0]
+    prompt = diverse_prompts(1, seed=3)[0]
     n = len(phi_backend.tokenizer(prompt)["input_ids"])
     vllm.max_context = n + 5
     (r,) = vllm.generate([GenRequest(prompt, 20)])
@@ -63,7 +39,7 @@ def test_vllm_logic_respects_the_context_limit(phi_backend):
 
 @pytest.mark.parametrize("report_eos", [True, False])
 def test_vllm_logic_ends_at_eos_like_the_stepped_loop(phi_backend, report_eos):
-    prompts = _diverse_prompts(24, seed=31)
+    prompts = diverse_prompts(24, seed=31)
     free = phi_backend.generate([GenRequest(p, 32) for p in prompts])
     eos = [p for p, f in zip(prompts, free) if f.finish_reason == "eos"]
     assert eos, "no prompt ends in EOS: pick other seeds"
