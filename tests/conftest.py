@@ -27,6 +27,19 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under parallel workers, the modules that hold slow tests run first (each module's tests kept together and
+    in order, so module fixtures are built once): the long tests start while there is work left to run beside
+    them, instead of running alone at the end while the other worker idles."""
+    if not hasattr(config, "workerinput"):
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = {m: sum(1 for i in its if i.get_closest_marker("slow")) for m, its in modules.items()}
+    items[:] = [i for m in sorted(modules, key=lambda m: -slow[m]) for i in modules[m]]
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from harness.tiny import build_tokenizer

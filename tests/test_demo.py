@@ -73,7 +73,7 @@ def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
 
     # deterministic: the same cells trained again elsewhere give the same models and numbers (which differ
     # between architectures, so the comparison can fail)
-    again = demo(tmp_path / "again", "--lengths", "4", "--steps", "25", "--jobs", "1")
+    again = demo(tmp_path / "again", "--lengths", "4", "--steps", "25", "--jobs", "2")
     assert again.returncode == 0, again.stderr[-3000:]
     for arch in ("transformer", "hybrid", "mamba"):
         cell = f"{arch}-smoke-index-L4-seed42-steps25"

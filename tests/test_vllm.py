@@ -245,6 +245,18 @@ def test_lm_eval_scores_through_vllm(models, references):
     assert max(abs(a - b) for (a, _), (b, _) in zip(got, ref)) < 1e-3
 
 
+def finished(proc, timeout=900):
+    """A started process's result, once it ends (killed past ``timeout`` seconds)."""
+    import subprocess
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def user_venv(tmp_path_factory):
     """A researcher's virtual environment: made from this interpreter's base with its packages visible (nothing
@@ -273,9 +285,11 @@ def user_venv(tmp_path_factory):
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
 
-    def through_script(args, cwd, timeout=900):
-        return subprocess.run(["bash", str(root / "scripts" / "with-vllm-cpu.sh"), *args], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+    def through_script(args, cwd, wait=True):
+        """The command through the script: its result, or (``wait=False``) the running process."""
+        proc = subprocess.Popen(["bash", str(root / "scripts" / "with-vllm-cpu.sh"), *args], cwd=cwd, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return finished(proc) if wait else proc
 
     yield through_script
     pth.write_text(before)
@@ -290,10 +304,16 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     assert res.returncode == 0 and "the user venv only 5.19" in res.stdout, res.stdout + res.stderr[-3000:]
     assert "installing" not in res.stderr and "making" not in res.stderr  # the vLLM environment was reused
     run = tmp_path / "run"
-    res = user_venv(["python", "-m", "harness.eval", "--model", models["phi"], "--task", "hotpotqa", "--data",
-                     "fixture", "--limit", "1", "--max-new-tokens", "8", "--backend", "vllm", "--device", "cpu",
-                     "--vllm-arg", "kv_cache_memory_bytes=1000000000", "--audit", "2", "--no-progress",
-                     "--output", str(run)], cwd=tmp_path)
+    root = Path(__file__).resolve().parent.parent
+    # the documented evaluation (with an audit) and the benchmark, each its own engine, run side by side
+    eval_run = user_venv(["python", "-m", "harness.eval", "--model", models["phi"], "--task", "hotpotqa", "--data",
+                          "fixture", "--limit", "1", "--max-new-tokens", "8", "--backend", "vllm", "--device", "cpu",
+                          "--vllm-arg", "kv_cache_memory_bytes=1000000000", "--audit", "2", "--no-progress",
+                          "--output", str(run)], cwd=tmp_path, wait=False)
+    bench = user_venv(["python", str(root / "benchmarks" / "throughput.py"), "--backend", "vllm", "--plans", "auto",
+                       "--questions", "1", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
+                       "--hidden", "128", "--layers", "1"], cwd=tmp_path, wait=False)
+    res = finished(eval_run)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     results = json.loads((run / "results.json").read_text())
     assert results["audit"]["rows"] == 2 and results["audit"]["agree"] == 2
@@ -303,10 +323,7 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     assert any("engine started" in line for line in logged)
     assert not [line for line in logged if "vllm." in line.split(" INFO ")[-1][:12] or line.startswith("(")], \
         logged
-    root = Path(__file__).resolve().parent.parent
-    res = user_venv(["python", str(root / "benchmarks" / "throughput.py"), "--backend", "vllm", "--plans", "auto",
-                     "--questions", "1", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
-                     "--hidden", "128", "--layers", "1"], cwd=tmp_path)
+    res = finished(bench)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("vllm-cpu")]
     assert len(rows) == 2 and all("1/1" in r for r in rows), res.stdout[-2000:]
