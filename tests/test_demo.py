@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.demo import collect, demo_cells, findings, gaps
+from harness.training.trainer import finished_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,10 +82,12 @@ def test_demo_trains_evaluates_reports_and_reuses_its_cells(tmp_path):
         assert (a["curve"], a["accuracy"]) == (b["curve"], b["accuracy"])
     assert len({results[f"{a}-smoke-index-L4-seed42-steps25"]["final_loss"] for a in ("transformer", "mamba")}) == 2
 
-    # another seed trains other cells next to these; a cell directory holding other settings is refused
-    other = demo(out, "--lengths", "4", "--steps", "25", "--seed", "7", "--jobs", "2")
-    assert other.returncode == 0 and "training 3 of 3 cells" in other.stdout
-    assert {c: (out / c / "result.json").stat().st_mtime_ns for c in cells} == stamps
+    # another seed is other cells, none of them finished here (the trainer trains them next to these, as the
+    # seed-42 cells above were trained); a cell directory holding other settings is refused
+    other = demo_cells(out, (4,), steps=25, seed=7)
+    assert {c.output for c in other}.isdisjoint(c.output for c in demo_cells(out, (4, 6), steps=25))
+    assert [finished_result(c) for c in other] == [None] * 3
+    assert all(finished_result(c) is not None for c in demo_cells(out, (4, 6), steps=25))
     bad = out / "mamba-smoke-index-L4-seed42-steps25" / "result.json"
     bad.write_text(json.dumps({**json.loads(bad.read_text()), "lr": 0.1}))
     refused = demo(out, "--lengths", "4", "--steps", "25")
