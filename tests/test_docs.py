@@ -220,7 +220,7 @@ def test_the_readme_is_a_short_front_page_listing_every_page():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.split("\n")) <= 300
     assert readme.index("pip install torch==2.13.0 && pip install -e . && python -m harness.demo") < 600
-    assert "pip install torch==2.13.0 && pip install -e \".[dev]\" && python -m pytest -n 2" in readme
+    assert "pip install torch==2.13.0 && pip install -e \".[dev]\" && bash scripts/test.sh" in readme
     listed = set(re.findall(r"\]\((docs/[^)]+\.md)\)", readme))
     pages = {str(p.relative_to(ROOT)) for p in PAGES if p.parent.name == "docs"}
     assert pages <= listed, f"pages the README's contents do not list: {sorted(pages - listed)}"
