@@ -36,7 +36,7 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
         on_device = torch.empty(0, device=self.device)
         self.scan = (f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
-                          if kernels.require(self.model.scan, on_device) else "pytorch reference")
+                     if kernels.require(self.model.scan, on_device) else "pytorch reference")
         self.graphs = None
         if graph_decode:
             if self.device.type != "cuda":
