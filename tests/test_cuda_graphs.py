@@ -49,6 +49,40 @@ def test_an_error_that_is_no_capture_failure_is_raised_not_hidden():
 
 
 @torch.no_grad()
+def test_a_capture_that_fails_after_its_warm_up_leaves_the_buffers_state_as_it_was(hybrid_backend, monkeypatch):
+    """A Phi-Mamba graph's warm-up runs the real step on the static buffers, where a resident decoding state lives
+    between steps; when the capture that follows fails, the recurrent state and positions there must be what they
+    were (the run goes on eagerly from them). Capture is simulated on a CPU: a ``record`` that runs the recipe's
+    warm-up, then fails."""
+    import harness.cuda_graphs as cg
+    from harness.models.decode_graphs import _Graph, _replaced_by_a_step, _StaticBuffers
+
+    model = hybrid_backend.model
+    buf = _StaticBuffers(model, 2, 256, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for t in _replaced_by_a_step(buf.view(2, 256)):
+        t.copy_(torch.randint(3, 9, t.shape, generator=g) if not t.is_floating_point()
+                else torch.randn(t.shape, generator=g, dtype=t.dtype))
+    buf.ids.fill_(7)
+    buf.mask.fill_(1)
+    buf.visible[:, :4] = True
+    buf.write_at.fill_(3)
+    before = [t.clone() for t in _replaced_by_a_step(buf.view(2, 256))]
+    warmed = []
+
+    def record(step, device, pool=None, warm=True):
+        step.run()  # the recipe's warm-up on a side stream: a real step on the buffers
+        warmed.append([t.clone() for t in _replaced_by_a_step(step.state)])
+        raise cg.CaptureFailed("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cg.ReplayedStep, "record", record)
+    with pytest.raises(cg.CaptureFailed):
+        _Graph(model, buf, 2, 256, capture=True, pool=None)
+    assert any(not torch.equal(a, b) for a, b in zip(warmed[0], before))  # the warm-up did move the state
+    assert all(torch.equal(a, b) for a, b in zip(_replaced_by_a_step(buf.view(2, 256)), before))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 @pytest.mark.parametrize("which", ["hybrid_backend", "phi_backend"])
 def test_decode_graphs_that_fail_mid_run_fall_back_to_eager_tokens(which, failure, request, monkeypatch):

@@ -75,13 +75,16 @@ class _Graph(ReplayedStep):
         self.state = buffers.view(rows, capacity)
         # The graph is built after this step's inputs were copied in. Warm-up runs (lazy initialisation,
         # autotuning; on every device, so the CPU tests run this too) advance the recurrent state and position:
-        # they are put back. Their keys and values go to position write_at, which this step writes anyway.
+        # they are put back, also when the capture fails (the state may be resident in these buffers, and the run
+        # goes on eagerly from it). Their keys and values go to position write_at, which this step writes anyway.
         kept = [t.clone() for t in _replaced_by_a_step(self.state)]
-        self.run()
-        if capture:
-            self.record(self.ids.device, pool)
-        for t, saved in zip(_replaced_by_a_step(self.state), kept):
-            t.copy_(saved)
+        try:
+            self.run()
+            if capture:
+                self.record(self.ids.device, pool)
+        finally:
+            for t, saved in zip(_replaced_by_a_step(self.state), kept):
+                t.copy_(saved)
 
     def run(self):
         """The model's own step on the static views; the new recurrent state is written back into them (the
