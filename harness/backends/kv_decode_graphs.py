@@ -126,26 +126,29 @@ class GraphedKVDecode(StaticDecode):
     def __init__(self, model, capture: bool = True):
         super().__init__(model, capture)
         self.dtype = model.dtype
+        self._layers: list[GrowingLayer] | None = None  # this step's cache layers (``takes`` reads them)
 
     def takes(self, state):
-        return _kv_layers(state["cache"]) is not None
+        # read once a step (every hook below uses them): the layer walk is Python on the decode's hot path
+        self._layers = _kv_layers(state["cache"])
+        return self._layers is not None
 
     def past(self, state, attention_mask):
         past = attention_mask.shape[1] - 1
-        layers = _kv_layers(state["cache"])
+        layers = self._layers
         if any(layer.keys.shape[2] != past for layer in layers):
             raise ValueError(f"attention mask covers {past + 1} positions; the cache holds "
                              f"{layers[0].keys.shape[2]} and the step adds 1")
         return past
 
     def fits(self, state):
-        return self.buffers.fits(_kv_layers(state["cache"]))
+        return self.buffers.fits(self._layers)
 
     def allocate(self, state, rows, capacity):
-        return _StaticBuffers(_kv_layers(state["cache"]), rows, capacity, self.dtype, self.device)
+        return _StaticBuffers(self._layers, rows, capacity, self.dtype, self.device)
 
     def copy_in(self, state, b, past):
-        for layer, k, v in zip(_kv_layers(state["cache"]), self.buffers.keys, self.buffers.values):
+        for layer, k, v in zip(self._layers, self.buffers.keys, self.buffers.values):
             k[:b, :, :past].copy_(layer.keys)
             v[:b, :, :past].copy_(layer.values)
 
@@ -163,7 +166,7 @@ class GraphedKVDecode(StaticDecode):
         return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool)
 
     def hold(self, state, b, past):
-        for layer, k, v in zip(_kv_layers(state["cache"]), self.buffers.keys, self.buffers.values):
+        for layer, k, v in zip(self._layers, self.buffers.keys, self.buffers.values):
             layer._k, layer._v = k[:b], v[:b]
             layer._n = layer._nv = past + 1
         state["pos"] = self.buffers.pos[:b, 0].clone()
@@ -178,7 +181,7 @@ class GraphedKVDecode(StaticDecode):
             return False
         return all(layer._k.data_ptr() == k.data_ptr() and layer._k.shape == k[:b].shape
                    and layer._v.data_ptr() == v.data_ptr() and layer._v.shape == v[:b].shape
-                   for layer, k, v in zip(_kv_layers(cache), self.buffers.keys, self.buffers.values))
+                   for layer, k, v in zip(self._layers, self.buffers.keys, self.buffers.values))
 
     def detach(self, owner):
         for layer in _kv_layers(owner) or ():
