@@ -16,6 +16,7 @@ LlamaDecoderLayer.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -90,7 +91,8 @@ class ScanMixer(MambaMixer):
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         b, length, _ = hidden_states.shape
         choice = choose_scan((b, self.intermediate_size, length), hidden_states.device, hidden_states.dtype,
-                             self.ssm_state_size, self.scan, fused=mamba_kernels_run(hidden_states))
+                             self.ssm_state_size, self.scan,
+                             fused=self.scan == "auto" and mamba_kernels_run(hidden_states))
         self.__dict__.setdefault("ran", {})[choice] = None  # not a module attribute: state_dict and copies skip it
         if choice.scan == "mamba-ssm":
             return super().forward(hidden_states, cache_params=None, attention_mask=attention_mask, **kwargs)
@@ -141,10 +143,14 @@ def own_scan_(backbone: MambaModel, scan: str = "auto") -> None:
 
 def mamba_kernels_run(t: torch.Tensor) -> bool:
     """Whether transformers' Mamba mixer would run mamba-ssm's fused CUDA kernels on this tensor."""
-    if not t.is_cuda:
-        return False
+    return t.is_cuda and _mamba_ssm_imports()
+
+
+@functools.lru_cache(maxsize=None)
+def _mamba_ssm_imports() -> bool:
+    """Asked once a process: a failed import is not cached by Python, and the mixer asks on every pass."""
     try:
-        import mamba_ssm  # noqa: F401
+        import mamba_ssm  # noqa: F401  lazy: mamba-ssm is an optional GPU extra
     except ImportError:
         return False
     return True
