@@ -15,7 +15,20 @@ scan); on a GPU part 1 also times the PyTorch scan.
 
 ``--tune`` times the Triton scan's forward+backward for each chunk length and channel block at each length, on
 bf16 activations (what the trainer's autocast hands it), each configuration's output and gradients checked
-against the PyTorch scan; the fastest per length is marked."""
+against the PyTorch scan; the fastest per length is marked.
+
+    python benchmarks/scan.py --memory --batch 64 --lengths 48,455,1845,2535      # on a GPU
+    TRITON_INTERPRET=1 python benchmarks/scan.py --memory --batch 2 --channels 64 --lengths 512   # on a CPU
+
+``--memory`` prints, per shape and precision, the bytes the Triton scan's forward and backward allocate (its
+tensors outside the kernels: ``AllocatedBytes``) beside the bytes of what they return, and on a GPU their times
+against the memory bound (the bytes they cannot avoid moving, inputs read and outputs written, at the copy
+bandwidth measured in the same run) and against the PyTorch scan.
+
+    python benchmarks/scan.py --profile --batch 64 --cells 64:retrieval           # on a GPU
+
+``--profile`` profiles one training step of the 0.5M Mamba per cell (after a warm-up) and prints the share of
+the step's device time in the scan's kernels, the convolution's and the rest, then the top kernels."""
 from __future__ import annotations
 
 import argparse
@@ -112,6 +125,129 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chu
                   + ("  <- fastest" if sec == fastest else ""), flush=True)
 
 
+def _scan_inputs(batch: int, d: int, n: int, length: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """u, dt, A, B, C, D, z as the mixer hands them: activations in ``dtype`` laid out [b, l, k] (the scan takes
+    transposed views), float32 step sizes and parameters."""
+    g = torch.Generator().manual_seed(seed)
+    u, z = (torch.randn(batch, length, d, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    dt = (torch.rand(batch, length, d, generator=g) * 0.1 + 0.001).to(device).transpose(1, 2)
+    B, C = (torch.randn(batch, length, n, generator=g).to(device, dtype).transpose(1, 2) for _ in range(2))
+    A = -torch.arange(1, n + 1.0).expand(d, n).contiguous().to(device)
+    return u, dt, A, B, C, torch.ones(d, device=device), z
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def memory(lengths: list[int], batch: int, d: int, n: int, dtypes: list[str], device: str, repeats: int) -> None:
+    """The Triton scan's allocations (and on a GPU its times) per shape against what it cannot avoid."""
+    from harness.ops.scan_triton import TritonScan
+    from harness.ops.selective_scan import SelectiveScan
+    from harness.tools.bench import AllocatedBytes
+
+    gpu = device == "cuda"
+    bandwidth = _copy_bandwidth() if gpu else None
+    print(f"the Triton scan's memory, {batch} rows x {d} channels x {n} states"
+          + (f"; copy bandwidth {bandwidth / 1e9:.0f} GB/s" if gpu else ""))
+    print(f"{'tokens':>7s} {'dtype':>9s} {'fwd alloc MB':>13s} {'output MB':>10s} {'bwd alloc MB':>13s} "
+          f"{'grads MB':>9s} {'bwd/grads':>10s}" + (f" {'fwd ms':>8s} {'bwd ms':>8s} {'bound ms':>9s} {'x bound':>8s} "
+                                                    f"{'torch ms':>9s} {'speed-up':>9s}" if gpu else ""))
+    for length in lengths:
+        for dtype in dtypes:
+            inputs = _scan_inputs(batch, d, n, length, getattr(torch, dtype), device, seed=length)
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            with AllocatedBytes() as fwd:
+                y = TritonScan.apply(*leaves)
+            dy = torch.randn_like(y)
+            with AllocatedBytes() as bwd:
+                grads = torch.autograd.grad(y, leaves, dy)
+            row = (f"{length:7d} {dtype:>9s} {fwd.bytes / 1e6:13.2f} {_nbytes(y) / 1e6:10.2f} {bwd.bytes / 1e6:13.2f} "
+                   f"{_nbytes(*grads) / 1e6:9.2f} {bwd.bytes / _nbytes(*grads):9.2f}x")
+            if gpu:
+                moved = 2 * _nbytes(*inputs) + _nbytes(y) + _nbytes(dy) + _nbytes(*grads)  # read twice, written once
+                fwd_s = _best(lambda: TritonScan.apply(*leaves), repeats)
+                y = TritonScan.apply(*leaves)
+                bwd_s = _best(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), repeats)
+
+                def torch_scan():
+                    torch.autograd.grad(SelectiveScan.apply(*leaves), leaves, dy)
+
+                torch_s = _best(torch_scan, repeats)
+                bound = moved / bandwidth
+                row += (f" {1e3 * fwd_s:8.2f} {1e3 * bwd_s:8.2f} {1e3 * bound:9.2f} {(fwd_s + bwd_s) / bound:7.1f}x "
+                        f"{1e3 * torch_s:9.2f} {torch_s / (fwd_s + bwd_s):8.1f}x")
+            print(row, flush=True)
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _copy_bandwidth() -> float:
+    """Bytes per second a device-to-device copy of 1 GiB moves (read plus write): the memory bound's rate."""
+    src = torch.empty(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * _nbytes(src) / _best(lambda: dst.copy_(src), 5)
+
+
+def profile(cells: list[tuple[int, str]], batch: int, device: str) -> None:
+    """One 0.5M Mamba training step per cell under torch.profiler: the step's device time by kernel family."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from harness.models import istree
+    from harness.training.config import TrainConfig
+    from harness.training.data import TrainTask, batch_from_tokens
+    from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
+
+    gpu = device == "cuda"
+    # a GPU: the Triton kernels by name (the PyTorch scan's many small kernels fall in the rest); a CPU: the
+    # autograd functions, whose time includes the ops they ran
+    families = ((("scan", ("_scan_forward", "_scan_backward")), ("convolution", ("_conv_forward", "_conv_backward")))
+                if gpu else (("scan", ("SelectiveScan", "SelectiveScanBackward", "TritonScan", "TritonScanBackward")),
+                             ("convolution", ("CausalConv", "CausalConvBackward"))))
+    for nodes, setup in cells:
+        cfg = TrainConfig(arch="mamba", size="0.5M", nodes=nodes, setup=setup, report_to="none").resolved()
+        task = TrainTask(cfg)
+        vocab = {t: i for i, t in enumerate(task.vocab)}
+        stream = task.stream(seed=0)
+        torch.manual_seed(0)
+        model = new_model(cfg, task).to(device)
+        opt = new_optimizer(cfg, model, torch.device(device))
+        ids, mask = batch_from_tokens([next(stream) for _ in range(batch)], vocab, device)
+
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=uses_bf16(cfg, torch.device(device)))
+
+        def step():  # the trainer's own step
+            optimizer_step(model, opt, ids, mask, autocast)
+            _sync(device)
+
+        step()
+        with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            step()
+        rows = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == gpu]
+        own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+        total = sum(own(e) for e in rows)
+        # a GPU: the kernels' own time; a CPU: the autograd functions' time with the ops they ran
+        inside = own if gpu else (lambda e: e.cpu_time_total)
+        named = (lambda e, keys: any(k in e.key for k in keys)) if gpu else (lambda e, keys: e.key in keys)
+        share = {name: sum(inside(e) for e in rows if named(e, keys)) for name, keys in families}
+        print(f"\nn={nodes} {setup}, {ids.shape[1]} tokens, batch {batch}: {total / 1e3:.1f} ms of "
+              f"{'device' if gpu else 'CPU'} time in one step ({istree.scans_ran(model)[0]['scan']} scan)")
+        for name, us in (*share.items(), ("the rest", total - sum(share.values()))):
+            print(f"  {name:12s} {us / 1e3:9.2f} ms {100 * us / total:6.1f}%")
+        for e in sorted(rows, key=own, reverse=True)[:10]:
+            print(f"    {e.key[:70]:70s} {own(e) / 1e3:9.2f} ms  x{e.count}")
+
+
 def train_step(scan: str, nodes: int, setup: str, batch: int, device: str, steps: int) -> dict:
     """Seconds per training step of the 0.5M Mamba with ``scan``, and this process's peak memory."""
     from harness.models import istree
@@ -157,6 +293,11 @@ def main():
     ap.add_argument("--lengths", default="48,455,1845", help="scan lengths of part 1")
     ap.add_argument("--cells", default="16:direct,32:retrieval,64:retrieval", help="IsTree NODES:SETUP of part 2")
     ap.add_argument("--tune", action="store_true", help="on a GPU: time the Triton scan's chunk and block sizes")
+    ap.add_argument("--memory", action="store_true", help="the Triton scan's bytes (and on a GPU times) per shape")
+    ap.add_argument("--channels", type=int, default=128, help="channels of --memory's scans")
+    ap.add_argument("--dtypes", default=None, help="precisions of --memory (default: float32,bfloat16 on a GPU, "
+                                                   "float32 under the interpreter)")
+    ap.add_argument("--profile", action="store_true", help="one training step's time by kernel family per cell")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,6 +306,15 @@ def main():
             sys.exit("error: --tune times the Triton scan's kernels: run it on a CUDA GPU (or, to check it at tiny "
                      "sizes, with TRITON_INTERPRET=1)")
         tune(list(map(int, a.lengths.split(","))), a.batch, a.repeats, device)
+        return
+    if a.memory:
+        if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("error: --memory runs the Triton scan: run it on a CUDA GPU, or on a CPU with TRITON_INTERPRET=1")
+        dtypes = a.dtypes or ("float32,bfloat16" if device == "cuda" else "float32")
+        memory(list(map(int, a.lengths.split(","))), a.batch, a.channels, 16, dtypes.split(","), device, a.repeats)
+        return
+    if a.profile:
+        profile([(int(c.split(":")[0]), c.split(":")[1]) for c in a.cells.split(",")], a.batch, device)
         return
     if a.child:
         print(json.dumps(train_step(**json.loads(a.child), device=device)))

@@ -343,3 +343,56 @@ def mixed_requests(backend, prompts, free):
         stop = [stop_window(f.text, 12)] if i % 3 == 1 else (["\n\n"] if i % 3 == 0 else [])
         reqs.append(GenRequest(p, 32, stop=stop, tool=tool))
     return reqs
+
+
+def _float64_scan(u, dt, A, B, C, D, z, bias):
+    """The selective scan by its definition, in float64: the ground truth."""
+    import torch.nn.functional as F
+
+    delta = F.softplus(dt + bias[:, None])
+    h = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=torch.float64)
+    ys = []
+    for t in range(u.shape[-1]):
+        h = torch.exp(delta[..., t, None] * A) * h + (delta[..., t] * u[..., t])[..., None] * B[:, None, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    return (torch.stack(ys, -1) + D[:, None] * u) * F.silu(z)
+
+
+def bf16_errors_against_float64(scan, reference, ratio: float = 1.3) -> dict:
+    """bf16 activations, float32 parameters (as the trainer's autocast gives them) and Mamba's step-size biases:
+    the outputs and gradients where ``scan``'s error against float64 exceeds ``ratio`` x ``reference``'s (both
+    called as mamba-ssm's ``selective_scan_fn``), as {name: (scan's, reference's)}; empty when within."""
+    import math
+
+    g = torch.Generator().manual_seed(11)
+    b, d, n, length = 2, 32, 8, 160
+    step = torch.exp(torch.rand(d, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    bias = (step + torch.log(-torch.expm1(-step))).float()  # softplus^-1: Mamba's dt_proj.bias init, -6.9 ... -2.3
+    assert -7 < bias.min() < -6 and -3 < bias.max() < -2
+    A = -torch.exp(torch.rand(d, n, generator=g) * 3)
+    acts = [torch.randn(b, d, length, generator=g), torch.randn(b, d, length, generator=g) * 0.5,
+            torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g),
+            torch.randn(b, d, length, generator=g)]
+    u, dt, B, C, z = [t.bfloat16() for t in acts]
+    D = torch.randn(d, generator=g)
+    weight = torch.randn(b, d, length, generator=g, dtype=torch.float64)
+    names = ["y", "du", "ddt", "dA", "dB", "dC", "dD", "dz", "dbias"]
+
+    def run(fn, dtype=None):
+        leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (u, dt, A, B, C, D, z, bias)]
+        uu, dd, AA, BB, CC, DD, zz, bb = leaves
+        if fn is _float64_scan:
+            y = fn(uu, dd, AA, BB, CC, DD, zz, bb)
+        else:
+            y = fn(uu, dd, AA, BB, CC, D=DD, z=zz, delta_bias=bb, delta_softplus=True)
+        return [y, *torch.autograd.grad((y.double() * weight).sum(), leaves)]
+
+    def rel(a, b):
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+    truth = run(_float64_scan, torch.float64)
+    assert truth[0].std() > 0.1 and all(t.abs().max() > 0 for t in truth[1:])
+    ours, ref = run(scan), run(reference)
+    err_ours = {k: rel(a, t) for k, a, t in zip(names, ours, truth)}
+    err_ref = {k: rel(a, t) for k, a, t in zip(names, ref, truth)}
+    return {k: (err_ours[k], err_ref[k]) for k in names if err_ours[k] > ratio * err_ref[k] + 1e-6}

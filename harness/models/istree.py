@@ -90,7 +90,10 @@ class ScanMixer(MambaMixer):
         if cache_params is not None:
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         b, length, _ = hidden_states.shape
-        choice = choose_scan((b, self.intermediate_size, length), hidden_states.device, hidden_states.dtype,
+        device = hidden_states.device.type
+        # the activations the projections hand the scan and the convolution: autocast's dtype where it is on
+        act = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
+        choice = choose_scan((b, self.intermediate_size, length), hidden_states.device, act,
                              self.ssm_state_size, self.scan,
                              fused=self.scan == "auto" and mamba_kernels_run(hidden_states))
         self.__dict__.setdefault("ran", {})[choice] = None  # not a module attribute: state_dict and copies skip it
@@ -99,7 +102,7 @@ class ScanMixer(MambaMixer):
         # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
         # them without copies, and the scan's own layout changes run along contiguous channels.
         x, gate = self.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
-        x = _masked(self.act(causal_conv(x, self.conv1d.weight, self.conv1d.bias)), attention_mask)
+        x = _masked(self.act(causal_conv(x, self.conv1d.weight, self.conv1d.bias, choice.conv)), attention_mask)
         dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
                                dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in the scan, with the softplus

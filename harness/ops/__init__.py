@@ -3,7 +3,10 @@
 
 - ``selective_scan``: Mamba's selective scan for the trainer (PyTorch, its Triton kernels, the step-by-step
   reference) and ``choose_scan``, the one place that decides which runs.
-- ``scan_triton``: the Triton scan's kernels (forward and backward), checked against the PyTorch scan.
-- ``causal_conv``: the depthwise causal convolution in the projections' layout.
+- ``scan_triton``: the Triton scan's kernels (forward and backward, the states on chip), checked against the
+  PyTorch scan.
+- ``causal_conv``: the depthwise causal convolution in the projections' layout; ``conv_triton``: its Triton
+  kernels, checked against it.
+- ``interpreter``: Triton's CPU interpreter (the tests' GPU stand-in) with its prefix scans vectorised.
 - ``kernels``: mamba-ssm's Triton kernels for Phi-Mamba (loaded where they run, fetched for the CPU tests).
 """

@@ -46,6 +46,15 @@ def _taps(kernel: int, length: int):
     return [(k, kernel - 1 - k) for k in range(kernel - 1) if kernel - 1 - k < length]
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``CausalConv`` with weight given as ``nn.Conv1d``'s [c, 1, K] or as [c, K]."""
-    return CausalConv.apply(x, weight.reshape(weight.shape[0], -1), bias)
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                kernel: str = "torch") -> torch.Tensor:
+    """``CausalConv`` (``kernel="torch"``) or its Triton kernels (``"triton"``, ``conv_triton``; ``choose_scan``
+    decides) with weight given as ``nn.Conv1d``'s [c, 1, K] or as [c, K]."""
+    if kernel == "triton":
+        from harness.ops.conv_triton import TritonCausalConv  # lazy: imports triton, which a CPU install may lack
+        fn = TritonCausalConv
+    elif kernel == "torch":
+        fn = CausalConv
+    else:
+        raise ValueError(f"kernel={kernel!r}: use torch or triton")
+    return fn.apply(x, weight.reshape(weight.shape[0], -1), bias)

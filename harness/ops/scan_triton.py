@@ -1,19 +1,22 @@
-"""Mamba-1's selective scan as fused Triton kernels for a GPU without mamba-ssm's CUDA extension: the chunked
-algorithm of ``selective_scan`` (the same multiply-adds, no log-space rescaling), with each chunk's states held
-in registers instead of materialised as [batch, channels, states, time] tensors.
+"""Mamba-1's selective scan as fused Triton kernels for a GPU without mamba-ssm's CUDA extension, with the states
+kept on chip in both passes.
 
-On a GPU the PyTorch scan is memory-bound: every vectorised step reads and writes a whole chunk's states, about
-30 passes over b·d·n·L floats per layer and training step (1.3 GB at batch 64 and 2,535 tokens). Here a
-program owns (row, block of channels, chunk) and walks its chunk's steps with the states in registers; the
-passes read the inputs (b·L·(3d + 2n) values) and write the outputs; the backward writes each chunk's states to
-scratch once to read them back in reverse (its one pass over b·d·n·L floats). Kernels, one program per (row,
-channel block, chunk):
+Per (row, channel, state) the scan is the scalar recurrence ``h_t = a_t h_{t-1} + x_t`` (``a_t = exp(dt_t A)``,
+``x_t = dt_t u_t B_t``), read out as ``y_t = sum_n C_t h_t``. One program owns (row, block of channels) and walks
+its time in chunks of ``CHUNK`` steps; inside a chunk each state's recurrence is one parallel prefix scan over
+the chunk's steps (``tl.associative_scan``) seeded with the state entering the chunk, which the program carries
+in registers to the next. Nothing the size of steps x channels x states ever reaches memory:
 
-    ``_chunk_scan`` MODE 0: each chunk from zero, its end state and summed step sizes (forward pass 1)
-                    MODE 1: each chunk from its exact start, the gated output (forward pass 3)
-                    MODE 2: the state gradient backwards through each chunk from zero (backward pass 1)
-    ``_carry``      the exact state entering every chunk (forward pass 2, backward pass 2, reversed)
-    ``_chunk_backward`` each chunk's states recomputed from its start, then every gradient in reverse
+    ``_scan_forward``   the gated output, and the state entering every chunk (chunks x channels x states, the
+                        backward's checkpoints: 1/64 of the states, not the states)
+    ``_scan_backward``  the chunks in reverse: each chunk's states recomputed from its checkpoint, the state
+                        gradient ``g_t = C_t dy_t + a_{t+1} g_{t+1}`` as a reversed prefix scan seeded with what
+                        the chunk after it handed back (carried in registers), then every gradient
+
+The memory they move is their inputs, outputs and gradients, plus (backward) one partial sum of dB and dC per
+block of channels. Sums run in a fixed order (each program loops its chunks and states in order, and the partial
+sums over channel blocks (dB, dC) and over rows (dA, dD) are reduced by a plain torch sum, no atomics), so a run
+is reproducible bit for bit on one device and build.
 
 Written by hand because no installable library has Mamba-1's scan in Triton (mamba-ssm's is CUDA C++; its
 Triton kernels are Mamba-2's, whose decay is a scalar per head). Tested against the sequential scan in Triton's
@@ -29,219 +32,207 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64  # steps a program walks, its states in registers (chunks run in parallel); read at each call
+from harness.ops.interpreter import vectorise_scans
+
+vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter runs the prefix scans per slice
+
+CHUNK = 64  # steps of one prefix scan (a power of two); read at each call
 BLOCK_D = 16  # channels a program owns
 
 
 @triton.jit
-def _load_row(ptr, row, t, offs, mask, s_b, s_k, s_l):
-    return tl.load(ptr + row * s_b + offs * s_k + t * s_l, mask=mask, other=0.0).to(tl.float32)
+def _load_tile(ptr, row, offs_d, t, mask, s_b, s_d, s_l):
+    """A [channels, steps] tile of a [b, d, l] tensor, as float32."""
+    return tl.load(ptr + row * s_b + offs_d[:, None] * s_d + t[None, :] * s_l, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _tile(A, blk, dim, nst, BD: tl.constexpr, BN: tl.constexpr):
-    """A channel block's offsets and masks (channels, states, both) and its tile of A [dim, nst]."""
-    offs_d = blk * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    md, mn = offs_d < dim, offs_n < nst
-    mdn = md[:, None] & mn[None, :]
-    return offs_d, offs_n, md, mn, mdn, tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
+def _store(ptr, value, mask):
+    """float32 ``value`` stored in the pointer's precision, rounded to nearest even. A GPU's store rounds so;
+    Triton's CPU interpreter truncates to bf16, so bf16 is rounded here by hand (the store is then exact on
+    both, and the interpreter's numbers are the GPU's)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        value = bits.to(tl.float32, bitcast=True)
+    tl.store(ptr, value, mask=mask)
 
 
 @triton.jit
-def _chunk_scan(u, dt, z, Bm, Cm, A, D, dout, state, dtsum, y,
-                L, dim, nst, n_chunks,
-                su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
-                sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l,
-                MODE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    row, blk, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_d, offs_n, md, mn, mdn, a_log = _tile(A, blk, dim, nst, BD, BN)
-    at = ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :]  # state[row, c] [dim, nst]
-    t0 = c * K
-    steps = tl.minimum(L - t0, K)
-    if MODE == 1:
-        h = tl.load(state + at, mask=mdn, other=0.0)
-    else:
-        h = tl.zeros((BD, BN), dtype=tl.float32)
-    if HAS_D:
-        d_skip = tl.load(D + offs_d, mask=md, other=0.0)
-    total = tl.zeros((BD,), dtype=tl.float32)
-    for i in range(0, steps):
-        if MODE == 2:
-            t = t0 + steps - 1 - i
-        else:
-            t = t0 + i
-        dtv = _load_row(dt, row, t, offs_d, md, sdt_b, sdt_d, sdt_l)
-        a = tl.exp(dtv[:, None] * a_log)
-        if MODE == 2:  # g_t = a_t (g_{t+1}' + C_t dy_t): what chunk c hands the step before it, from zero
-            dy = _load_row(dout, row, t, offs_d, md, sy_b, sy_d, sy_l)
-            if HAS_Z:
-                zv = _load_row(z, row, t, offs_d, md, sz_b, sz_d, sz_l)
-                dy = dy * zv * tl.sigmoid(zv)
-            cv = _load_row(Cm, row, t, offs_n, mn, sC_b, sC_n, sC_l)
-            h = a * (h + dy[:, None] * cv[None, :])
-        else:
-            uv = _load_row(u, row, t, offs_d, md, su_b, su_d, su_l)
-            bv = _load_row(Bm, row, t, offs_n, mn, sB_b, sB_n, sB_l)
-            h = a * h + (dtv * uv)[:, None] * bv[None, :]
-            if MODE == 0:
-                total += dtv
-            if MODE == 1:
-                cv = _load_row(Cm, row, t, offs_n, mn, sC_b, sC_n, sC_l)
-                out = tl.sum(h * cv[None, :], axis=1)
-                if HAS_D:
-                    out += d_skip * uv
-                if HAS_Z:
-                    zv = _load_row(z, row, t, offs_d, md, sz_b, sz_d, sz_l)
-                    out = out * zv * tl.sigmoid(zv)
-                tl.store(y + row * sy_b + offs_d * sy_d + t * sy_l, out, mask=md)
-    if MODE != 1:
-        tl.store(state + at, h, mask=mdn)
-    if MODE == 0:
-        tl.store(dtsum + (row * n_chunks + c) * dim + offs_d, total, mask=md)
+def _then(a1, x1, a2, x2):
+    """Two steps of ``h -> a h + x`` as one: first (a1, x1), then (a2, x2)."""
+    return a1 * a2, a2 * x1 + x2
 
 
 @triton.jit
-def _carry(ends, dtsum, A, starts, dim, nst, n_chunks,
-           REVERSE: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    """starts[c] = the state entering chunk c: P_{c-1} starts[c-1] + ends[c-1], P = exp(A · summed dt); in
-    REVERSE the gradient entering chunk c from the one after it, the same recurrence run from the last chunk."""
+def _scan_forward(u, dt, z, Bm, Cm, A, D, y, starts,
+                  L, dim, nst, n_chunks,
+                  su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
+                  sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l,
+                  HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                  K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs_d, offs_n, md, mn, mdn, a_log = _tile(A, blk, dim, nst, BD, BN)
-    h = tl.zeros((BD, BN), dtype=tl.float32)
-    for i in range(0, n_chunks):
-        if REVERSE:
-            c = n_chunks - 1 - i
-        else:
-            c = i
-        at = ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :]
-        tl.store(starts + at, h, mask=mdn)
-        total = tl.load(dtsum + (row * n_chunks + c) * dim + offs_d, mask=md, other=0.0)
-        h = tl.exp(total[:, None] * a_log) * h + tl.load(ends + at, mask=mdn, other=0.0)
+    offs_d, offs_n, offs_t = blk * BD + tl.arange(0, BD), tl.arange(0, BN), tl.arange(0, K)
+    first = (offs_t == 0)[None, :]
+    md = offs_d < dim
+    mdn = md[:, None] & (offs_n < nst)[None, :]
+    if HAS_D:
+        d_skip = tl.load(D + offs_d, mask=md, other=0.0)
+    h_in = tl.zeros((BD, BN), dtype=tl.float32)  # the state entering the chunk, all states
+    for c in range(0, n_chunks):
+        tl.store(starts + ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :], h_in, mask=mdn)
+        t = c * K + offs_t
+        last = tl.minimum(L - c * K, K) - 1
+        at_last = (offs_t == last)[None, :]
+        mt = t < L
+        m = md[:, None] & mt[None, :]
+        dtv = _load_tile(dt, row, offs_d, t, m, sdt_b, sdt_d, sdt_l)  # 0 past the end: a = 1, x = 0
+        uv = _load_tile(u, row, offs_d, t, m, su_b, su_d, su_l)
+        dtu = dtv * uv
+        out = tl.zeros((BD, K), dtype=tl.float32)
+        for n in range(0, nst):
+            state_n = (offs_n == n)[None, :]  # state n's column of the [channels, states] tiles
+            a = tl.exp(dtv * tl.load(A + offs_d * nst + n, mask=md, other=0.0)[:, None])
+            x = dtu * tl.load(Bm + row * sB_b + n * sB_n + t * sB_l, mask=mt, other=0.0).to(tl.float32)[None, :]
+            seeded = tl.where(first, x + a * tl.sum(tl.where(state_n, h_in, 0.0), axis=1)[:, None], x)
+            _, h = tl.associative_scan((a, seeded), 1, _then)
+            out += h * tl.load(Cm + row * sC_b + n * sC_n + t * sC_l, mask=mt, other=0.0).to(tl.float32)[None, :]
+            h_in = tl.where(state_n, tl.sum(tl.where(at_last, h, 0.0), axis=1)[:, None], h_in)
+        if HAS_D:
+            out += d_skip[:, None] * uv
+        if HAS_Z:
+            zv = _load_tile(z, row, offs_d, t, m, sz_b, sz_d, sz_l)
+            out = out * zv * tl.sigmoid(zv)
+        _store(y + row * sy_b + offs_d[:, None] * sy_d + t[None, :] * sy_l, out, m)
 
 
 @triton.jit
-def _chunk_backward(u, dt, z, Bm, Cm, A, D, dout, starts, g_in, scratch,
-                    du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
-                    L, dim, nst, n_chunks, n_blocks,
-                    su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
-                    sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l, so_b, so_d, so_l,
-                    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                    K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    """dout is read with the sy strides; du, ddt and dz are written with the so strides."""
-    row, blk, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_d, offs_n, md, mn, mdn, a_log = _tile(A, blk, dim, nst, BD, BN)
-    at = ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :]
-    t0 = c * K
-    steps = tl.minimum(L - t0, K)
+def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
+                   du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
+                   L, dim, nst, n_chunks, n_blocks,
+                   su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
+                   sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l, so_b, so_d, so_l,
+                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                   K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """dout is read with the sy strides; du, ddt and dz are written with the so strides. dB_part and dC_part are
+    [b, channel blocks, n, L], dA_part [b, d, n], dD_part [b, d]: summed over their second (first) dim after."""
+    row, blk = tl.program_id(0), tl.program_id(1)
+    offs_d, offs_n, offs_t = blk * BD + tl.arange(0, BD), tl.arange(0, BN), tl.arange(0, K)
+    first = (offs_t == 0)[None, :]
+    md = offs_d < dim
+    mdn = md[:, None] & (offs_n < nst)[None, :]
     if HAS_D:
         d_skip = tl.load(D + offs_d, mask=md, other=0.0)
-    # this program's scratch: the chunk's states, [K, BD, BN]
-    tile = tl.arange(0, BD)[:, None] * BN + offs_n[None, :]
-    mine = scratch + ((row * n_blocks + blk) * n_chunks + c) * (K * BD * BN) + tile
-    h0 = tl.load(starts + at, mask=mdn, other=0.0)
-    h = h0
-    for i in range(0, steps):
-        t = t0 + i
-        dtv = _load_row(dt, row, t, offs_d, md, sdt_b, sdt_d, sdt_l)
-        uv = _load_row(u, row, t, offs_d, md, su_b, su_d, su_l)
-        bv = _load_row(Bm, row, t, offs_n, mn, sB_b, sB_n, sB_l)
-        h = tl.exp(dtv[:, None] * a_log) * h + (dtv * uv)[:, None] * bv[None, :]
-        tl.store(mine + i * (BD * BN), h)
-    g = tl.load(g_in + at, mask=mdn, other=0.0)  # a_{t+1} dL/dh_{t+1} from the chunks after this one
+    g_in = tl.zeros((BD, BN), dtype=tl.float32)  # a_{t+1} dL/dh_{t+1} that the chunk after hands the last step
     grad_a = tl.zeros((BD, BN), dtype=tl.float32)
     grad_d = tl.zeros((BD,), dtype=tl.float32)
-    for j in range(0, steps):
-        i = steps - 1 - j
-        t = t0 + i
-        dtv = _load_row(dt, row, t, offs_d, md, sdt_b, sdt_d, sdt_l)
-        uv = _load_row(u, row, t, offs_d, md, su_b, su_d, su_l)
-        bv = _load_row(Bm, row, t, offs_n, mn, sB_b, sB_n, sB_l)
-        cv = _load_row(Cm, row, t, offs_n, mn, sC_b, sC_n, sC_l)
-        dy = _load_row(dout, row, t, offs_d, md, sy_b, sy_d, sy_l)
-        h = tl.load(mine + i * (BD * BN))
-        prev = tl.load(mine + tl.maximum(i - 1, 0) * (BD * BN))
-        prev = tl.where(i > 0, prev, h0)
+    for j in range(0, n_chunks):
+        c = n_chunks - 1 - j
+        t = c * K + offs_t
+        last = tl.minimum(L - c * K, K) - 1
+        at_last = (offs_t == last)[None, :]
+        mt = t < L
+        m = md[:, None] & mt[None, :]
+        dtv = _load_tile(dt, row, offs_d, t, m, sdt_b, sdt_d, sdt_l)
+        dt_next = _load_tile(dt, row, offs_d, t + 1, md[:, None] & (offs_t < last)[None, :], sdt_b, sdt_d, sdt_l)
+        uv = _load_tile(u, row, offs_d, t, m, su_b, su_d, su_l)
+        dy = _load_tile(dout, row, offs_d, t, m, sy_b, sy_d, sy_l)
         if HAS_Z:  # y = ungated * silu(z)
-            zv = _load_row(z, row, t, offs_d, md, sz_b, sz_d, sz_l)
+            zv = _load_tile(z, row, offs_d, t, m, sz_b, sz_d, sz_l)
             sig = tl.sigmoid(zv)
-            ungated = tl.sum(h * cv[None, :], axis=1)
-            if HAS_D:
-                ungated += d_skip * uv
-            tl.store(dz + row * so_b + offs_d * so_d + t * so_l, dy * ungated * sig * (1 + zv * (1 - sig)),
-                     mask=md)
-            dy = dy * zv * sig
-        g += dy[:, None] * cv[None, :]  # dL/dh_t
-        a = tl.exp(dtv[:, None] * a_log)
-        g_b = tl.sum(g * bv[None, :], axis=1)
-        ga = g * a * prev  # dL/d(dt A) per state
-        d_u = g_b * dtv
+            dy_ungated = dy * zv * sig
+        else:
+            dy_ungated = dy
+        h0 = tl.load(starts + ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :], mask=mdn,
+                     other=0.0)
+        dtu = dtv * uv
+        d_u = tl.zeros((BD, K), dtype=tl.float32)
+        d_dt = tl.zeros((BD, K), dtype=tl.float32)
+        ungated = tl.zeros((BD, K), dtype=tl.float32)
+        for n in range(0, nst):
+            state_n = (offs_n == n)[None, :]  # state n's column of the [channels, states] tiles
+            a_n = tl.load(A + offs_d * nst + n, mask=md, other=0.0)[:, None]
+            bv = tl.load(Bm + row * sB_b + n * sB_n + t * sB_l, mask=mt, other=0.0).to(tl.float32)[None, :]
+            cv = tl.load(Cm + row * sC_b + n * sC_n + t * sC_l, mask=mt, other=0.0).to(tl.float32)[None, :]
+            a = tl.exp(dtv * a_n)
+            x = dtu * bv
+            seeded = tl.where(first, x + a * tl.sum(tl.where(state_n, h0, 0.0), axis=1)[:, None], x)
+            _, h = tl.associative_scan((a, seeded), 1, _then)
+            ungated += h * cv
+            # g_t = C_t dy_t + a_{t+1} g_{t+1}: the same recurrence reversed, each step's decay the next step's
+            # (0 at the chunk's last step, whose a_{t+1} g_{t+1} is g_in)
+            ahead = tl.where((offs_t < last)[None, :], tl.exp(dt_next * a_n), 0.0)
+            source = dy_ungated * cv
+            source = tl.where(at_last, source + tl.sum(tl.where(state_n, g_in, 0.0), axis=1)[:, None], source)
+            _, g = tl.associative_scan((ahead, source), 1, _then, reverse=True)
+            ga = g * (h - x)  # dL/d(dt A) = g_t a_t h_{t-1}, and a_t h_{t-1} = h_t - x_t
+            d_u += g * dtv * bv
+            d_dt += g * uv * bv + ga * a_n
+            part = ((row * n_blocks + blk) * nst + n) * L + t
+            tl.store(dB_part + part, tl.sum(g * dtu, axis=0), mask=mt)
+            tl.store(dC_part + part, tl.sum(h * dy_ungated, axis=0), mask=mt)
+            grad_a += tl.where(state_n, tl.sum(ga * dtv, axis=1)[:, None], 0.0)
+            g_in = tl.where(state_n, tl.sum(tl.where(first, g * a, 0.0), axis=1)[:, None], g_in)
         if HAS_D:
-            d_u += d_skip * dy
-            grad_d += dy * uv
-        tl.store(du + row * so_b + offs_d * so_d + t * so_l, d_u, mask=md)
-        tl.store(ddt + row * so_b + offs_d * so_d + t * so_l, g_b * uv + tl.sum(ga * a_log, axis=1), mask=md)
-        part = ((row * L + t) * n_blocks + blk) * nst + offs_n  # [b, L, n_blocks, n]: summed over blocks after
-        tl.store(dB_part + part, tl.sum(g * (dtv * uv)[:, None], axis=0), mask=mn)
-        tl.store(dC_part + part, tl.sum(h * dy[:, None], axis=0), mask=mn)
-        grad_a += ga * dtv[:, None]
-        g = a * g
-    tl.store(dA_part + at, grad_a, mask=mdn)
+            d_u += d_skip[:, None] * dy_ungated
+            grad_d += tl.sum(dy_ungated * uv, axis=1)
+            ungated += d_skip[:, None] * uv
+        if HAS_Z:
+            _store(dz + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l,
+                   dy * ungated * sig * (1 + zv * (1 - sig)), m)
+        _store(du + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_u, m)
+        _store(ddt + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_dt, m)
+    tl.store(dA_part + (row * dim + offs_d[:, None]) * nst + offs_n[None, :], grad_a, mask=mdn)
     if HAS_D:
-        tl.store(dD_part + (row * n_chunks + c) * dim + offs_d, grad_d, mask=md)
+        tl.store(dD_part + row * dim + offs_d, grad_d, mask=md)
 
 
 def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _time_major(like: torch.Tensor) -> torch.Tensor:
-    """A float32 [b, k, l] laid out [b, l, k] in memory, as the mixer's tensors are."""
+def _time_major(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [b, k, l] tensor laid out [b, l, k] in memory, as the mixer's tensors are."""
     b, k, length = like.shape
-    return like.new_empty((b, length, k), dtype=torch.float32).transpose(1, 2)
+    return like.new_empty((b, length, k), dtype=dtype).transpose(1, 2)
 
 
 class TritonScan(torch.autograd.Function):
     """``SelectiveScan``'s contract (mamba-ssm's ``selective_scan_fn`` without a returned state) in Triton:
     u, dt, z [b, d, l] (dt after bias and softplus), A [d, n], B, C [b, n, l], D [d]; D and z may be None.
-    float32 inside, inputs' dtype out; any strides. Keeps its inputs and the state entering every chunk."""
+    float32 inside, each gradient in its input's dtype; any strides. Keeps its inputs and the state entering
+    every chunk."""
 
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z):
         ctx.chunk = CHUNK
-        y = _time_major(u)
+        y = _time_major(u, u.dtype)
         k = _launch(u, dt, A, B, C, D, z, y, ctx.chunk)
-        ends = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
-        sums = u.new_empty((k.rows, k.n_chunks, k.dim), dtype=torch.float32)
-        _chunk_scan[k.grid](*k.tensors, y, ends, sums, y, *k.sizes, *k.strides, MODE=0, **k.flags)
-        starts = torch.empty_like(ends)
-        _carry[k.grid[:2]](ends, sums, k.a32, starts, *k.sizes[1:], REVERSE=False, BD=BLOCK_D, BN=k.bn)
-        _chunk_scan[k.grid](*k.tensors, y, starts, sums, y, *k.sizes, *k.strides, MODE=1, **k.flags)
-        ctx.save_for_backward(u, dt, A, B, C, D, z, starts, sums)
-        return y.to(u.dtype)
+        starts = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
+        _scan_forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, starts)
+        return y
 
     @staticmethod
     def backward(ctx, dout):
-        u, dt, A, B, C, D, z, starts, sums = ctx.saved_tensors
-        dout = dout.float()
+        u, dt, A, B, C, D, z, starts = ctx.saved_tensors
         k = _launch(u, dt, A, B, C, D, z, dout, ctx.chunk)
-        ends = torch.empty_like(starts)  # the state gradient each chunk hands the one before it, from zero
-        _chunk_scan[k.grid](*k.tensors, dout, ends, sums, dout, *k.sizes, *k.strides, MODE=2, **k.flags)
-        g_in = torch.empty_like(starts)
-        _carry[k.grid[:2]](ends, sums, k.a32, g_in, *k.sizes[1:], REVERSE=True, BD=BLOCK_D, BN=k.bn)
-        du, ddt, dz = _time_major(u), _time_major(u), _time_major(u)
-        scratch = u.new_empty((k.rows * k.blocks * k.n_chunks * ctx.chunk * BLOCK_D * k.bn,), dtype=torch.float32)
-        dB_part = u.new_empty((k.rows, k.length, k.blocks, k.nst), dtype=torch.float32)
+        du, ddt = _time_major(u, u.dtype), _time_major(u, dt.dtype)
+        dz = _time_major(u, z.dtype) if z is not None else du  # not written without a gate
+        dB_part = u.new_empty((k.rows, k.blocks, k.nst, k.length), dtype=torch.float32)
         dC_part = torch.empty_like(dB_part)
-        dA_part = torch.empty_like(starts)
-        dD_part = torch.empty_like(sums)
-        _chunk_backward[k.grid](*k.tensors, dout, starts, g_in, scratch, du, ddt, dz, dB_part, dC_part, dA_part,
-                                dD_part, *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags)
-        dB, dC = dB_part.sum(2).transpose(1, 2), dC_part.sum(2).transpose(1, 2)
-        return (du.to(u.dtype), ddt.to(dt.dtype), dA_part.sum((0, 1)).to(A.dtype), dB.to(B.dtype),
-                dC.to(C.dtype), dD_part.sum((0, 1)).to(D.dtype) if D is not None else None,
-                dz.to(z.dtype) if z is not None else None)
+        dA_part = u.new_empty((k.rows, k.dim, k.nst), dtype=torch.float32)
+        dD_part = u.new_empty((k.rows, k.dim), dtype=torch.float32) if D is not None else dA_part
+        _scan_backward[k.grid](*k.tensors, dout, starts, du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
+                               *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags)
+        return (du, ddt, dA_part.sum(0).to(A.dtype), _over_blocks(dB_part).to(B.dtype),
+                _over_blocks(dC_part).to(C.dtype), dD_part.sum(0).to(D.dtype) if D is not None else None,
+                dz if z is not None else None)
+
+
+def _over_blocks(part: torch.Tensor) -> torch.Tensor:
+    """[b, channel blocks, n, l] partial sums summed over the blocks (one block: a view)."""
+    return part[:, 0] if part.shape[1] == 1 else part.sum(1)
 
 
 def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
@@ -253,7 +244,7 @@ def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
     a32 = A.float().contiguous()
     zz = z if z is not None else u
     return types.SimpleNamespace(
-        rows=rows, dim=dim, length=length, nst=nst, grid=grid, blocks=blocks, n_chunks=n_chunks, bn=bn, a32=a32,
+        rows=rows, dim=dim, length=length, nst=nst, grid=grid, blocks=blocks, n_chunks=n_chunks, bn=bn,
         tensors=(u, dt, zz, B, C, a32, D.float().contiguous() if D is not None else a32),
         sizes=(length, dim, nst, n_chunks),
         strides=(*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(out)),
@@ -261,12 +252,15 @@ def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
 
 
 def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None) -> bool:
-    """Whether every index the kernels form for ``u`` of ``shape`` (b, d, l) fits 32 bits (the scratch holds
-    b·d·l·n states)."""
+    """Whether every index the kernels form for ``u`` of ``shape`` (b, d, l) fits 32 bits: the inputs (as the
+    mixer lays them out, z a slice of a tensor twice as wide), the partial sums of dB and dC (b x channel blocks
+    x n x l) and the chunks' states (b x chunks x d x n)."""
     b, d, length = shape
     chunk = chunk or CHUNK
-    padded = triton.cdiv(d, BLOCK_D) * BLOCK_D * triton.cdiv(length, chunk) * chunk * triton.next_power_of_2(n)
-    return b * padded < 2**31
+    padded_d, padded_l = triton.cdiv(d, BLOCK_D) * BLOCK_D, triton.cdiv(length, chunk) * chunk
+    largest = max(2 * padded_d * padded_l, triton.cdiv(d, BLOCK_D) * n * padded_l,
+                  triton.cdiv(length, chunk) * padded_d * triton.next_power_of_2(n))
+    return b * largest < 2**31
 
 
 def _grid(u, n, chunk):
@@ -275,7 +269,7 @@ def _grid(u, n, chunk):
     if not fits(tuple(u.shape), n, chunk):
         raise ValueError(f"the Triton scan indexes in 32 bits: {b} rows of {length} steps are too many at once")
     blocks, n_chunks = triton.cdiv(d, BLOCK_D), triton.cdiv(length, chunk)
-    return (b, blocks, n_chunks), blocks, n_chunks, triton.next_power_of_2(n)
+    return (b, blocks), blocks, n_chunks, triton.next_power_of_2(n)
 
 
 # How far the Triton scan may part from the PyTorch scan on the same inputs (relative to the largest value): both

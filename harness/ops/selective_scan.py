@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness.ops.causal_conv import CausalConv
+
 # Rows of the batch are scanned in groups of at most this many state elements (batch x channels x states x
 # time), so one layer's transient tensors stay bounded at any batch size: on a CPU small enough to stay near the
 # cache (measured fastest here), on a GPU large enough that each vectorised step is one big kernel (every group
@@ -293,20 +295,23 @@ SCAN_HELP = ("the trainer's Mamba scan: auto (the Triton kernels on a GPU where 
 
 @dataclass(frozen=True)
 class ScanChoice:
-    """Which scan one call runs, on what and in which precision: ``choose_scan``'s answer, kept by the mixer that
-    ran it and read back from the model into the trainer's result.json (``scans``)."""
+    """Which scan one call runs, on what and in which precision, and which causal convolution runs before it:
+    ``choose_scan``'s answer, kept by the mixer that ran it and read back from the model into the trainer's
+    result.json (``scans``)."""
 
     scan: str  # mamba-ssm (transformers' fused path), triton, torch or sequential
     device: str
     dtype: str
     states: int
     checked: bool | None = None  # triton: ran after its check against the PyTorch scan (False: forced)
+    conv: str = "torch"  # the mixer's causal convolution: torch (``CausalConv``) or triton (``conv_triton``)
 
     def to_json(self) -> dict:
         row = {"scan": self.scan, "device": self.device, "dtype": self.dtype, "states": self.states}
         if self.scan == "triton":
             row["checked"] = bool(self.checked)
             row["checked_in"] = self.dtype if self.checked else None
+            row["conv"] = self.conv
         return row
 
 
@@ -328,16 +333,18 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
     if scan == "torch" or (scan == "auto" and torch.device(device).type != "cuda"):
         return ScanChoice("torch", **where)
     try:
-        from harness.ops import scan_triton  # lazy: imports triton, which a CPU install may lack
+        from harness.ops import conv_triton, scan_triton  # lazy: imports triton, which a CPU install may lack
     except ImportError:
         if scan == "triton":
             raise
         return ScanChoice("torch", **where)
     if scan == "triton":
-        return ScanChoice("triton", **where, checked=False)
+        return ScanChoice("triton", **where, checked=False, conv="triton")
     if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
                                                                   states, skip, gate):
-        return ScanChoice("triton", **where, checked=True)
+        b, d, length = shape
+        conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"])
+        return ScanChoice("triton", **where, checked=True, conv="triton" if conv else "torch")
     return ScanChoice("torch", **where)
 
 
