@@ -201,51 +201,19 @@ def _copy_bandwidth() -> float:
 
 def profile(cells: list[tuple[int, str]], batch: int, device: str) -> None:
     """One 0.5M Mamba training step per cell under torch.profiler: the step's device time by kernel family."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    from harness.models import istree
+    from harness.tools.step_profile import profile_step
     from harness.training.config import TrainConfig
-    from harness.training.data import TrainTask, batch_from_tokens
-    from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
 
-    gpu = device == "cuda"
-    # a GPU: the Triton kernels by name (the PyTorch scan's many small kernels fall in the rest); a CPU: the
-    # autograd functions, whose time includes the ops they ran
-    families = ((("scan", ("_scan_forward", "_scan_backward")), ("convolution", ("_conv_forward", "_conv_backward")))
-                if gpu else (("scan", ("SelectiveScan", "SelectiveScanBackward", "TritonScan", "TritonScanBackward")),
-                             ("convolution", ("CausalConv", "CausalConvBackward"))))
     for nodes, setup in cells:
         cfg = TrainConfig(arch="mamba", size="0.5M", nodes=nodes, setup=setup, report_to="none").resolved()
-        task = TrainTask(cfg)
-        vocab = {t: i for i, t in enumerate(task.vocab)}
-        stream = task.stream(seed=0)
-        torch.manual_seed(0)
-        model = new_model(cfg, task).to(device)
-        opt = new_optimizer(cfg, model, torch.device(device))
-        ids, mask = batch_from_tokens([next(stream) for _ in range(batch)], vocab, device)
-
-        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=uses_bf16(cfg, torch.device(device)))
-
-        def step():  # the trainer's own step
-            optimizer_step(model, opt, ids, mask, autocast)
-            _sync(device)
-
-        step()
-        with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
-            step()
-        rows = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == gpu]
-        own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
-        total = sum(own(e) for e in rows)
-        # a GPU: the kernels' own time; a CPU: the autograd functions' time with the ops they ran
-        inside = own if gpu else (lambda e: e.cpu_time_total)
-        named = (lambda e, keys: any(k in e.key for k in keys)) if gpu else (lambda e, keys: e.key in keys)
-        share = {name: sum(inside(e) for e in rows if named(e, keys)) for name, keys in families}
-        print(f"\nn={nodes} {setup}, {ids.shape[1]} tokens, batch {batch}: {total / 1e3:.1f} ms of "
-              f"{'device' if gpu else 'CPU'} time in one step ({istree.scans_ran(model)[0]['scan']} scan)")
-        for name, us in (*share.items(), ("the rest", total - sum(share.values()))):
-            print(f"  {name:12s} {us / 1e3:9.2f} ms {100 * us / total:6.1f}%")
-        for e in sorted(rows, key=own, reverse=True)[:10]:
-            print(f"    {e.key[:70]:70s} {own(e) / 1e3:9.2f} ms  x{e.count}")
+        p = profile_step(cfg, batch, device)
+        total, families = p["total_ms"], p["families_ms"]
+        print(f"\nn={nodes} {setup}, {p['tokens']} tokens, batch {batch}: {total:.1f} ms of "
+              f"{'device' if device == 'cuda' else 'CPU'} time in one step ({p['scans'][0]['scan']} scan)")
+        for name, ms in (*families.items(), ("the rest", total - sum(families.values()))):
+            print(f"  {name:12s} {ms:9.2f} ms {100 * ms / total:6.1f}%")
+        for key, ms, count in p["top"]:
+            print(f"    {key[:70]:70s} {ms:9.2f} ms  x{count}")
 
 
 def train_step(scan: str, nodes: int, setup: str, batch: int, device: str, steps: int) -> dict:

@@ -56,8 +56,10 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     steps = report["steps"]
     assert {k: s["status"] for k, s in steps.items()} == dict.fromkeys(("scan", "trainer", "sweep", "decode"),
                                                                          "done"), steps
-    scan = steps["scan"]["rows"]
+    scan = [r for r in steps["scan"]["rows"] if "name" not in r]
     assert {(r["tokens"], r["dtype"]) for r in scan} == {(24, "float32"), (24, "bfloat16")}
+    profiled = [r for r in steps["scan"]["rows"] if "name" in r]
+    assert len(profiled) == 1 and 0 < profiled[0]["scan_conv_ms"] < profiled[0]["step_ms"], profiled
     assert all(r["ok"] and r["max_rel_diff"] <= r["tolerance"] for r in scan)
     trainer = steps["trainer"]["rows"]
     assert {r["arch"] for r in trainer if "arch" in r} == {"transformer", "mamba", "hybrid"}

@@ -9,7 +9,8 @@ released checkpoints' shapes; without one the same steps run at tiny sizes on th
 the suite cannot rot between GPU sessions) and the goals are marked as not applicable.
 
 The steps: (a) the trainer's Triton scan against its PyTorch scan, forward and backward, at the IsTree lengths
-in float32 and in bf16 (the trainer's autocast), times and largest differences; (b) training steps of the 0.5M
+in float32 and in bf16 (the trainer's autocast), times and largest differences, then where one 0.5M Mamba
+training step at n=64 retrieval spends its time (the scan's and the convolution's kernels); (b) training steps of the 0.5M
 Transformer, Mamba and hybrid at n=16 direct and n=64 retrieval through the trainer's own step and data
 (``measure_cell``) and the paper grid's projected hours from them; (c) the all-slot HotpotQA sweep under the
 planner's ``auto``, ``batch`` and ``none`` on Phi- and Phi-Mamba-shaped models, outputs compared; (d) decode
@@ -35,6 +36,7 @@ from harness.tiny import build_tokenizer
 from harness.tools.checks import check_cuda_graphs, decode_table, environment
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.tools.gpu_suite import model_path, plan_sweep
+from harness.tools.step_profile import profile_step
 from harness.training.config import TrainConfig
 from harness.training.data import TrainingBatches, TrainTask
 from harness.training.grid import GRID_DEFAULTS, GRIDS, cell_parameters, measure_cell
@@ -44,15 +46,16 @@ BUDGET_S = 420  # the whole call on an H100, start-up and model building include
 MIN_STEP_S = 20  # a step given less than this is skipped: it could not start its models and measure
 RESERVE_S = 10  # kept back from the last step for the table
 # Steps in the order they decide things, each with its cap in seconds (a GPU's; on a CPU the sizes are tiny).
-STEPS = {"scan": 60, "trainer": 150, "sweep": 110, "decode": 130}
-GOALS = {"grid_h100_hours": 24.0, "auto_over_batch": 1.3, "decode_of_bound_b1": 0.5, "decode_of_bound_b64": 0.6}
+STEPS = {"scan": 75, "trainer": 150, "sweep": 110, "decode": 130}
+GOALS = {"scan_conv_ms": 30.0, "grid_h100_hours": 24.0, "auto_over_batch": 1.3, "decode_of_bound_b1": 0.5, "decode_of_bound_b64": 0.6}
 PAPER_RUNS = 81
 
 
 def sizes(cuda: bool) -> dict:
     """What each step measures: the real shapes on a GPU, tiny ones on a CPU."""
     if cuda:
-        return {"scan": {"lengths": [48, 455, 1845], "batch": 64, "channels": 128, "states": 16, "repeats": 3},
+        return {"scan": {"lengths": [48, 455, 1845], "batch": 64, "channels": 128, "states": 16, "repeats": 3,
+                         "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64}},
                 # each paper size measured (smallest, largest, then the middle): small models' steps are bound by
                 # kernel launches, so step time does not scale with parameters
                 "trainer": {"sizes": ["0.5M", "2M", "1M"], "cells": [(16, "direct"), (64, "retrieval")], "batch": 64,
@@ -62,7 +65,8 @@ def sizes(cuda: bool) -> dict:
                             "draws": 8},
                 "sweep": {"questions": 4, "slots": 11, "size": "real", "new": 16},
                 "decode": {"context": 2048, "batches": [1, 64], "steps": 8, "size": "real"}}
-    return {"scan": {"lengths": [24], "batch": 1, "channels": 16, "states": 4, "repeats": 1},  # interpreted: slow
+    return {"scan": {"lengths": [24], "batch": 1, "channels": 16, "states": 4, "repeats": 1,  # interpreted: slow
+                     "profile": {"size": "smoke", "nodes": 4, "setup": "direct", "batch": 1}},
             "trainer": {"sizes": ["smoke"], "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "graph_steps": 5, "graph_cells": [("mamba", 4, "direct")],
                         "draws": 2},
@@ -107,6 +111,17 @@ def scan_step(device: str, spec: dict, emit) -> None:
                   "torch_ms": round(1e3 * secs["torch"], 2), "speedup": round(secs["torch"] / secs["triton"], 2),
                   "max_rel_diff": float(f"{worst:.2e}"), "tolerance": scan_triton.TOLERANCE[dtype],
                   "ok": worst <= scan_triton.TOLERANCE[dtype]})
+    # where a Mamba training step's time goes: the scan's and the convolution's kernels against the rest
+    cell = spec["profile"]
+    cfg = TrainConfig(arch="mamba", size=cell["size"], nodes=cell["nodes"], setup=cell["setup"],
+                      report_to="none").resolved()
+    p = profile_step(cfg, cell["batch"], device)
+    fam = p["families_ms"]
+    emit({"name": f"profile: mamba {cell['size']} n={cell['nodes']} {cell['setup']}, batch {cell['batch']}, "
+                  f"{p['tokens']} tokens", "scan": p["scans"][0]["scan"], "conv": p["scans"][0].get("conv", "torch"),
+          "step_ms": round(p["total_ms"], 2), "scan_ms": round(fam["scan"], 2),
+          "conv_ms": round(fam["convolution"], 2), "scan_conv_ms": round(fam["scan"] + fam["convolution"], 2),
+          "top": "; ".join(f"{k[:40]} {ms:.1f}" for k, ms, _ in p["top"][:5])})
 
 
 def trainer_step(device: str, spec: dict, emit) -> None:
@@ -286,11 +301,16 @@ def summary(report: dict) -> list[dict]:
         rows.append({"number": name, "value": value, "goal": f"{'>=' if higher else '<='} {target:g}",
                      "met": {None: "n/a" if value is not None else "not measured", True: "yes", False: "no"}[met]})
 
-    scan, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
+    scan_rows, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
+    scan = [r for r in scan_rows if "name" not in r]
     rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16)",
                  "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
                  "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
                  if scan else "not measured"})
+    profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
+    goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
+         if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",
+         profiled[0]["scan_conv_ms"] if profiled else None, GOALS["scan_conv_ms"], higher=False)
     proj = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("projection")]
     goal("paper grid, H100-hours (81 runs)" if gpu else "paper grid, hours on this CPU (81 runs; the goal is an "
          "H100's, not judged here)", proj[-1]["grid_hours"] if proj else None, GOALS["grid_h100_hours"], higher=False)
@@ -338,7 +358,7 @@ def render(report: dict) -> str:
         # values as written (a column mixing numbers and booleans would show True as 1)
         table = [{**r, "value": "" if r["value"] is None else str(r["value"])} for r in report["summary"]]
         lines += ["## The decisive numbers", "", pd.DataFrame(table).to_markdown(index=False), ""]
-    titles = {"scan": "(a) Triton scan against the PyTorch scan, forward + backward",
+    titles = {"scan": "(a) Triton scan against the PyTorch scan, forward + backward; where a Mamba step's time goes",
               "trainer": "(b) Training steps through the trainer's own step and data",
               "sweep": "(c) The all-slot HotpotQA sweep: auto, batch, none",
               "decode": "(d) Decode against the memory-bandwidth bound"}
