@@ -7,6 +7,7 @@
   PyTorch scan.
 - ``causal_conv``: the depthwise causal convolution in the projections' layout; ``conv_triton``: its Triton
   kernels, checked against it.
+- ``triton_shared``: what those kernels share (a rounding store, the check a kernel passes before use).
 - ``interpreter``: Triton's CPU interpreter (the tests' GPU stand-in) with its prefix scans vectorised.
 - ``kernels``: mamba-ssm's Triton kernels for Phi-Mamba (loaded where they run, fetched for the CPU tests).
 """

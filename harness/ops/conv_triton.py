@@ -13,13 +13,12 @@ where this runs, and wants [batch, channels, time]. Checked against ``CausalConv
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from harness.ops.scan_triton import _store
+from harness.ops.triton_shared import agrees, store_rounded
 
 BLOCK_T = 32  # steps a program owns
 BLOCK_C = 64  # channels a program owns
@@ -41,7 +40,7 @@ def _conv_forward(x, w, bias, y, L, channels,
         acc += xv * tl.load(w + c * K + k, mask=mc, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
-    _store(y + row * sy_b + t[:, None] * sy_l + c[None, :], acc, (t < L)[:, None] & mc[None, :])
+    store_rounded(y + row * sy_b + t[:, None] * sy_l + c[None, :], acc, (t < L)[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -68,7 +67,7 @@ def _conv_backward(x, w, dy, dx, dw_part, db_part, L, channels, n_tblocks,
         m = ((src >= 0) & (t < L))[:, None] & mc[None, :]
         xv = tl.load(x + row * sx_b + src[:, None] * sx_l + c[None, :] * sx_c, mask=m, other=0.0).to(tl.float32)
         tl.store(dw_part + part * K + k, tl.sum(dyv * xv, axis=0), mask=mc)
-    _store(dx + row * sdx_b + t[:, None] * sdx_l + c[None, :], acc, mine)
+    store_rounded(dx + row * sdx_b + t[:, None] * sdx_l + c[None, :], acc, mine)
     if HAS_BIAS:
         tl.store(db_part + part, tl.sum(dyv, axis=0), mask=mc)
 
@@ -127,8 +126,8 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
 @functools.lru_cache(maxsize=None)
 def verified_on(device: str, reference, dtype: str = "float32", kernel: int = 4, bias: bool = True) -> bool:
-    """Whether the Triton convolution equals ``reference`` (``CausalConv``) on this device for one class of launch (input in
-    ``dtype``, ``kernel`` taps, with or without a bias; output and every gradient, at a length and width that
+    """Whether the Triton convolution equals ``reference`` (``CausalConv``) on this device for one class of
+    launch (input in ``dtype``, ``kernel`` taps, with or without a bias; output and every gradient, at a length and width that
     are not multiples of a block): checked once per process and class before that class runs; a kernel that
     fails or differs leaves the run on ``CausalConv``, with a warning."""
     g = torch.Generator().manual_seed(0)
@@ -136,24 +135,16 @@ def verified_on(device: str, reference, dtype: str = "float32", kernel: int = 4,
     wide = torch.randn(rows, length, 2 * channels, generator=g).to(getattr(torch, dtype))
     weight, b = torch.randn(channels, kernel, generator=g), torch.randn(channels, generator=g)
     dy = torch.randn(rows, length, channels, generator=g)
-    results = []
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type,
-                                                                               enabled=False):
-            for conv in (TritonCausalConv, reference):
-                leaves = [t.to(device).requires_grad_() for t in (wide, weight, b)]
-                x = leaves[0][..., :channels]  # a strided slice, as the mixer's in_proj output is split
-                y = conv.apply(x, leaves[1], leaves[2] if bias else None)
-                used = leaves if bias else leaves[:2]
-                results.append([y.detach().float(), *(t.float() for t in torch.autograd.grad(
-                    y, used, dy.to(device, y.dtype)))])
-    except Exception as e:  # noqa: BLE001 (a kernel that does not compile or launch here, for any reason)
-        warnings.warn(f"the Triton causal convolution failed on {device} in {dtype} ({type(e).__name__}: {e}); "
-                      "the run uses the PyTorch convolution", stacklevel=2)
-        return False
-    worst = max(((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for a, r in zip(*results))
-    if not worst <= TOLERANCE.get(dtype, 1e-5):
-        warnings.warn(f"the Triton causal convolution differs from the PyTorch one on {device} in {dtype} by "
-                      f"{worst:.1e} (relative); the run uses the PyTorch convolution", stacklevel=2)
-        return False
-    return True
+
+    def run():
+        results = []
+        for conv in (TritonCausalConv, reference):
+            leaves = [t.to(device).requires_grad_() for t in (wide, weight, b)]
+            x = leaves[0][..., :channels]  # a strided slice, as the mixer's in_proj output is split
+            y = conv.apply(x, leaves[1], leaves[2] if bias else None)
+            used = leaves if bias else leaves[:2]
+            results.append([y.detach(), *torch.autograd.grad(y, used, dy.to(device, y.dtype))])
+        return results
+
+    return agrees(run, TOLERANCE.get(dtype, 1e-5), "causal convolution", "PyTorch one", device, f"{device} in {dtype}",
+                  "the run uses the PyTorch convolution")

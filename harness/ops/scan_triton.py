@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
 from harness.ops.interpreter import vectorise_scans
+from harness.ops.triton_shared import agrees, store_rounded
 
 vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter runs the prefix scans per slice
 
@@ -47,15 +47,11 @@ def _load_tile(ptr, row, offs_d, t, mask, s_b, s_d, s_l):
 
 
 @triton.jit
-def _store(ptr, value, mask):
-    """float32 ``value`` stored in the pointer's precision, rounded to nearest even. A GPU's store rounds so;
-    Triton's CPU interpreter truncates to bf16, so bf16 is rounded here by hand (the store is then exact on
-    both, and the interpreter's numbers are the GPU's)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        value = bits.to(tl.float32, bitcast=True)
-    tl.store(ptr, value, mask=mask)
+def _block(blk, dim, nst, K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """A program's channels, states and steps of a chunk (offsets), the first step, and the channel masks."""
+    offs_d, offs_n, offs_t = blk * BD + tl.arange(0, BD), tl.arange(0, BN), tl.arange(0, K)
+    md = offs_d < dim
+    return offs_d, offs_n, offs_t, (offs_t == 0)[None, :], md, md[:, None] & (offs_n < nst)[None, :]
 
 
 @triton.jit
@@ -72,10 +68,7 @@ def _scan_forward(u, dt, z, Bm, Cm, A, D, y, starts,
                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                   K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs_d, offs_n, offs_t = blk * BD + tl.arange(0, BD), tl.arange(0, BN), tl.arange(0, K)
-    first = (offs_t == 0)[None, :]
-    md = offs_d < dim
-    mdn = md[:, None] & (offs_n < nst)[None, :]
+    offs_d, offs_n, offs_t, first, md, mdn = _block(blk, dim, nst, K, BD, BN)
     if HAS_D:
         d_skip = tl.load(D + offs_d, mask=md, other=0.0)
     h_in = tl.zeros((BD, BN), dtype=tl.float32)  # the state entering the chunk, all states
@@ -103,7 +96,7 @@ def _scan_forward(u, dt, z, Bm, Cm, A, D, y, starts,
         if HAS_Z:
             zv = _load_tile(z, row, offs_d, t, m, sz_b, sz_d, sz_l)
             out = out * zv * tl.sigmoid(zv)
-        _store(y + row * sy_b + offs_d[:, None] * sy_d + t[None, :] * sy_l, out, m)
+        store_rounded(y + row * sy_b + offs_d[:, None] * sy_d + t[None, :] * sy_l, out, m)
 
 
 @triton.jit
@@ -117,10 +110,7 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
     """dout is read with the sy strides; du, ddt and dz are written with the so strides. dB_part and dC_part are
     [b, channel blocks, n, L], dA_part [b, d, n], dD_part [b, d]: summed over their second (first) dim after."""
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs_d, offs_n, offs_t = blk * BD + tl.arange(0, BD), tl.arange(0, BN), tl.arange(0, K)
-    first = (offs_t == 0)[None, :]
-    md = offs_d < dim
-    mdn = md[:, None] & (offs_n < nst)[None, :]
+    offs_d, offs_n, offs_t, first, md, mdn = _block(blk, dim, nst, K, BD, BN)
     if HAS_D:
         d_skip = tl.load(D + offs_d, mask=md, other=0.0)
     g_in = tl.zeros((BD, BN), dtype=tl.float32)  # a_{t+1} dL/dh_{t+1} that the chunk after hands the last step
@@ -178,10 +168,10 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
             grad_d += tl.sum(dy_ungated * uv, axis=1)
             ungated += d_skip[:, None] * uv
         if HAS_Z:
-            _store(dz + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l,
+            store_rounded(dz + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l,
                    dy * ungated * sig * (1 + zv * (1 - sig)), m)
-        _store(du + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_u, m)
-        _store(ddt + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_dt, m)
+        store_rounded(du + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_u, m)
+        store_rounded(ddt + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_dt, m)
     tl.store(dA_part + (row * dim + offs_d[:, None]) * nst + offs_n[None, :], grad_a, mask=mdn)
     if HAS_D:
         tl.store(dD_part + row * dim + offs_d, grad_d, mask=md)
@@ -295,23 +285,15 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     D = torch.randn(d, generator=g) if skip else None
     z = z if gate else None
     weight = torch.randn(b, d, length, generator=g).to(device)
-    results = []
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type,
-                                                                               enabled=False):
-            for scan in (TritonScan, reference):
-                inputs = [t.to(device).requires_grad_() if t is not None else None for t in (u, dt, A, B, C, D, z)]
-                y = scan.apply(*inputs)
-                leaves = [t for t in inputs if t is not None]
-                results.append([y.detach().float(), *(t.float() for t in torch.autograd.grad(
-                    (y.float() * weight).sum(), leaves))])
-    except Exception as e:  # noqa: BLE001 (a kernel that does not compile or launch here, for any reason)
-        warnings.warn(f"the Triton selective scan failed on {device} in {dtype} with {n} states ({type(e).__name__}: "
-                      f"{e}); training uses the PyTorch scan", stacklevel=2)
-        return False
-    worst = max(((x - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for x, r in zip(*results))
-    if not worst <= TOLERANCE.get(dtype, 1e-4):
-        warnings.warn(f"the Triton selective scan differs from the PyTorch scan on {device} in {dtype} with {n} "
-                      f"states by {worst:.1e} (relative); training uses the PyTorch scan", stacklevel=2)
-        return False
-    return True
+
+    def run():
+        results = []
+        for scan in (TritonScan, reference):
+            inputs = [t.to(device).requires_grad_() if t is not None else None for t in (u, dt, A, B, C, D, z)]
+            y = scan.apply(*inputs)
+            leaves = [t for t in inputs if t is not None]
+            results.append([y.detach(), *torch.autograd.grad((y.float() * weight).sum(), leaves)])
+        return results
+
+    return agrees(run, TOLERANCE.get(dtype, 1e-4), "selective scan", "PyTorch scan", device,
+                  f"{device} in {dtype} with {n} states", "training uses the PyTorch scan")
