@@ -20,7 +20,7 @@ CASES = {
                           "1"], "True"),
     "prefix_tree.py": (["--models", "phi,hybrid-phi-mamba", "--questions", "1", "--samples", "1", "--hidden", "32",
                         "--layers", "1", "--lengths", "64,128", "--no-lm-eval"], "| True | True |"),
-    "scan.py": (["--lengths", "16,33", "--cells", "4:direct,4:retrieval", "--batch", "2", "--steps", "1",
+    "scan.py": (["--lengths", "16,33", "--cells", "4:retrieval", "--batch", "2", "--steps", "1",
                  "--repeats", "1"], "losses of every step agree"),
     "retrieval_resume.py": (["--context", "120", "--calls", "2", "--new-tokens", "8", "--hidden", "32", "--layers",
                              "2", "--samples", "2"], "identical tokens: True"),
