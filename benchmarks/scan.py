@@ -88,14 +88,9 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chu
           f"{default[0]}, block {default[1]})")
     print(f"{'tokens':>7s} {'chunk':>6s} {'block':>6s} {'seconds':>9s} {'vs default':>11s} {'max rel diff':>13s}")
     for length in lengths:
-        g = torch.Generator().manual_seed(length)
-        u, z = (torch.randn(batch, d, length, generator=g).to(device).bfloat16().requires_grad_() for _ in range(2))
-        dt = (torch.rand(batch, d, length, generator=g) * 0.1 + 0.001).to(device).requires_grad_()
-        B, C = (torch.randn(batch, n, length, generator=g).to(device).bfloat16().requires_grad_() for _ in range(2))
-        A = -torch.arange(1, n + 1.0).expand(d, n).clone().to(device).requires_grad_()
-        D = torch.ones(d, device=device, requires_grad=True)
-        inputs = (u, dt, A, B, C, D, z)
-        dy = torch.randn(batch, d, length, generator=g).to(device).bfloat16()
+        inputs = [t.requires_grad_() for t in _scan_inputs(batch, d, n, length, torch.bfloat16, device, seed=length)]
+        u, dt, A, B, C, D, z = inputs
+        dy = torch.randn(batch, d, length, generator=torch.Generator().manual_seed(length + 1)).to(device).bfloat16()
 
         def run(scan):
             y = selective_scan(u, dt, A, B, C, D=D, z=z, scan=scan)
@@ -145,9 +140,10 @@ def memory(lengths: list[int], batch: int, d: int, n: int, dtypes: list[str], de
     from harness.ops.scan_triton import TritonScan
     from harness.ops.selective_scan import SelectiveScan
     from harness.tools.bench import AllocatedBytes
+    from harness.tools.checks import memory_bandwidth
 
     gpu = device == "cuda"
-    bandwidth = _copy_bandwidth() if gpu else None
+    bandwidth = memory_bandwidth(device) if gpu else None
     print(f"the Triton scan's memory, {batch} rows x {d} channels x {n} states"
           + (f"; copy bandwidth {bandwidth / 1e9:.0f} GB/s" if gpu else ""))
     print(f"{'tokens':>7s} {'dtype':>9s} {'fwd alloc MB':>13s} {'output MB':>10s} {'bwd alloc MB':>13s} "
@@ -190,13 +186,6 @@ def _best(fn, repeats: int) -> float:
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return best
-
-
-def _copy_bandwidth() -> float:
-    """Bytes per second a device-to-device copy of 1 GiB moves (read plus write): the memory bound's rate."""
-    src = torch.empty(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * _nbytes(src) / _best(lambda: dst.copy_(src), 5)
 
 
 def profile(cells: list[tuple[int, str]], batch: int, device: str) -> None:
