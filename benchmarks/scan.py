@@ -32,6 +32,7 @@ the step's device time in the scan's kernels, the convolution's and the rest, th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -258,6 +259,9 @@ def main():
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (a.tune or a.memory) and importlib.util.find_spec("triton") is None:
+        sys.exit(f"error: --{'tune' if a.tune else 'memory'} runs the Triton scan and Triton is not installed: "
+                 "pip install triton (a CUDA build of torch brings it), or pip install -e \".[dev]\"")
     if a.tune:
         if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("error: --tune times the Triton scan's kernels: run it on a CUDA GPU (or, to check it at tiny "
