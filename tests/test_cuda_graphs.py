@@ -146,3 +146,13 @@ def test_training_steps_whose_capture_fails_train_eagerly_as_plain_steps_do(fail
     losses, step = train(True)
     assert len(set(plain)) > 1 and losses == pytest.approx(plain, rel=1e-6)
     assert step.disabled and step.replays == 0 and step.describe().startswith("eager (")
+
+
+@pytest.mark.parametrize("mode", [True, False, "yes", None])
+def test_a_graph_mode_that_is_not_auto_on_or_off_is_refused_not_read_as_off(mode):
+    """The decode table once passed True/False: both read as "off", so its "(graphs)" rows timed eager steps."""
+    from harness.backends import backend_class, graphs_used
+    cls = backend_class("phi-mamba")
+    assert graphs_used("on", cls, "cpu") and not graphs_used("off", cls, "cuda") and graphs_used("auto", cls, "cuda")
+    with pytest.raises(ValueError, match="give one of auto, on, off"):
+        graphs_used(mode, cls, "cuda")

@@ -18,11 +18,17 @@ def backend_class(name: str) -> type:
     return BACKENDS.get(name)
 
 
+GRAPH_MODES = ("auto", "on", "off")
+
+
 def graphs_used(mode: str, backend: type, device) -> bool:
     """Whether a run decodes through CUDA graphs: ``--cuda-graphs on``, or ``auto`` where the backend class can
-    (``graph_decode_capable``) and the device is CUDA. One answer for the settings hash and the loaded backend."""
+    (``graph_decode_capable``) and the device is CUDA. One answer for the settings hash and the loaded backend.
+    Any other ``mode`` (a bool, a typo) is refused: read as "off", it silently measured eager steps as graphed."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"cuda_graphs={mode!r}: give one of {', '.join(GRAPH_MODES)}")
     return mode == "on" or (mode == "auto" and backend.graph_decode_capable and str(device).startswith("cuda"))
 
 
-__all__ = ["BACKENDS", "backend_class", "graphs_used"]
+__all__ = ["BACKENDS", "GRAPH_MODES", "backend_class", "graphs_used"]
 

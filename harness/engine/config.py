@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.backends import BACKENDS, backend_class
+from harness.backends import BACKENDS, GRAPH_MODES, backend_class
 from harness.backends.base import resolve_device
 from harness.backends.loading import ResolvedModel
 from harness.backends.planner import PREFIX_REUSE
@@ -24,7 +24,6 @@ from harness.backends.prefix_tree import parse_bytes
 from harness.hashing import json_digest
 from harness.models.registry import MODELS
 
-GRAPH_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):

@@ -209,7 +209,7 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
     hidden, layers = (2048, 24) if size == "real" else (128, 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
-    runs = [(a, graphs) for a in archs for graphs in ((False, True) if device == "cuda" else (False,))]
+    runs = [(a, graphs) for a in archs for graphs in (("off", "on") if device == "cuda" else ("off",))]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
@@ -217,7 +217,7 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
             path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
                                    max_positions=max(lengths) + 64, init_std=0.02, real_heads=size == "real")
             backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
-            label = arch + (" (graphs)" if graphs else "")
+            label = arch + (" (graphs)" if graphs == "on" else "")
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
             for b in batches:
                 for n in lengths:
@@ -230,7 +230,7 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
                         continue
                     bound = b * bandwidth / (weights + nbytes)  # a step reads every weight once and every state
                     off = getattr(getattr(backend, "graphs", None), "disabled", None)
-                    rows.append({"model": f"{arch} (graphs off: {off})" if graphs and off else label, **({"batch": b} if len(batches) > 1
+                    rows.append({"model": f"{arch} (graphs off: {off})" if graphs == "on" and off else label, **({"batch": b} if len(batches) > 1
                                                                                      else {}), "context": n,
                                  "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
                                  "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),
