@@ -66,3 +66,31 @@ def test_the_cli_refuses_graphs_without_cuda(tmp_path):
                           "--cuda-graphs", "on"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "error: --cuda-graphs on replays training steps on a CUDA device" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_auto_trains_from_graphs_only_where_its_check_agrees(agrees, tmp_path, monkeypatch):
+    """``--cuda-graphs auto`` through the trainer with capture off (its CUDA-only part): a cell whose check
+    passes trains on the graphs' static buffers; one whose check replays nothing (here: each shape's eager
+    warm-up outlasting the check's 8 steps, as batches of ever new lengths would) trains eagerly, the reason in
+    result.json. Either way the run is the one ``off`` trains: the check's models and batches leave the run's
+    seed, data and losses alone."""
+    from harness.training import trainer
+
+    def run(graphs: str) -> dict:
+        cfg = TrainConfig(arch="mamba", size="smoke", nodes=4, setup="direct", samples=48, batch_size=4,
+                          eval_every=24, eval_samples=8, live_eval=False, report_to="none", cuda_graphs=graphs,
+                          output=str(tmp_path / graphs)).resolved()
+        return trainer.train_one(cfg)
+
+    plain = run("off")
+    monkeypatch.setattr(trainer, "graphs_setting", lambda cfg, device_type, processes: cfg.cuda_graphs)
+    monkeypatch.setattr(trainer, "GraphedSteps", lambda *a, **k: GraphedSteps(*a, **k, capture=False))
+    if not agrees:
+        monkeypatch.setattr(step_graphs, "WARMUP", 8)
+    auto = run("auto")
+    check = auto["graphs_check"]
+    assert check["ok"] is agrees and auto["train_step"] == ("static buffers" if agrees else f"eager ({check['why']})")
+    assert agrees or "no step was replayed within 8" in check["why"]
+    curve = [p["loss"] for p in plain["curve"]]
+    assert len(set(curve)) > 1 and [p["loss"] for p in auto["curve"]] == pytest.approx(curve, rel=1e-6)

@@ -11,6 +11,7 @@ def block_attention_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tens
     t = attention_mask.shape[1]
     dev = attention_mask.device
     allowed = torch.ones(q_len, t, dtype=torch.bool, device=dev).tril(t - q_len)[None] & attention_mask.bool()[:, None]
-    own = torch.zeros(q_len, t, dtype=torch.bool, device=dev)
-    own[torch.arange(q_len), t - q_len + torch.arange(q_len)] = True
+    # each query's own position: the diagonal at offset t - q_len, built on the device (index tensors made on
+    # the host are a host-to-device copy, which a CUDA graph capture refuses)
+    own = torch.ones(q_len, t, dtype=torch.bool, device=dev).tril(t - q_len).triu(t - q_len)
     return (allowed | own[None])[:, None]

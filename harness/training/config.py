@@ -30,6 +30,14 @@ RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "la
 ADDED_SETTINGS = {"scan": "auto", "cuda_graphs": "off"}
 CHECKPOINTS = ("last", "best")
 
+
+def graphs_setting(cfg: "TrainConfig", device_type: str, processes: int) -> str:
+    """``--cuda-graphs`` as it applies to this run, for its identity: ``auto`` where graphs cannot run (not CUDA,
+    several processes) is ``off``, as runs made before ``auto`` existed recorded it."""
+    if cfg.cuda_graphs == "auto" and (device_type != "cuda" or processes > 1):
+        return "off"
+    return cfg.cuda_graphs
+
 # How a grid's cells are run: processes on this machine, or submitit jobs (its local executor, or SLURM).
 LAUNCHERS = ("processes", "submitit-local", "slurm")
 
@@ -70,10 +78,12 @@ class TrainConfig:
                         choices=["auto", "fp32", "bf16"])
     scan: str = _f("auto", SCAN_HELP + "; the environment's ICR_SCAN overrides it, with a log line",
                    choices=list(SCANS))
-    cuda_graphs: str = _f("off", "on: replay each training step (forward, loss, backward, AdamW) from a CUDA graph "
-                                 "per batch shape (one process on CUDA; the small models' steps are bound by "
-                                 "kernel launches); a step that cannot be captured trains eagerly, logged. Checked "
-                                 "against eager steps by the quick GPU suite", choices=["off", "on"])
+    cuda_graphs: str = _f("auto", "replay each training step (forward, loss, backward, AdamW) from a CUDA graph per "
+                                  "batch shape (the small models' steps are bound by kernel launches). auto "
+                                  "(default): in one process on CUDA, where 8 graphed steps of the run's cell equal "
+                                  "eager ones at the run's start, else eagerly with the reason logged and in "
+                                  "result.json (off elsewhere); on: without that check; off. A step that cannot be "
+                                  "captured trains eagerly, logged", choices=["auto", "on", "off"])
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
                         "(less padding; 1 = off, as the paper)")

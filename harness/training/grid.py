@@ -33,7 +33,7 @@ from harness.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
 from harness.training.data import TrainingBatches, TrainTask
 from harness.training.launch import run_on_scheduler
-from harness.training.step_graphs import WARMUP, GraphedSteps
+from harness.training.step_graphs import MAX_SHAPES, WARMUP, GraphedSteps
 from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
 from harness.training.trainer import train_one
 
@@ -281,18 +281,21 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     Steps cost what their padded length costs, and a cell's lengths vary widely (IsTree retrieval: 2x between
     batches), so a few steps on whatever batches come first misstate the mean by as much. ``draws`` batches are
     drawn as the trainer draws them (``TrainingBatches``: the run's seed, bucketing and batch), and the ``steps``
-    timed steps (after one warm-up) run on the batches at evenly spaced quantiles of padded length: their mean is
+    timed steps (after two warm-up steps) run on the batches at evenly spaced quantiles of padded length: their mean is
     a stratified estimate of the run's mean step."""
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device)
-    graphs = cell.cuda_graphs == "on" and device.type == "cuda"
+    graphs = cell.cuda_graphs != "off" and device.type == "cuda"  # auto as the run would: graphs, if they agree
     opt = new_optimizer(cell, model, device, graphs)
     source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
     t = time.perf_counter()
     drawn = [b for k in range(-(-max(draws, steps) // cell.bucket)) for b in source.pool(k)]
     gen_s = (time.perf_counter() - t) / (len(drawn) * batch)
     drawn.sort(key=lambda b: b[0].shape[1])
+    # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
+    # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
+    graphs = graphs and len({b[0].shape for b in drawn}) <= MAX_SHAPES
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
     middle = drawn[len(drawn) // 2]
     cuda = device.type == "cuda"
@@ -304,7 +307,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
         for ids, mask in {b[0].shape: b for b in [middle, *picked]}.values():
             for _ in range(WARMUP + 1):
                 graphed(ids.to(device), mask.to(device))
-    for ids, mask in [middle, *picked]:
+    for ids, mask in [middle, middle, *picked]:  # two warm-up steps, then the timed ones
         ids, mask = ids.to(device), mask.to(device)
         sync()
         t0 = time.perf_counter()
@@ -320,7 +323,9 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     with torch.no_grad(), autocast:
         model(input_ids=ids)
     sync()
-    return {"step_s": sum(times[1:]) / steps, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
+    timed = times[2:]
+    return {"step_s": sum(timed) / steps, "spread": (max(timed) - min(timed)) / (sum(timed) / steps),
+            "graphs": graphs, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
             "padded_lengths": [int(b[0].shape[1]) for b in picked]}
 

@@ -34,9 +34,9 @@ from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
 from harness.models.istree import scans_ran, trainable_parameters
 from harness.reports.plotting import pyplot, save
-from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig
+from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig, graphs_setting
 from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
-from harness.training.step_graphs import GraphedSteps
+from harness.training.step_graphs import GraphedSteps, check_graphed_steps
 from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
 from harness.training.state import (
     Progress,
@@ -139,15 +139,18 @@ class Trainer:
         self.per_process = cfg.batch_size // acc.num_processes
         cuda = acc.device.type == "cuda"
         self.bf16 = uses_bf16(cfg, acc.device)
+        self.graphs_setting = graphs_setting(cfg, acc.device.type, acc.num_processes)
+        if self.graphs_setting == "on" and (not cuda or acc.num_processes > 1):
+            raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
+                              f"process(es) on {acc.device}); use --cuda-graphs off")
+        # auto's check of graphed steps against eager ones, before the run's own seed is set
+        self.graphs_check = self.check_graphs() if self.graphs_setting == "auto" else None
+        graphs = self.graphs_setting == "on" or bool(self.graphs_check and self.graphs_check["ok"])
         torch.manual_seed(cfg.seed)
         self.task = TrainTask(cfg)
         self.vocab = {t: i for i, t in enumerate(self.task.vocab)}
         model = new_model(cfg, self.task)
         self.n_params = trainable_parameters(model)
-        graphs = cfg.cuda_graphs == "on"
-        if graphs and (not cuda or acc.num_processes > 1):
-            raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
-                              f"process(es) on {acc.device}); use --cuda-graphs off")
         self.model, self.opt = acc.prepare(model, new_optimizer(cfg, model.to(acc.device), acc.device, graphs))
         self.graphed = GraphedSteps(self.model, self.opt, acc.device.type, self.bf16) if graphs else None
         self.steps = max(1, cfg.samples // cfg.batch_size)
@@ -180,11 +183,26 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.acc.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
+    def check_graphs(self) -> dict:
+        """``--cuda-graphs auto``: graphed steps of this cell against eager ones (fresh models and the cell's own
+        batches under a moving rate: ``check_graphed_steps``) before the run's model exists; graphs run only
+        where they agree, else the run trains as ``off`` would, the reason logged and kept for result.json."""
+        r = check_graphed_steps(self.cfg, self.acc.device, self.per_process)
+        check = {k: r[k] for k in ("loss_diff", "weight_diff", "eager_loss_floor", "eager_weight_floor", "speedup",
+                                   "ok")}
+        if r["ok"]:
+            log.info("%s: training steps replay from CUDA graphs (8 graphed steps equal eager ones: losses within "
+                     "%.1e, weights %.1e; %.1fx faster)", self.cfg.name, r["loss_diff"], r["weight_diff"], r["speedup"])
+            return check
+        log.warning("%s: --cuda-graphs auto: training eagerly: %s", self.cfg.name, r["why"])
+        return {**check, "why": r["why"]}
+
     # -- start or resume ----------------------------------------------------------------------------------
     def run(self, overwrite: bool) -> dict:
         cfg, acc = self.cfg, self.acc
         if acc.is_main_process:
-            check_settings(self.out, {k: getattr(cfg, k) for k in RESULT_DECIDING}, overwrite, ADDED_SETTINGS)
+            settings = {k: getattr(cfg, k) for k in RESULT_DECIDING}
+            check_settings(self.out, {**settings, "cuda_graphs": self.graphs_setting}, overwrite, ADDED_SETTINGS)
         acc.wait_for_everyone()
         resumed = load_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, acc.num_processes)
         if resumed is not None:
@@ -371,7 +389,9 @@ class Trainer:
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
                   "scans": scans_ran(self.model),
-                  "train_step": self.graphed.describe() if self.graphed is not None else "eager"}
+                  "train_step": self.graphed.describe() if self.graphed is not None else (
+                      f"eager ({self.graphs_check['why']})" if self.graphs_check else "eager"),
+                  **({"graphs_check": self.graphs_check} if self.graphs_check is not None else {})}
         if cfg.live_eval:
             t1 = time.perf_counter()
             live = _only(evaluate(model, tok, out, cfg.task, self.task.eval_args, cfg.eval_batch_size,
