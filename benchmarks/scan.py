@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import resource
@@ -77,17 +78,19 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     return out
 
 
-def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chunks=(32, 64, 128), blocks=(8, 16, 32)) -> None:
-    """The Triton scan's CHUNK x BLOCK_D on this GPU: seconds of forward+backward and the largest relative
-    difference from the PyTorch scan (output and every gradient) per configuration and length."""
+def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chunks=(32, 64), blocks=(8, 16, 32),
+         warps=(4, 8)) -> None:
+    """The Triton scan's CHUNK x BLOCK_D x NUM_WARPS on this GPU: seconds of forward+backward and the largest
+    relative difference from the PyTorch scan (output and every gradient) per configuration and length."""
     from harness.ops import scan_triton
     from harness.ops.selective_scan import selective_scan
 
     d, n = 128, 16
-    default = (scan_triton.CHUNK, scan_triton.BLOCK_D)
+    default = (scan_triton.CHUNK, scan_triton.BLOCK_D, scan_triton.NUM_WARPS)
     print(f"Triton scan configurations, forward+backward, batch {batch}, bf16 activations (default: chunk "
-          f"{default[0]}, block {default[1]})")
-    print(f"{'tokens':>7s} {'chunk':>6s} {'block':>6s} {'seconds':>9s} {'vs default':>11s} {'max rel diff':>13s}")
+          f"{default[0]}, block {default[1]}, {default[2]} warps)")
+    print(f"{'tokens':>7s} {'chunk':>6s} {'block':>6s} {'warps':>6s} {'seconds':>9s} {'vs default':>11s} "
+          f"{'max rel diff':>13s}")
     for length in lengths:
         inputs = [t.requires_grad_() for t in _scan_inputs(batch, d, n, length, torch.bfloat16, device, seed=length)]
         u, dt, A, B, C, D, z = inputs
@@ -100,24 +103,23 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chu
 
         ref = run("torch")
         rows = []
-        for chunk in chunks:
-            for block in blocks:
-                scan_triton.CHUNK, scan_triton.BLOCK_D = chunk, block
-                got = run("triton")  # compiles this configuration
-                diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref))
-                best = float("inf")
-                for _ in range(repeats):
-                    _sync(device)
-                    t = time.perf_counter()
-                    run("triton")
-                    _sync(device)
-                    best = min(best, time.perf_counter() - t)
-                rows.append((chunk, block, best, diff))
-        scan_triton.CHUNK, scan_triton.BLOCK_D = default
-        base = next(r[2] for r in rows if r[:2] == default)
-        fastest = min(r[2] for r in rows)
-        for chunk, block, sec, diff in rows:
-            print(f"{length:7d} {chunk:6d} {block:6d} {sec:9.5f} {base / sec:10.2f}x {diff:13.2e}"
+        for chunk, block, warp in itertools.product(chunks, blocks, warps):
+            scan_triton.CHUNK, scan_triton.BLOCK_D, scan_triton.NUM_WARPS = chunk, block, warp
+            got = run("triton")  # compiles this configuration
+            diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+            best = float("inf")
+            for _ in range(repeats):
+                _sync(device)
+                t = time.perf_counter()
+                run("triton")
+                _sync(device)
+                best = min(best, time.perf_counter() - t)
+            rows.append((chunk, block, warp, best, diff))
+        scan_triton.CHUNK, scan_triton.BLOCK_D, scan_triton.NUM_WARPS = default
+        base = next(r[3] for r in rows if r[:3] == default)
+        fastest = min(r[3] for r in rows)
+        for chunk, block, warp, sec, diff in rows:
+            print(f"{length:7d} {chunk:6d} {block:6d} {warp:6d} {sec:9.5f} {base / sec:10.2f}x {diff:13.2e}"
                   + ("  <- fastest" if sec == fastest else ""), flush=True)
 
 

@@ -38,6 +38,7 @@ vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter r
 
 CHUNK = 64  # steps of one prefix scan (a power of two); read at each call
 BLOCK_D = 16  # channels a program owns
+NUM_WARPS = 4  # warps a program runs on (Triton's default); benchmarks/scan.py --tune times the choices
 
 
 @triton.jit
@@ -199,7 +200,7 @@ class TritonScan(torch.autograd.Function):
         y = _time_major(u, u.dtype)
         k = _launch(u, dt, A, B, C, D, z, y, ctx.chunk)
         starts = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
-        _scan_forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags)
+        _scan_forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags, num_warps=NUM_WARPS)
         ctx.save_for_backward(u, dt, A, B, C, D, z, starts)
         return y
 
@@ -214,7 +215,7 @@ class TritonScan(torch.autograd.Function):
         dA_part = u.new_empty((k.rows, k.dim, k.nst), dtype=torch.float32)
         dD_part = u.new_empty((k.rows, k.dim), dtype=torch.float32) if D is not None else dA_part
         _scan_backward[k.grid](*k.tensors, dout, starts, du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
-                               *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags)
+                               *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags, num_warps=NUM_WARPS)
         return (du, ddt, dA_part.sum(0).to(A.dtype), _over_blocks(dB_part).to(B.dtype),
                 _over_blocks(dC_part).to(C.dtype), dD_part.sum(0).to(D.dtype) if D is not None else None,
                 dz if z is not None else None)
