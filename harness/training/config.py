@@ -81,7 +81,7 @@ class TrainConfig:
     cuda_graphs: str = _f("auto", "replay each training step (forward, loss, backward, AdamW) from a CUDA graph per "
                                   "batch shape (the small models' steps are bound by kernel launches). auto "
                                   "(default): in one process on CUDA, where 8 graphed steps of the run's cell equal "
-                                  "eager ones at the run's start, else eagerly with the reason logged and in "
+                                  "eager ones at the run's start and are faster, else eagerly with the reason logged and in "
                                   "result.json (off elsewhere); on: without that check; off. A step that cannot be "
                                   "captured trains eagerly, logged", choices=["auto", "on", "off"])
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
