@@ -1,4 +1,4 @@
-"""The trainer's optimizer step replayed from CUDA graphs (``--cuda-graphs on``).
+"""The trainer's optimizer step replayed from CUDA graphs (``--cuda-graphs auto``/``on``).
 
 The paper's models are small: on an H100 a 0.5M Transformer's step at 48 tokens is 3 ms of GPU work and 26-40
 ms of Python and kernel launches (about 1,000 launches a step), so most of the paper grid's hours are launch
@@ -12,6 +12,8 @@ update) at fixed addresses, following PyTorch's whole-network capture recipe:
   replay reads the current rate (a Python float would be frozen into the graph).
 - gradients are the graph's own buffers: rewritten by every replay, never accumulated; before an eager step
   they are set to None, as an eager step expects.
+- its steps, eager and graphed, use SDPA's memory-efficient, flash or math attention (``GRAPH_ATTENTION``): a
+  graphed cuDNN attention step parts from its eager twin.
 - a step that cannot be captured (an op that syncs with the host) or memory that runs out turns the graphs off
   for the run with a warning: the run goes on eagerly, never wrongly (``harness.cuda_graphs.GraphCache``, the
   decode graphs' cache and policy too).
