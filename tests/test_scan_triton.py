@@ -66,6 +66,23 @@ CHILD = textwrap.dedent("""
                              "worst": max(rel(a, r) for a, r in zip(*res)),
                              "backward_bytes": backward_bytes, "gradient_bytes": gradient_bytes})
 
+    # packed rows: the scan restarts at each sample's first token (at a chunk's first step, mid-chunk, twice in a
+    # row, at the last step), as the step-by-step scan does
+    g = torch.Generator().manual_seed(7)
+    b, d, n, length = 2, 20, 4, 27
+    u, z, B, C, w = (torch.randn(*shape, generator=g) for shape in [(b, d, length), (b, d, length), (b, n, length),
+                                                                   (b, n, length), (b, d, length)])
+    dt, A, D = torch.rand(b, d, length, generator=g) * 0.3, -torch.rand(d, n, generator=g) * 2, torch.randn(d)
+    starts = torch.zeros(b, length)
+    starts[:, [0, 8, 11, 12, length - 1]] = 1
+    res = []
+    for fn in (st.TritonScan.apply, ss.sequential_scan):
+        ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+        y = fn(*ins, starts=starts) if fn is ss.sequential_scan else fn(*ins, starts)
+        res.append([y.detach(), *torch.autograd.grad(y, ins, w)])
+    out["resets"] = {"worst": max(rel(a, r) for a, r in zip(*res)),
+                     "restarted": rel(st.TritonScan.apply(u, dt, A, B, C, D, z), res[0][0])}
+
     # the vectorised interpreter scan gives the stock interpreter's bits
     fast = interpreter.ScanOps.generic_scan
     runs = []
@@ -113,6 +130,7 @@ CHILD = textwrap.dedent("""
     out["verified_classes"] = [st.verified_on("cpu", ss.SelectiveScan, dtype, 16, skip, gate)
                                for dtype, skip, gate in (("bfloat16", True, True), ("float32", False, False))]
     out["verified_classes"].append(ct.verified_on("cpu", CausalConv, "bfloat16"))
+    out["verified_classes"].append(st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True))
     for module, fn, check in ((st, "TritonScan", lambda: st.verified_on("cpu", ss.SelectiveScan)),
                               (ct, "TritonCausalConv", lambda: ct.verified_on("cpu", CausalConv))):
         right = getattr(module, fn)
@@ -140,12 +158,13 @@ def test_the_triton_scan_and_convolution_equal_the_reference_in_the_interpreter(
         # nothing the size of steps x channels x states: the backward allocates its gradients and the partial
         # sums of dB and dC per block of channels (a state history in memory was 6-10x the gradients here)
         assert case["backward_bytes"] <= 2 * case["gradient_bytes"], case
+    assert out["resets"]["worst"] < 1e-5 and out["resets"]["restarted"] > 1e-2, out["resets"]
     assert out["bitwise"] is True
     for case in out["conv"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
     assert out["model_grads"] > 10 and out["model_worst"] < 1e-5, out
     assert {(r["scan"], r["conv"]) for r in out["triton_ran"]} == {("triton", "triton")}, out
-    assert out["verified"] == [True, True] and out["verified_classes"] == [True, True, True]
+    assert out["verified"] == [True, True] and out["verified_classes"] == [True, True, True, True]
     for fn, what in (("TritonScan", "PyTorch scan"), ("TritonCausalConv", "PyTorch one")):
         assert out[f"{fn} differs"][0] is False and f"differs from the {what}" in out[f"{fn} differs"][1]
         assert out[f"{fn} fails"][0] is False and "ZeroDivisionError" in out[f"{fn} fails"][1]
@@ -210,7 +229,7 @@ AOT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from harness.ops import conv_triton as ct, scan_triton as st
 
-    POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "dout", "y", "starts", "du", "ddt", "dz", "dB_part",
+    POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "resets", "dout", "y", "starts", "du", "ddt", "dz", "dB_part",
                 "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part"}
     BF16 = {"u", "z", "Bm", "Cm", "du", "dz", "x", "dx"}  # the mixer's activations under bf16 autocast
 
@@ -223,7 +242,7 @@ AOT = textwrap.dedent("""
 
     built = 0
     for arch in (80, 90):  # A100, H100/H200
-        for flags in (dict(HAS_D=True, HAS_Z=True), dict(HAS_D=False, HAS_Z=False)):
+        for flags in (dict(HAS_D=True, HAS_Z=True, HAS_RESETS=True), dict(HAS_D=False, HAS_Z=False, HAS_RESETS=False)):
             tile = dict(K=st.CHUNK, BD=st.BLOCK_D, BN=16)
             for kernel in (st._scan_forward, st._scan_backward):
                 built += bool(build(kernel, dict(**flags, **tile), arch).asm["cubin"])

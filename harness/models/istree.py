@@ -41,6 +41,7 @@ from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
 from harness.ops.causal_conv import causal_conv
 from harness.models.masks import block_attention_mask
+from harness.models.packing import current_starts
 from harness.ops.selective_scan import SCANS, ScanChoice, choose_scan, run_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
@@ -93,22 +94,24 @@ class ScanMixer(MambaMixer):
         device = hidden_states.device.type
         # the activations the projections hand the scan and the convolution: autocast's dtype where it is on
         act = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
+        starts = current_starts()  # packed rows: the state restarts at each sample's first token
         choice = choose_scan((b, self.intermediate_size, length), hidden_states.device, act,
                              self.ssm_state_size, self.scan,
-                             fused=self.scan == "auto" and mamba_kernels_run(hidden_states))
+                             fused=self.scan == "auto" and starts is None and mamba_kernels_run(hidden_states),
+                             resets=starts is not None)
         self.__dict__.setdefault("ran", {})[choice] = None  # not a module attribute: state_dict and copies skip it
         if choice.scan == "mamba-ssm":
             return super().forward(hidden_states, cache_params=None, attention_mask=attention_mask, **kwargs)
         # Tensors stay [batch, time, channels] in memory (the scan takes transposed views): the projections read
         # them without copies, and the scan's own layout changes run along contiguous channels.
         x, gate = self.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
-        x = _masked(self.act(causal_conv(x, self.conv1d.weight, self.conv1d.bias, choice.conv)), attention_mask)
+        x = _masked(self.act(causal_conv(x, self.conv1d.weight, self.conv1d.bias, choice.conv, starts)), attention_mask)
         dt, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
                                dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in the scan, with the softplus
         y = run_scan(choice, x.transpose(1, 2), dt.transpose(1, 2), -torch.exp(self.A_log.float()),
                      B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(), z=gate.transpose(1, 2),
-                     delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
+                     delta_bias=self.dt_proj.bias.float(), delta_softplus=True, starts=starts)
         return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype))
 
 
@@ -215,7 +218,8 @@ class HybridForCausalLM(PreTrainedModel):
         out = self.backbone(input_ids, attention_mask=attention_mask if l > 1 else None, cache_params=mcache,
                             use_cache=use_cache)
         h = out.last_hidden_state
-        h = self.attn(h, attention_mask=block_attention_mask(attention_mask, l), position_ids=position_ids, past_key_values=kv,
+        mask = block_attention_mask(attention_mask, l, current_starts() if past == 0 else None)
+        h = self.attn(h, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
                       position_embeddings=self.rotary(h, position_ids), use_cache=use_cache)
         h = h[0] if isinstance(h, tuple) else h
         if logits_to_keep:

@@ -13,32 +13,47 @@ import torch
 class CausalConv(torch.autograd.Function):
     """y[b, t, c] = bias[c] + sum_k weight[c, k] x[b, t - (K - 1) + k, c], x before the start taken as zero
     (``F.conv1d`` of x padded with K - 1 zeros on the left, kernel [c, 1, K], ``groups=c``). x [b, L, c],
-    weight [c, K], bias [c] or None; the output is contiguous."""
+    weight [c, K], bias [c] or None; the output is contiguous. ``starts`` [b, L] (packed rows: 1 at each sample's
+    first token) keeps every tap inside its sample: a step before the sample's first token reads as zero, as
+    before the start of a row."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, starts=None):
         kernel, length = weight.shape[-1], x.shape[1]
         y = torch.mul(x, weight[:, kernel - 1])  # the tap at the current step
+        within = _within(starts, kernel, length, x.dtype)
         for k, shift in _taps(kernel, length):
-            y[:, shift:].addcmul_(x[:, :length - shift], weight[:, k])
+            term = x[:, :length - shift] if within is None else x[:, :length - shift] * within[shift]
+            y[:, shift:].addcmul_(term, weight[:, k])
         if bias is not None:
             y += bias
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, starts)
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, starts = ctx.saved_tensors
         kernel, length = weight.shape[-1], x.shape[1]
         dy = dy.contiguous()
+        within = _within(starts, kernel, length, dy.dtype)
         dx = torch.mul(dy, weight[:, kernel - 1])
         dw = torch.zeros_like(weight)  # a tap that reaches past the start of every row has no gradient
         dw[:, kernel - 1] = (dy * x).sum((0, 1))
         for k, shift in _taps(kernel, length):
-            dx[:, :length - shift].addcmul_(dy[:, shift:], weight[:, k])
-            dw[:, k] = (dy[:, shift:] * x[:, :length - shift]).sum((0, 1))
-        return dx, dw, dy.sum((0, 1)) if ctx.has_bias else None
+            dyk = dy[:, shift:] if within is None else dy[:, shift:] * within[shift]
+            dx[:, :length - shift].addcmul_(dyk, weight[:, k])
+            dw[:, k] = (dyk * x[:, :length - shift]).sum((0, 1))
+        return dx, dw, dy.sum((0, 1)) if ctx.has_bias else None, None
+
+
+def _within(starts, kernel: int, length: int, dtype) -> dict | None:
+    """{shift: [b, L - shift, 1] 1 where step t - shift is in step t's sample, else 0} (t from shift on)."""
+    if starts is None:
+        return None
+    sample = starts.cumsum(1)
+    return {shift: (sample[:, shift:] == sample[:, :length - shift]).to(dtype)[..., None]
+            for _, shift in _taps(kernel, length)}
 
 
 def _taps(kernel: int, length: int):
@@ -47,9 +62,12 @@ def _taps(kernel: int, length: int):
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                kernel: str = "torch") -> torch.Tensor:
+                kernel: str = "torch", starts: torch.Tensor | None = None) -> torch.Tensor:
     """``CausalConv`` (``kernel="torch"``) or its Triton kernels (``"triton"``, ``conv_triton``; ``choose_scan``
-    decides) with weight given as ``nn.Conv1d``'s [c, 1, K] or as [c, K]."""
+    decides) with weight given as ``nn.Conv1d``'s [c, 1, K] or as [c, K]. Packed rows (``starts``) run on
+    ``CausalConv``: the Triton kernels do not restart at a sample's first token."""
+    if starts is not None:
+        return CausalConv.apply(x, weight.reshape(weight.shape[0], -1), bias, starts)
     if kernel == "triton":
         from harness.ops.conv_triton import TritonCausalConv  # lazy: imports triton, which a CPU install may lack
         fn = TritonCausalConv

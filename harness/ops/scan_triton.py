@@ -56,18 +56,29 @@ def _block(blk, dim, nst, K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _keep(resets, row, t, mt, L, HAS_RESETS: tl.constexpr):
+    """[1, steps] multipliers of the decays: 0 at a packed sample's first token, else 1 (all 1 without resets:
+    the kernels then skip the multiply)."""
+    flag = tl.zeros_like(t).to(tl.float32)
+    if HAS_RESETS:
+        flag = tl.load(resets + row * L + t, mask=mt, other=0.0)
+    return (1.0 - flag)[None, :]
+
+
+@triton.jit
 def _then(a1, x1, a2, x2):
     """Two steps of ``h -> a h + x`` as one: first (a1, x1), then (a2, x2)."""
     return a1 * a2, a2 * x1 + x2
 
 
 @triton.jit
-def _scan_forward(u, dt, z, Bm, Cm, A, D, y, starts,
+def _scan_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts,
                   L, dim, nst, n_chunks,
                   su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
                   sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l,
-                  HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                  HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESETS: tl.constexpr,
                   K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """``resets`` [b, l] (contiguous, float32): 1 at a packed sample's first token, whose decay is zeroed."""
     row, blk = tl.program_id(0), tl.program_id(1)
     offs_d, offs_n, offs_t, first, md, mdn = _block(blk, dim, nst, K, BD, BN)
     if HAS_D:
@@ -83,10 +94,13 @@ def _scan_forward(u, dt, z, Bm, Cm, A, D, y, starts,
         dtv = _load_tile(dt, row, offs_d, t, m, sdt_b, sdt_d, sdt_l)  # 0 past the end: a = 1, x = 0
         uv = _load_tile(u, row, offs_d, t, m, su_b, su_d, su_l)
         dtu = dtv * uv
+        keep = _keep(resets, row, t, mt, L, HAS_RESETS)
         out = tl.zeros((BD, K), dtype=tl.float32)
         for n in range(0, nst):
             state_n = (offs_n == n)[None, :]  # state n's column of the [channels, states] tiles
             a = tl.exp(dtv * tl.load(A + offs_d * nst + n, mask=md, other=0.0)[:, None])
+            if HAS_RESETS:
+                a = a * keep
             x = dtu * tl.load(Bm + row * sB_b + n * sB_n + t * sB_l, mask=mt, other=0.0).to(tl.float32)[None, :]
             seeded = tl.where(first, x + a * tl.sum(tl.where(state_n, h_in, 0.0), axis=1)[:, None], x)
             _, h = tl.associative_scan((a, seeded), 1, _then)
@@ -101,12 +115,12 @@ def _scan_forward(u, dt, z, Bm, Cm, A, D, y, starts,
 
 
 @triton.jit
-def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
+def _scan_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts,
                    du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
                    L, dim, nst, n_chunks, n_blocks,
                    su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
                    sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l, so_b, so_d, so_l,
-                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESETS: tl.constexpr,
                    K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """dout is read with the sy strides; du, ddt and dz are written with the so strides. dB_part and dC_part are
     [b, channel blocks, n, L], dA_part [b, d, n], dD_part [b, d]: summed over their second (first) dim after."""
@@ -137,6 +151,8 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
         h0 = tl.load(starts + ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :], mask=mdn,
                      other=0.0)
         dtu = dtv * uv
+        keep = _keep(resets, row, t, mt, L, HAS_RESETS)
+        keep_next = _keep(resets, row, t + 1, offs_t < last, L, HAS_RESETS)
         d_u = tl.zeros((BD, K), dtype=tl.float32)
         d_dt = tl.zeros((BD, K), dtype=tl.float32)
         ungated = tl.zeros((BD, K), dtype=tl.float32)
@@ -146,6 +162,8 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
             bv = tl.load(Bm + row * sB_b + n * sB_n + t * sB_l, mask=mt, other=0.0).to(tl.float32)[None, :]
             cv = tl.load(Cm + row * sC_b + n * sC_n + t * sC_l, mask=mt, other=0.0).to(tl.float32)[None, :]
             a = tl.exp(dtv * a_n)
+            if HAS_RESETS:
+                a = a * keep
             x = dtu * bv
             seeded = tl.where(first, x + a * tl.sum(tl.where(state_n, h0, 0.0), axis=1)[:, None], x)
             _, h = tl.associative_scan((a, seeded), 1, _then)
@@ -153,6 +171,8 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, dout, starts,
             # g_t = C_t dy_t + a_{t+1} g_{t+1}: the same recurrence reversed, each step's decay the next step's
             # (0 at the chunk's last step, whose a_{t+1} g_{t+1} is g_in)
             ahead = tl.where((offs_t < last)[None, :], tl.exp(dt_next * a_n), 0.0)
+            if HAS_RESETS:
+                ahead = ahead * keep_next
             source = dy_ungated * cv
             source = tl.where(at_last, source + tl.sum(tl.where(state_n, g_in, 0.0), axis=1)[:, None], source)
             _, g = tl.associative_scan((ahead, source), 1, _then, reverse=True)
@@ -195,19 +215,20 @@ class TritonScan(torch.autograd.Function):
     every chunk."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z):
+    def forward(ctx, u, dt, A, B, C, D, z, resets=None):
         ctx.chunk = CHUNK
         y = _time_major(u, u.dtype)
-        k = _launch(u, dt, A, B, C, D, z, y, ctx.chunk)
+        resets = resets.float().contiguous() if resets is not None else None
+        k = _launch(u, dt, A, B, C, D, z, y, ctx.chunk, resets)
         starts = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
         _scan_forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags, num_warps=NUM_WARPS)
-        ctx.save_for_backward(u, dt, A, B, C, D, z, starts)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, resets, starts)
         return y
 
     @staticmethod
     def backward(ctx, dout):
-        u, dt, A, B, C, D, z, starts = ctx.saved_tensors
-        k = _launch(u, dt, A, B, C, D, z, dout, ctx.chunk)
+        u, dt, A, B, C, D, z, resets, starts = ctx.saved_tensors
+        k = _launch(u, dt, A, B, C, D, z, dout, ctx.chunk, resets)
         du, ddt = _time_major(u, u.dtype), _time_major(u, dt.dtype)
         dz = _time_major(u, z.dtype) if z is not None else du  # not written without a gate
         dB_part = u.new_empty((k.rows, k.blocks, k.nst, k.length), dtype=torch.float32)
@@ -218,7 +239,7 @@ class TritonScan(torch.autograd.Function):
                                *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags, num_warps=NUM_WARPS)
         return (du, ddt, dA_part.sum(0).to(A.dtype), _over_blocks(dB_part).to(B.dtype),
                 _over_blocks(dC_part).to(C.dtype), dD_part.sum(0).to(D.dtype) if D is not None else None,
-                dz if z is not None else None)
+                dz if z is not None else None, None)
 
 
 def _over_blocks(part: torch.Tensor) -> torch.Tensor:
@@ -226,7 +247,7 @@ def _over_blocks(part: torch.Tensor) -> torch.Tensor:
     return part[:, 0] if part.shape[1] == 1 else part.sum(1)
 
 
-def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
+def _launch(u, dt, A, B, C, D, z, out, chunk, resets=None) -> types.SimpleNamespace:
     """What every launch of one scan's kernels shares: the grid, the leading tensors (float32 A and D), the
     sizes, the strides of the inputs and of ``out`` (read or written with the last stride triple), the flags."""
     rows, dim, length = u.shape
@@ -236,10 +257,12 @@ def _launch(u, dt, A, B, C, D, z, out, chunk) -> types.SimpleNamespace:
     zz = z if z is not None else u
     return types.SimpleNamespace(
         rows=rows, dim=dim, length=length, nst=nst, grid=grid, blocks=blocks, n_chunks=n_chunks, bn=bn,
-        tensors=(u, dt, zz, B, C, a32, D.float().contiguous() if D is not None else a32),
+        tensors=(u, dt, zz, B, C, a32, D.float().contiguous() if D is not None else a32,
+                 resets if resets is not None else a32),
         sizes=(length, dim, nst, n_chunks),
         strides=(*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(out)),
-        flags=dict(HAS_D=D is not None, HAS_Z=z is not None, K=chunk, BD=BLOCK_D, BN=bn))
+        flags=dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_RESETS=resets is not None, K=chunk, BD=BLOCK_D,
+                   BN=bn))
 
 
 def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None) -> bool:
@@ -270,11 +293,11 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 @functools.lru_cache(maxsize=None)
 def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, skip: bool = True,
-                gate: bool = True) -> bool:
+                gate: bool = True, resets: bool = False) -> bool:
     """Whether the Triton scan equals ``reference`` (the PyTorch scan's autograd function) on this device for one
     class of launch (activations in ``dtype``, ``n`` states, with or without the skip ``D`` and the gate ``z``;
     output and every gradient, at a length that is not a multiple of a chunk): checked once per process and
-    class before that class runs, so a kernel that miscompiles or fails on some GPU, in some precision or shape,
+    class (``resets``: packed rows, restarting at samples' first tokens) before that class runs, so a kernel that miscompiles or fails on some GPU, in some precision or shape,
     leaves training on the PyTorch scan (with a warning) instead of on wrong numbers."""
     g = torch.Generator().manual_seed(0)
     b, d, length = 2, BLOCK_D + 7, 2 * CHUNK + 7
@@ -286,12 +309,16 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     D = torch.randn(d, generator=g) if skip else None
     z = z if gate else None
     weight = torch.randn(b, d, length, generator=g).to(device)
+    starts = None
+    if resets:  # at the first step, mid-chunk, twice in a row at a chunk's start
+        starts = torch.zeros(b, length, device=device)
+        starts[:, [0, 5, CHUNK, CHUNK + 1]] = 1
 
     def run():
         results = []
         for scan in (TritonScan, reference):
             inputs = [t.to(device).requires_grad_() if t is not None else None for t in (u, dt, A, B, C, D, z)]
-            y = scan.apply(*inputs)
+            y = scan.apply(*inputs, starts)
             leaves = [t for t in inputs if t is not None]
             results.append([y.detach(), *torch.autograd.grad((y.float() * weight).sum(), leaves)])
         return results

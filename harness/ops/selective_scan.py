@@ -8,6 +8,10 @@ carries each chunk's end state into the next (C steps); ``scan_chunks`` runs it 
 its exact start. About 2·sqrt(L) vectorised steps instead of L, with the step loop's multiply-adds (no
 exp/log-space rescaling that could overflow when ``dt * A`` is large).
 
+Packed rows (several samples laid end to end, ``harness.models.packing``) restart the recurrence at each
+sample's first token: ``starts`` [b, l] (1 there) zeroes that step's decay, ``a_t = 0``, so no state crosses
+from one sample into the next, in the forward pass and (through the same decays) in the backward.
+
 ``SelectiveScan`` is a custom autograd function: it keeps its inputs (sized like ``u``, not the ``d_state``-times
 larger states) and recomputes the states in the backward pass, where the gradient of the states is the same
 scan run backwards in time. Peak memory is one row group's states of one layer, not every layer's, which is
@@ -122,40 +126,40 @@ class SelectiveScan(torch.autograd.Function):
     its inputs, the state entering every chunk (1/T of the states) and, with a gate, the ungated output."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z):
+    def forward(ctx, u, dt, A, B, C, D, z, starts=None):
         y = torch.empty_like(u, dtype=torch.float32)  # u's memory layout: copies in and out run along it
         ungated = torch.empty_like(y) if z is not None else None
-        starts, A_nd = [], _states_layout(A)
+        states, A_nd = [], _states_layout(A)
         with torch.autocast(u.device.type, enabled=False):
-            for rows, chunked in _row_groups(u, dt, B, C, A=A):
-                out, start = _forward_rows(*chunked, A_nd)
-                starts.append(start)
+            for rows, chunked in _row_groups(u, dt, B, C, A=A, starts=starts):
+                out, start = _forward_rows(*chunked[:4], A_nd, *chunked[4:])
+                states.append(start)
                 part = from_chunks(out, y[rows])
                 if D is not None:
                     part.addcmul_(u[rows], D.float()[:, None])
                 if z is not None:
                     ungated[rows] = part
                     part.mul_(F.silu(z[rows].float()))
-        ctx.save_for_backward(u, dt, A, B, C, D, z, ungated, *starts)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, ungated, starts, *states)
         return y.to(u.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        u, dt, A, B, C, D, z, ungated, *starts = ctx.saved_tensors
+        u, dt, A, B, C, D, z, ungated, starts, *states = ctx.saved_tensors
         grads = [torch.empty_like(t, dtype=torch.float32) for t in (u, dt, B, C)]
         dA = torch.zeros(A.shape, dtype=torch.float32, device=A.device)
         dD = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if D is not None else None
         dz = torch.empty_like(z, dtype=torch.float32) if z is not None else None
         A_nd = _states_layout(A)
         with torch.autocast(u.device.type, enabled=False):
-            for (rows, chunked), start in zip(_row_groups(u, dt, B, C, A=A), starts):
+            for (rows, chunked), start in zip(_row_groups(u, dt, B, C, A=A, starts=starts), states):
                 dy = dout[rows].to(torch.float32, copy=True)  # changed in place below
                 if z is not None:  # d silu(z) / dz = s (1 + z (1 - s)), s = sigmoid(z)
                     zr = z[rows].to(torch.float32, copy=True)
                     s = torch.sigmoid(zr)
                     torch.mul(dy, ungated[rows], out=dz[rows]).mul_(s).mul_(zr.mul_(1 - s).add_(1))
                     dy.mul_(s.mul_(z[rows].float()))
-                parts = _backward_rows(*chunked, to_chunks(dy, len(chunked[0])), A_nd, start)
+                parts = _backward_rows(*chunked[:4], to_chunks(dy, len(chunked[0])), A_nd, start, *chunked[4:])
                 for grad, part in zip(grads, parts):
                     from_chunks(part, grad[rows])
                 dA += parts[4].t()
@@ -164,7 +168,7 @@ class SelectiveScan(torch.autograd.Function):
                     grads[0][rows].addcmul_(dy, D.float()[:, None])
         du, ddt, dB, dC = grads
         return (du.to(u.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-                dD.to(D.dtype) if D is not None else None, dz.to(z.dtype) if z is not None else None)
+                dD.to(D.dtype) if D is not None else None, dz.to(z.dtype) if z is not None else None, None)
 
 
 def _states_layout(A: torch.Tensor) -> torch.Tensor:
@@ -174,15 +178,20 @@ def _states_layout(A: torch.Tensor) -> torch.Tensor:
     return A.float().t().contiguous()
 
 
-def _row_groups(*tensors, A):
-    """Slices of at most ``GROUP_ELEMENTS`` states' rows, each with the tensors' rows in the chunked layout."""
+def _row_groups(*tensors, A, starts=None):
+    """Slices of at most ``GROUP_ELEMENTS`` states' rows, each with the tensors' rows in the chunked layout, and
+    with ``starts`` [b, l] the rows' step multipliers ``keep`` = 1 - starts, chunked [T, C, rows, 1] (1 past
+    the end)."""
     b, d, length = tensors[0].shape
     chunk = chunk_length(length)
     budget = GROUP_ELEMENTS.get(tensors[0].device.type, GROUP_ELEMENTS["cpu"])
     step = max(1, budget // max(1, d * A.shape[1] * (length + chunk)))
     for i in range(0, b, step):
         rows = slice(i, i + step)
-        yield rows, tuple(to_chunks(t[rows], chunk) for t in tensors)
+        chunked = tuple(to_chunks(t[rows], chunk) for t in tensors)
+        if starts is not None:
+            chunked += (to_chunks(starts[rows, None].float(), chunk).neg_().add_(1),)
+        yield rows, chunked
 
 
 class Decays:
@@ -194,52 +203,67 @@ class Decays:
 
     STORED = {"cpu": False}  # device types not listed store them
 
-    def __init__(self, dt, A, ahead: bool = False, like: Decays | None = None):
-        self.dt, self.A, self.ahead = dt, A, ahead
-        self.all = like.all if like is not None else (
-            torch.exp(dt.unsqueeze(-2) * A) if self.STORED.get(dt.device.type, True) else None)
+    def __init__(self, dt, A, ahead: bool = False, like: Decays | None = None, keep=None):
+        self.dt, self.A, self.ahead, self.keep = dt, A, ahead, keep
+        if like is not None:
+            self.all = like.all
+        elif self.STORED.get(dt.device.type, True):
+            self.all = torch.exp(dt.unsqueeze(-2) * A)
+            if keep is not None:
+                self.all.mul_(keep.unsqueeze(-1))
+        else:
+            self.all = None
         if self.all is not None:
             self.last = torch.cat([self.all[0, 1:], torch.ones_like(self.all[0, :1])]) if ahead else self.all[-1]
         else:
             self.last = torch.cat([dt[0, 1:], torch.zeros_like(dt[0, :1])]) if ahead else dt[-1]
+            if keep is not None:
+                self.keep_last = torch.cat([keep[0, 1:], torch.ones_like(keep[0, :1])]) if ahead else keep[-1]
             self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:-1], *A.shape), dt)
 
     def __len__(self):
         return len(self.dt)
 
     def __getitem__(self, i):
-        if i + 1 == len(self.dt):
-            return self.last if self.all is not None else self._exp(self.last, self.buf)
         if self.all is not None:
-            return self.all[i + self.ahead]
-        return self._exp(self.dt[i + self.ahead], self.buf)
+            return self.last if i + 1 == len(self.dt) else self.all[i + self.ahead]
+        return self._exp(i, self.buf)
 
     def times(self, i, g, out):
         """a_t * g into ``out``."""
         if self.all is not None:
             return torch.mul(self[i], g, out=out)
-        return self._exp(self.dt[i + self.ahead] if i + 1 < len(self.dt) else self.last, out).mul_(g)
+        return self._exp(i, out).mul_(g)
 
-    def _exp(self, col, out):
-        return torch.mul(col.unsqueeze(-2), self.A, out=out).exp_()
+    def _exp(self, i, out):
+        """Step i's decays computed into ``out`` (zero where ``keep`` restarts the recurrence)."""
+        last = i + 1 == len(self.dt)
+        col = self.last if last else self.dt[i + self.ahead]
+        torch.mul(col.unsqueeze(-2), self.A, out=out).exp_()
+        if self.keep is not None:
+            out.mul_((self.keep_last if last else self.keep[i + self.ahead]).unsqueeze(-1))
+        return out
 
 
-def _forward_rows(u, dt, B, C, A):
+def _forward_rows(u, dt, B, C, A, keep=None):
     dtu = dt * u
     y = torch.empty_like(u)
     inputs = list(zip(B.unsqueeze(-1).unbind(0), dtu.unsqueeze(-2).unbind(0)))
     reads = list(zip(y.unsqueeze(-2).unbind(0), C.unsqueeze(-2).unbind(0)))
     # a chunk's decays multiply to exp(A * its summed dt): one exp, not a product carried through every step
-    decays = Decays(dt, A)
-    start = chunk_starts(decays, inputs, len(u), torch.exp(dt.sum(0).unsqueeze(-2) * A))
+    decays = Decays(dt, A, keep=keep)
+    product = torch.exp(dt.sum(0).unsqueeze(-2) * A)
+    if keep is not None:  # zero across a restart
+        product.mul_(keep.prod(0).unsqueeze(-1))
+    start = chunk_starts(decays, inputs, len(u), product)
     scan_chunks(decays, inputs, start, lambda i, h: torch.matmul(reads[i][1], h, out=reads[i][0]))
     return y, start
 
 
-def _backward_rows(u, dt, B, C, dy, A, start):
+def _backward_rows(u, dt, B, C, dy, A, start, keep=None):
     steps = len(u)
     dtu = dt * u
-    a = Decays(dt, A)
+    a = Decays(dt, A, keep=keep)
     h = scratch("states", (*u.shape[:-1], *A.shape), u)
     dC = torch.empty_like(B)
     dy_rows, dtu_rows = dy.unsqueeze(-2).unbind(0), dtu.unsqueeze(-2).unbind(0)
@@ -248,11 +272,16 @@ def _backward_rows(u, dt, B, C, dy, A, start):
                 lambda i, state: torch.matmul(dy_rows[i], state.mT, out=dC_rows[i]), out=h)  # dL/dC, y = sum_n C h
     # g_t = dL/dh_t = C_t dy_t + a_{t+1} g_{t+1}: the same scan backwards in time with each decay one step on
     # (a_{t+1} at a chunk's last step is the next chunk's first, 1 past the end)
-    ahead = Decays(dt, A, ahead=True, like=a)
+    ahead = Decays(dt, A, ahead=True, like=a, keep=keep)
     ahead_sum = dt.sum(0) - dt[0]
     ahead_sum[:-1] += dt[0, 1:]
+    product = torch.exp(ahead_sum.unsqueeze(-2) * A)
+    if keep is not None:  # the same steps' keeps: a chunk's steps after its first, and the next chunk's first
+        kept = keep[1:].prod(0)
+        kept[:-1] *= keep[0, 1:]
+        product.mul_(kept.unsqueeze(-1))
     inputs = list(zip(C.unsqueeze(-1).unbind(0), dy_rows))
-    ends = chunk_starts(ahead, inputs, steps, torch.exp(ahead_sum.unsqueeze(-2) * A), reverse=True)
+    ends = chunk_starts(ahead, inputs, steps, product, reverse=True)
     spare = [scratch("scan_state_a", start.shape, u), scratch("scan_state_b", start.shape, u)]
     g = torch.mul(ahead[steps - 1], ends, out=spare[0]).addcmul_(*inputs[-1])
     du, ddt, dB = torch.empty_like(u), torch.empty_like(u), torch.empty_like(B)
@@ -316,12 +345,13 @@ class ScanChoice:
 
 
 def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype, states: int,
-                scan: str = "auto", skip: bool = True, gate: bool = True, fused: bool = False) -> ScanChoice:
+                scan: str = "auto", skip: bool = True, gate: bool = True, fused: bool = False,
+                resets: bool = False) -> ScanChoice:
     """The one place that decides which scan runs for ``u`` of ``shape`` (b, d, l) with ``states`` states.
     ``scan`` is the run's ``--scan`` (``SCANS``); ``fused``: mamba-ssm's fused kernels can run this call
     (transformers' own Mamba path, which ``auto`` prefers). ``auto`` otherwise runs the Triton scan on a CUDA
     tensor where Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan
-    on that device (checked once per process and launch class), else the PyTorch scan. ``triton`` on a CPU
+    on that device (checked once per process and launch class; ``resets``: packed rows), else the PyTorch scan. ``triton`` on a CPU
     needs ``TRITON_INTERPRET=1`` (tests)."""
     if scan not in SCANS:
         raise ValueError(f"scan={scan!r}: use {', '.join(SCANS)}")
@@ -341,19 +371,20 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
     if scan == "triton":
         return ScanChoice("triton", **where, checked=False, conv="triton")
     if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
-                                                                  states, skip, gate):
+                                                                  states, skip, gate, resets):
         b, d, length = shape
         conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"])
         return ScanChoice("triton", **where, checked=True, conv="triton" if conv else "torch")
     return ScanChoice("torch", **where)
 
 
-def run_scan(choice: ScanChoice, u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+def run_scan(choice: ScanChoice, u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+             starts=None):
     """mamba-ssm's ``selective_scan_fn`` (no returned state) by the scan ``choice`` names: the skip term ``D``
     and the gate ``z`` applied inside the scan, the bias and softplus of ``dt`` left to autograd (elementwise,
-    sized like ``u``)."""
+    sized like ``u``); ``starts`` [b, l]: 1 at each packed sample's first token, where the state restarts."""
     if choice.scan == "sequential":
-        return sequential_scan(u, dt, A, B, C, D, z, delta_bias, delta_softplus)
+        return sequential_scan(u, dt, A, B, C, D, z, delta_bias, delta_softplus, starts)
     if choice.scan == "triton":
         from harness.ops.scan_triton import TritonScan  # lazy: imports triton, which a CPU install may lack
         fn = TritonScan
@@ -361,13 +392,15 @@ def run_scan(choice: ScanChoice, u, dt, A, B, C, D=None, z=None, delta_bias=None
         fn = SelectiveScan
     else:
         raise ValueError(f"{choice.scan}: runs in transformers' own Mamba path, not here")
-    return fn.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z)
+    return fn.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z, starts)
 
 
-def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan: str = "auto"):
+def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan: str = "auto",
+                   starts=None):
     """``run_scan`` with the scan ``choose_scan`` picks for these tensors."""
-    choice = choose_scan(tuple(u.shape), u.device, u.dtype, A.shape[1], scan, D is not None, z is not None)
-    return run_scan(choice, u, dt, A, B, C, D, z, delta_bias, delta_softplus)
+    choice = choose_scan(tuple(u.shape), u.device, u.dtype, A.shape[1], scan, D is not None, z is not None,
+                         resets=starts is not None)
+    return run_scan(choice, u, dt, A, B, C, D, z, delta_bias, delta_softplus, starts)
 
 
 _LOGGED_OVERRIDES: set[str] = set()  # ICR_SCAN values already logged in this process
@@ -401,11 +434,14 @@ def scan_choice_problem(scan: str) -> str | None:
     return None
 
 
-def sequential_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+def sequential_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, starts=None):
     """The step-by-step reference (one step per token, autograd through every step; the trainer's scan until
     0.4.0): what the tests and the scan benchmark compare ``selective_scan`` against."""
     dt_t = _step_sizes(dt, delta_bias, delta_softplus).permute(2, 0, 1).float()  # l b d, contiguous steps
-    a = torch.exp(dt_t[..., None] * A.float()).unbind(0)
+    a = torch.exp(dt_t[..., None] * A.float())
+    if starts is not None:  # a packed sample's first token: no state from the sample before
+        a = a * (1 - starts.t().float())[:, :, None, None]
+    a = a.unbind(0)
     x = ((dt_t * u.permute(2, 0, 1).float())[..., None] * B.permute(2, 0, 1).float()[:, :, None, :]).unbind(0)
     state = torch.zeros_like(a[0])
     ys = []

@@ -25,9 +25,9 @@ USER_ERRORS = (ConfigError, ValueError, OSError, RunDirError, TrainingError)
 # Settings that decide a finished run's numbers: a run directory is reused only with the same values.
 RESULT_DECIDING = ("task", "task_args", "length", "arch", "size", "d_model", "layers", "nodes", "setup", "graph", "samples",
                    "batch_size", "lr", "warmup", "seed", "eval_every", "eval_samples", "eval_max_new_tokens",
-                   "precision", "bucket", "checkpoint", "store", "scan", "cuda_graphs")
+                   "precision", "bucket", "checkpoint", "store", "scan", "cuda_graphs", "packing")
 # Result-deciding settings added after runs were made: a run directory that predates one ran with this value.
-ADDED_SETTINGS = {"scan": "auto", "cuda_graphs": "off"}
+ADDED_SETTINGS = {"scan": "auto", "cuda_graphs": "off", "packing": "off"}
 CHECKPOINTS = ("last", "best")
 
 
@@ -84,6 +84,11 @@ class TrainConfig:
                                   "eager ones at the run's start and are faster, else eagerly with the reason logged and in "
                                   "result.json (off elsewhere); on: without that check; off. A step that cannot be "
                                   "captured trains eagerly, logged", choices=["auto", "on", "off"])
+    packing: str = _f("auto", "packed rows: a batch's samples laid end to end (the scan and convolution restart at "
+                              "each sample, attention confined to it, positions restarting), so no padding is "
+                              "computed; the same samples, loss and normalisation as padded rows. auto (default): "
+                              "on where a cell's batches compute at least 10%% fewer tokens packed; on; off",
+                      choices=["auto", "on", "off"])
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "
                         "(less padding; 1 = off, as the paper)")

@@ -9,6 +9,7 @@ import torch
 from evals import get_task, task_class
 from evals.base import word_level_tokenizer
 from evals.synthetic import PAD, loss_mask
+from harness.models.packing import packed_tokens
 from harness.backends.generation import pad_batch
 from harness.hashing import digest
 from harness.training.config import TrainConfig
@@ -111,4 +112,27 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 def _batch_seed(seed: int, process: int, batch: int) -> int:
     return int.from_bytes(bytes.fromhex(digest(f"train:{seed}:{process}:{batch}", length=16)), "little")
 
+
+PACKING_GAIN = 0.9  # auto packs a cell whose batches compute at most this share of their padded tokens packed
+
+
+def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8) -> float:
+    """Tokens a packed step computes over the padded step's, on the cell's first ``draws`` batches (the run's
+    seed: what ``--packing auto`` decides by, the same answer on every resume)."""
+    source = TrainingBatches(task, batch, seed, 0)
+    pad = {t: i for i, t in enumerate(task.vocab)}[PAD]
+    packed = padded = 0
+    for k in range(draws):
+        for ids, _ in source.pool(k):
+            p, q = packed_tokens(ids, pad)
+            packed, padded = packed + p, padded + q
+    return packed / padded
+
+
+def packing_setting(cfg, task: TrainTask, batch: int) -> tuple[str, float | None]:
+    """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell."""
+    if cfg.packing == "off":
+        return "off", None
+    share = packing_share(task, batch, cfg.seed)
+    return ("on" if cfg.packing == "on" or share <= PACKING_GAIN else "off"), round(share, 4)
 

@@ -28,10 +28,11 @@ from evals import istree
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
 from harness.models.istree import build_model, trainable_parameters
+from harness.models.packing import pack
 from harness.reports.plotting import pyplot, save
 from harness.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
-from harness.training.data import TrainingBatches, TrainTask
+from harness.training.data import PAD, TrainingBatches, TrainTask, packing_setting
 from harness.training.launch import run_on_scheduler
 from harness.training.step_graphs import MAX_SHAPES, WARMUP, GraphedSteps
 from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
@@ -295,7 +296,9 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     drawn.sort(key=lambda b: b[0].shape[1])
     # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
     # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
-    graphs = graphs and len({b[0].shape for b in drawn}) <= MAX_SHAPES
+    packing, _ = packing_setting(cell, task, batch)  # the run's own decision: packed steps are what it trains
+    pad = task.vocab.index(PAD)
+    graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
     middle = drawn[len(drawn) // 2]
     cuda = device.type == "cuda"
@@ -308,13 +311,14 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
             for _ in range(WARMUP + 1):
                 graphed(ids.to(device), mask.to(device))
     for ids, mask in [middle, middle, *picked]:  # two warm-up steps, then the timed ones
-        ids, mask = ids.to(device), mask.to(device)
+        packed = pack(ids, mask, pad).to(device) if packing == "on" else None
+        ids, mask = (packed.ids, packed.mask) if packed is not None else (ids.to(device), mask.to(device))
         sync()
         t0 = time.perf_counter()
         if graphs:
             graphed(ids, mask)
         else:
-            optimizer_step(model, opt, ids, mask, autocast)
+            optimizer_step(model, opt, ids, mask, autocast, packed=packed)
         sync()
         times.append(time.perf_counter() - t0)
     ids = middle[0].to(device)
@@ -325,7 +329,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     sync()
     timed = times[2:]
     return {"step_s": sum(timed) / steps, "spread": (max(timed) - min(timed)) / (sum(timed) / steps),
-            "graphs": graphs, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
+            "graphs": graphs, "packing": packing, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
             "padded_lengths": [int(b[0].shape[1]) for b in picked]}
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.models.istree import build_model
+from harness.models.packing import Packed, packed_rows
 from harness.training.config import TrainConfig
 from harness.training.data import TrainTask
 
@@ -56,11 +57,26 @@ def new_optimizer(cfg: TrainConfig, model, device: torch.device, graphs: bool = 
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=cuda)
 
 
-def optimizer_step(model, opt, ids: torch.Tensor, mask: torch.Tensor, autocast, backward=None) -> torch.Tensor:
+def logits_of(model, ids: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+    """The model's logits for a padded batch's ``ids``, or for ``packed`` rows (``ids`` is then ``packed.ids``):
+    positions restart per sample (transformers' packed-sequence masking reads them) and the Mamba mixers
+    restart their states at each sample's first token."""
+    if packed is None:
+        return model(input_ids=ids).logits
+    with packed_rows(packed.starts):
+        if getattr(model.config, "model_type", "") == "mamba":  # no positions: the scan is its own order
+            return model(input_ids=ids).logits
+        # no cache: transformers reads packed sequences from the positions only when no cache is passed
+        return model(input_ids=ids, position_ids=packed.positions, use_cache=False).logits
+
+
+def optimizer_step(model, opt, ids: torch.Tensor, mask: torch.Tensor, autocast, backward=None,
+                   packed: Packed | None = None) -> torch.Tensor:
     """One training step as the trainer takes it (and the planner times it): forward under ``autocast``, the
-    masked loss in float32, backward (``backward``: accelerate's, in a run), the update; returns the loss."""
+    masked loss in float32, backward (``backward``: accelerate's, in a run), the update; returns the loss.
+    ``packed``: the batch as packed rows (``ids`` and ``mask`` are then its own)."""
     with autocast:
-        logits = model(input_ids=ids).logits
+        logits = logits_of(model, ids, packed)
     loss = masked_loss(logits, ids, mask)
     (backward or torch.Tensor.backward)(loss)
     opt.step()

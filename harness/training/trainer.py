@@ -33,11 +33,12 @@ from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
 from harness.models.istree import scans_ran, trainable_parameters
+from harness.models.packing import pack
 from harness.reports.plotting import pyplot, save
 from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig, graphs_setting
 from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
 from harness.training.step_graphs import GraphedSteps, check_graphed_steps
-from harness.training.data import TrainingBatches, TrainTask, batch_from_tokens
+from harness.training.data import PAD, TrainingBatches, TrainTask, batch_from_tokens, packing_setting
 from harness.training.state import (
     Progress,
     TrainingError,
@@ -143,11 +144,17 @@ class Trainer:
         if self.graphs_setting == "on" and (not cuda or acc.num_processes > 1):
             raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
                               f"process(es) on {acc.device}); use --cuda-graphs off")
+        self.task = TrainTask(cfg)
+        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process)
+        if self.packing == "on" and self.graphs_setting != "off":
+            # packed batches change shape from step to step: graphs would replay few of them
+            log.info("%s: packed rows (%.0f%% of the padded tokens): training steps run eagerly", cfg.name,
+                     100 * self.packed_share)
+            self.graphs_setting = "off"
         # auto's check of graphed steps against eager ones, before the run's own seed is set
         self.graphs_check = self.check_graphs() if self.graphs_setting == "auto" else None
         graphs = self.graphs_setting == "on" or bool(self.graphs_check and self.graphs_check["ok"])
         torch.manual_seed(cfg.seed)
-        self.task = TrainTask(cfg)
         self.vocab = {t: i for i, t in enumerate(self.task.vocab)}
         model = new_model(cfg, self.task)
         self.n_params = trainable_parameters(model)
@@ -206,7 +213,8 @@ class Trainer:
         cfg, acc = self.cfg, self.acc
         if acc.is_main_process:
             settings = {k: getattr(cfg, k) for k in RESULT_DECIDING}
-            check_settings(self.out, {**settings, "cuda_graphs": self.graphs_setting}, overwrite, ADDED_SETTINGS)
+            check_settings(self.out, {**settings, "cuda_graphs": self.graphs_setting, "packing": self.packing},
+                           overwrite, ADDED_SETTINGS)
         acc.wait_for_everyone()
         resumed = load_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, acc.num_processes)
         if resumed is not None:
@@ -274,12 +282,15 @@ class Trainer:
             for step in range(st.step, self.steps):
                 t_data = time.perf_counter()
                 ids, mask = next(batches)
-                ids, mask = ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True)
+                packed = pack(ids, mask, self.vocab[PAD]).to(acc.device, non_blocking=True) if self.packing == "on" \
+                    else None
+                ids, mask = (packed.ids, packed.mask) if packed is not None else (
+                    ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True))
                 st.data_s += time.perf_counter() - t_data
                 if self.graphed is not None:
                     loss = self.graphed(ids, mask)  # valid until the next step: summed on the device below
                 else:
-                    loss = optimizer_step(self.model, self.opt, ids, mask, self.autocast(), acc.backward)
+                    loss = optimizer_step(self.model, self.opt, ids, mask, self.autocast(), acc.backward, packed)
                 self.sched.step()
                 loss_sum += loss.detach()
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()), step, first_bad)
@@ -393,6 +404,7 @@ class Trainer:
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
                   "scans": scans_ran(self.model),
+                  "packing": {"setting": cfg.packing, "ran": self.packing, "packed_share": self.packed_share},
                   "train_step": self.graphed.describe() if self.graphed is not None else (
                       f"eager ({self.graphs_check['why']})" if self.graphs_check else "eager"),
                   **({"graphs_check": self.graphs_check} if self.graphs_check is not None else {})}

@@ -1,0 +1,160 @@
+"""Packed rows (``harness.models.packing``, ``--packing``): the same samples laid end to end train as padded rows
+do. The scans and the causal convolution restart at each sample's first token (against each sample alone),
+attention stays inside each sample, and per-sample losses and every parameter's gradient equal the padded
+batch's on each architecture and scan, through the trainer's CLI too, step by step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.models.masks import block_attention_mask
+from harness.models.packing import pack, sample_lengths
+from harness.ops.causal_conv import CausalConv
+from harness.ops.selective_scan import Decays, SelectiveScan, sequential_scan
+from harness.training.config import TrainConfig
+from harness.training.data import PAD, TrainingBatches, TrainTask, packing_setting
+from harness.training.step import logits_of, masked_loss, new_model
+
+STARTS = {0: [0, 5, 6, 20], 1: [0, 7, 36], 2: [0]}  # several restarts, two in a row, one at the last step
+
+
+def _starts(b: int, length: int) -> torch.Tensor:
+    starts = torch.zeros(b, length)
+    for row, at in STARTS.items():
+        starts[row, at] = 1
+    return starts
+
+
+def _scan_inputs(b=3, d=6, n=4, length=37, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    u, z = torch.randn(b, d, length, generator=g), torch.randn(b, d, length, generator=g)
+    dt = torch.rand(b, d, length, generator=g) * 0.5
+    A, D = -torch.rand(d, n, generator=g) * 2, torch.randn(d, generator=g)
+    B, C = torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g)
+    return [t.to(dtype).requires_grad_() for t in (u, dt, A, B, C, D, z)]
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_the_pytorch_scan_restarts_where_the_step_by_step_scan_does(stored, monkeypatch):
+    """Output and every gradient against the sequential scan with the same restarts, both ways of computing the
+    decays (per step on a CPU, stored elsewhere); and the restart is real: a sample equals itself alone."""
+    monkeypatch.setitem(Decays.STORED, "cpu", stored)
+    inputs = _scan_inputs()
+    starts = _starts(3, 37)
+    ref = sequential_scan(*inputs, starts=starts)
+    ref_grads = torch.autograd.grad((ref * ref).sum() + ref.sum(), inputs)
+    leaves = [t.detach().float().requires_grad_() for t in inputs]
+    got = SelectiveScan.apply(*leaves, starts)
+    grads = torch.autograd.grad((got * got).sum() + got.sum(), leaves)
+    for a, b in zip([ref, *ref_grads], [got, *grads]):
+        assert ((a.float() - b).abs().max() / a.abs().max()).item() < 1e-5
+    assert (SelectiveScan.apply(*leaves) - got).abs().max() > 0.1  # without restarts: different numbers
+    u, dt, A, B, C, D, z = inputs
+    alone = sequential_scan(u[:1, :, 6:20], dt[:1, :, 6:20], A, B[:1, :, 6:20], C[:1, :, 6:20], D, z[:1, :, 6:20])
+    assert torch.allclose(alone.float(), got[:1, :, 6:20], atol=1e-5)
+
+
+def test_the_convolution_restarts_at_each_sample():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 37, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    starts = _starts(3, 37)
+    y = CausalConv.apply(x, w, bias, starts)
+    for row, at in STARTS.items():
+        for a, b in zip(at, [*at[1:], 37]):
+            assert torch.allclose(y[row, a:b], CausalConv.apply(x[row:row + 1, a:b], w, bias)[0])
+    assert not torch.allclose(y, CausalConv.apply(x, w, bias))
+    assert torch.autograd.gradcheck(lambda *t: CausalConv.apply(*t, starts), (x, w, bias))
+
+
+def test_the_hybrids_attention_mask_confines_each_query_to_its_sample():
+    starts = _starts(3, 37)
+    mask = block_attention_mask(torch.ones(3, 37, dtype=torch.long), 37, starts)[:, 0]
+    sample = starts.cumsum(1)
+    same = sample[:, :, None] == sample[:, None, :]
+    causal = torch.ones(37, 37, dtype=torch.bool).tril()
+    assert torch.equal(mask, same & causal)
+
+
+def _batch(nodes: int, rows: int, setup: str = "retrieval"):
+    cfg = TrainConfig(arch="mamba", size="smoke", nodes=nodes, setup=setup, report_to="none").resolved()
+    task = TrainTask(cfg)
+    return task, *TrainingBatches(task, rows, cfg.seed, 0).pool(0)[0]
+
+
+def test_pack_lays_samples_end_to_end_in_fewer_rows():
+    task, ids, mask = _batch(8, 12)
+    pad = task.vocab.index(PAD)
+    lengths = sample_lengths(ids, pad)
+    assert len(set(lengths)) > 2  # lengths that vary: something to pack
+    p = pack(ids, mask, pad)
+    assert p.ids.shape[1] == ids.shape[1] and p.ids.shape[0] < ids.shape[0]
+    for i, (row, at, n) in enumerate(p.where):
+        assert n == lengths[i] and torch.equal(p.ids[row, at:at + n], ids[i, :n])
+        assert torch.equal(p.mask[row, at:at + n], mask[i, :n]) and torch.equal(p.positions[row, at:at + n],
+                                                                                torch.arange(n))
+        assert p.starts[row, at] == 1 and p.starts[row, at + 1:at + n].sum() == 0
+    assert p.mask.sum() == mask.sum() and p.starts.sum() == len(lengths)
+    spread = torch.zeros_like(mask)
+    spread[:, 0] = 1
+    with pytest.raises(ValueError, match="first token is a loss target"):
+        pack(ids, spread, pad)
+
+
+@pytest.mark.parametrize("arch,scan", [("transformer", "auto"), ("mamba", "torch"), ("mamba", "sequential"),
+                                       ("hybrid", "torch")])
+def test_packed_rows_give_the_padded_batchs_per_sample_losses_and_gradients(arch, scan):
+    task, ids, mask = _batch(8, 6)
+    p = pack(ids, mask, task.vocab.index(PAD))
+    cfg = TrainConfig(arch=arch, size="smoke", nodes=8, setup="retrieval", scan=scan, report_to="none").resolved()
+    torch.manual_seed(0)
+    model = new_model(cfg, task)
+    results = []
+    for packed in (None, p):
+        model.zero_grad()
+        i, m = (ids, mask) if packed is None else (p.ids, p.mask)
+        logits = logits_of(model, i, packed)
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), i[:, 1:], reduction="none")
+        ce = ce * m[:, 1:]
+        if packed is None:
+            per_sample = ce.sum(1)
+        else:  # a sample's targets: its tokens after the first (the target of position t is token t + 1)
+            per_sample = torch.stack([ce[row, at:at + n - 1].sum() for row, at, n in p.where])
+        masked_loss(logits, i, m).backward()
+        grads = torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
+        results.append((per_sample.detach(), grads))
+    (l0, g0), (l1, g1) = results
+    assert len({round(x, 4) for x in l0.tolist()}) > 3  # samples whose losses differ
+    assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-5), (l0, l1)
+    assert ((g0 - g1).abs().max() / g0.abs().max()).item() < 1e-5
+
+
+def test_auto_packs_cells_whose_batches_vary_in_length_and_not_the_others():
+    retrieval = TrainConfig(arch="mamba", size="smoke", nodes=8, setup="retrieval", report_to="none").resolved()
+    direct = TrainConfig(arch="mamba", size="smoke", nodes=4, setup="direct", report_to="none").resolved()
+    on, share = packing_setting(retrieval, TrainTask(retrieval), 8)
+    assert on == "on" and share <= 0.9
+    assert packing_setting(direct, TrainTask(direct), 8)[0] == "off"
+    assert packing_setting(TrainConfig(**{**vars(retrieval), "packing": "off"}), TrainTask(retrieval), 8) == (
+        "off", None)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "mamba", "hybrid"])
+def test_a_packed_run_trains_as_the_padded_run_step_by_step(arch, tmp_path):
+    """Through the trainer (fresh output folders, same seed): every logged loss equal, result.json saying which
+    ran, and the run's identity keeping them apart."""
+    from harness.training.trainer import train_one
+
+    runs = {}
+    for packing in ("off", "on"):
+        cfg = TrainConfig(arch=arch, size="smoke", nodes=8, setup="retrieval", samples=64, batch_size=8,
+                          eval_every=32, eval_samples=8, live_eval=False, report_to="none", packing=packing,
+                          output=str(tmp_path / packing)).resolved()
+        runs[packing] = train_one(cfg, progress=False)
+    curve = {k: [c["loss"] for c in r["curve"]] for k, r in runs.items()}
+    assert len(set(curve["off"])) > 1 and curve["on"] == pytest.approx(curve["off"], rel=1e-5)
+    assert runs["on"]["packing"]["ran"] == "on" and runs["off"]["packing"]["ran"] == "off"
+    assert json.loads((tmp_path / "on" / "result.json").read_text())["packing"]["packed_share"] < 1
