@@ -1,8 +1,11 @@
 """The trainer as users run it: ``python -m harness.train``'s marginal step with the parallel scan against the
-step-by-step one, and the planner's projected step beside it, side by side in one run.
+step-by-step one, and the planner's projected step beside it, side by side in one run; or packed rows against
+padded ones.
 
     python benchmarks/train_cli.py                       # CPU: 0.5M Mamba, n=32 retrieval, batch 8, 2 threads
     python benchmarks/train_cli.py --batch 64 --threads 0  # on a GPU
+    python benchmarks/train_cli.py --compare packing --steps 3,6 --arch mamba        # runs of 24 and 48 samples
+    python benchmarks/train_cli.py --compare packing --steps 3,6 --arch transformer
 
 For each scan (``--scan auto``, the parallel scan the trainer runs, and ``--scan sequential``, the step-by-step
 reference) the real CLI trains the cell twice in fresh directories, for ``--steps`` A and B optimizer steps; the
@@ -13,6 +16,7 @@ cell, in a fresh process. Both scans train to the same losses (checked)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +52,32 @@ def projection(cell: list[str], batch: int, steps: int) -> float:
     return json.loads(res.stdout.strip().splitlines()[-1])["step_s"]
 
 
+def compare_packing(a, cell: list[str], short: int, long: int) -> None:
+    """Packed against padded rows through the CLI: marginal steps side by side (the median of ``--repeats``
+    pairs of runs, the order alternating), losses step by step."""
+    rows = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(a.repeats):
+            for packing in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                runs = [cli_run([*cell, "--packing", packing], n, a.batch, Path(d) / f"{packing}-{n}-{r}")
+                        for n in (short, long)]
+                rows[packing].append({"marginal": (runs[1]["steps_seconds"] - runs[0]["steps_seconds"]) / (long - short),
+                                      "losses": [c["loss"] for c in runs[1]["curve"]],
+                                      "share": runs[1]["packing"]["packed_share"], "ran": runs[1]["packing"]["ran"]})
+                print(f"--packing {packing:3s} (ran {rows[packing][-1]['ran']}): harness.train marginal step "
+                      f"{rows[packing][-1]['marginal']:.3f} s ({short} vs {long} steps)", flush=True)
+    off, on = (statistics.median(x["marginal"] for x in rows[k]) for k in ("off", "on"))
+    same = all(max(abs(x - y) / abs(y) for x, y in zip(p["losses"], q["losses"])) < 1e-5
+               for p, q in zip(rows["on"], rows["off"]))
+    print(f"\n{a.size} {a.arch}, n={a.nodes} {a.setup}, batch {a.batch}, float32, {a.threads or 'default'} threads, "
+          f"median of {a.repeats}\n")
+    print("| rows | seconds per step |\n|---|---|")
+    print(f"| padded (--packing off) | {off:.3f} |")
+    print(f"| packed (--packing on; {rows['on'][0]['share']:.0%} of the padded tokens) | {on:.3f} |")
+    print(f"\npacked vs padded through the CLI: {off / on:.2f}x")
+    print(f"packed and padded trained to the same losses, step by step: {same}")
+
+
 def main():
     ap = benchmark_parser(__doc__)
     ap.add_argument("--arch", default="mamba")
@@ -57,10 +87,16 @@ def main():
     ap.add_argument("--steps", default="2,8", help="the two runs' optimizer steps, A,B (B > A)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run (0: torch's default)")
     ap.add_argument("--size", default="0.5M")
+    ap.add_argument("--repeats", type=int, default=3, help="with --compare packing: pairs of runs (median)")
+    ap.add_argument("--compare", choices=["scan", "packing"], default="scan",
+                    help="scan: the parallel scan against the step-by-step one; packing: packed rows against "
+                         "padded ones (--packing on / off), both on the parallel scan")
     a = ap.parse_args()
     short, long = map(int, a.steps.split(","))
     cell = ["--arch", a.arch, "--size", a.size, "--nodes", str(a.nodes), "--setup", a.setup, "--precision", "fp32"]
     cell += ["--threads", str(a.threads)] if a.threads else []
+    if a.compare == "packing":
+        return compare_packing(a, cell, short, long)
     rows = {}
     with tempfile.TemporaryDirectory() as d:
         for scan in ("auto", "sequential"):

@@ -27,7 +27,9 @@ CASES = {
     "throughput.py": (["--questions", "2", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
                        "--hidden", "32", "--layers", "1"], "True"),
     "tool_timeouts.py": (["--rows", "3", "--timeout", "0.2"], "every row got [timeout]: True"),
-    "train_cli.py": (["--nodes", "4", "--batch", "2", "--steps", "1,2", "--size", "smoke"], "same losses: True"),
+    # packed against padded rows (the scan comparison's path is the same CLI runs, on another flag)
+    "train_cli.py": (["--compare", "packing", "--nodes", "8", "--batch", "4", "--steps", "1,2", "--size", "smoke",
+                      "--repeats", "1"], "same losses, step by step: True"),
     "train_throughput.py": (["--sizes", "0.5M", "--nodes", "4", "--setups", "direct,retrieval", "--measure-batch",
                              "2", "--steps", "1", "--side-by-side", "2"], "cells side by side"),
 }
