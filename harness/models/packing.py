@@ -9,7 +9,11 @@ attention layer masks by sample), and positions restart per sample. The loss is 
 targets under the same mask, averaged over the same count (a sample's first token is never a target, so no
 target crosses from one sample into the next; ``pack`` checks it).
 
-Rows are filled first-fit in decreasing length (a sample never splits), to the batch's longest sample."""
+Rows are filled first-fit in decreasing length (a sample never splits), to the batch's longest sample, or
+(``wide``) to the multiple of it that computes the fewest tokens: for a model whose cost grows with its tokens
+alone (a Mamba stack; attention's grows with the square of a row) on a CPU, where a batch of 8 leaves rows of
+one sample's width a seventh empty and rows of several its width fill up. On a GPU rows keep the batch's
+width: the Triton scan walks a row's chunks in turn, so fewer, longer rows would leave its SMs idle."""
 from __future__ import annotations
 
 import contextlib
@@ -45,12 +49,12 @@ def sample_lengths(ids: torch.Tensor, pad_id: int) -> list[int]:
     return [int(n) for n in last]
 
 
-def pack(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> Packed:
-    """The padded batch (``ids``, its loss ``mask``) as packed rows (first-fit decreasing, rows of the batch's
-    length)."""
-    lengths = sample_lengths(ids, pad_id)
-    width = ids.shape[1]
-    rows: list[list[int]] = []  # sample indices per row
+WIDER = (1, 2, 4, 8)  # the row widths ``wide`` tries, in multiples of the batch's length
+
+
+def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
+    """Sample indices per row: first-fit in decreasing length into rows of ``width``."""
+    rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         for r, left in enumerate(room):
@@ -61,6 +65,15 @@ def pack(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> Packed:
         else:
             rows.append([i])
             room.append(width - lengths[i])
+    return rows
+
+
+def pack(ids: torch.Tensor, mask: torch.Tensor, pad_id: int, wide: bool = False) -> Packed:
+    """The padded batch (``ids``, its loss ``mask``) as packed rows (first-fit decreasing, rows of the batch's
+    length; ``wide``: of the multiple of it in ``WIDER`` that computes the fewest tokens)."""
+    lengths = sample_lengths(ids, pad_id)
+    widths = [k * ids.shape[1] for k in (WIDER if wide else (1,))]
+    width, rows = min(((w, _first_fit(lengths, w)) for w in widths), key=lambda wr: (len(wr[1]) * wr[0], wr[0]))
     out_ids = torch.full((len(rows), width), pad_id, dtype=ids.dtype)
     out_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
     starts = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -84,9 +97,14 @@ def pack(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> Packed:
     return Packed(out_ids, out_mask, starts, positions, where)
 
 
-def packed_tokens(ids: torch.Tensor, pad_id: int) -> tuple[int, int]:
+def packed_tokens(ids: torch.Tensor, pad_id: int, wide: bool = False) -> tuple[int, int]:
     """(tokens a packed step computes, tokens the padded step computes) for this padded batch."""
-    return pack(ids, torch.zeros_like(ids), pad_id).ids.numel(), ids.numel()
+    return pack(ids, torch.zeros_like(ids), pad_id, wide).ids.numel(), ids.numel()
+
+
+def wide_rows(arch: str, device_type: str) -> bool:
+    """Whether ``pack`` may widen rows for this model on this device (the module's docstring says why)."""
+    return arch == "mamba" and device_type == "cpu"
 
 
 @contextlib.contextmanager

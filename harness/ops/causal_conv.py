@@ -21,10 +21,12 @@ class CausalConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, starts=None):
         kernel, length = weight.shape[-1], x.shape[1]
         y = torch.mul(x, weight[:, kernel - 1])  # the tap at the current step
-        within = _within(starts, kernel, length, x.dtype)
+        across = _across(starts, kernel, length)
         for k, shift in _taps(kernel, length):
-            term = x[:, :length - shift] if within is None else x[:, :length - shift] * within[shift]
-            y[:, shift:].addcmul_(term, weight[:, k])
+            y[:, shift:].addcmul_(x[:, :length - shift], weight[:, k])
+            if across:  # taken back where the tap reached into the sample before
+                rows, t = across[shift]
+                y[rows, t] -= x[rows, t - shift] * weight[:, k]
         if bias is not None:
             y += bias
         ctx.save_for_backward(x, weight, starts)
@@ -36,24 +38,31 @@ class CausalConv(torch.autograd.Function):
         x, weight, starts = ctx.saved_tensors
         kernel, length = weight.shape[-1], x.shape[1]
         dy = dy.contiguous()
-        within = _within(starts, kernel, length, dy.dtype)
+        across = _across(starts, kernel, length)
         dx = torch.mul(dy, weight[:, kernel - 1])
         dw = torch.zeros_like(weight)  # a tap that reaches past the start of every row has no gradient
         dw[:, kernel - 1] = (dy * x).sum((0, 1))
         for k, shift in _taps(kernel, length):
-            dyk = dy[:, shift:] if within is None else dy[:, shift:] * within[shift]
-            dx[:, :length - shift].addcmul_(dyk, weight[:, k])
-            dw[:, k] = (dyk * x[:, :length - shift]).sum((0, 1))
+            dx[:, :length - shift].addcmul_(dy[:, shift:], weight[:, k])
+            dw[:, k] = (dy[:, shift:] * x[:, :length - shift]).sum((0, 1))
+            if across:
+                rows, t = across[shift]
+                dx.index_put_((rows, t - shift), -dy[rows, t] * weight[:, k], accumulate=True)
+                dw[:, k] -= (dy[rows, t] * x[rows, t - shift]).sum(0)
         return dx, dw, dy.sum((0, 1)) if ctx.has_bias else None, None
 
 
-def _within(starts, kernel: int, length: int, dtype) -> dict | None:
-    """{shift: [b, L - shift, 1] 1 where step t - shift is in step t's sample, else 0} (t from shift on)."""
+def _across(starts, kernel: int, length: int) -> dict | None:
+    """{shift: (rows, steps)} where step t's tap ``shift`` back reads the sample before t's: a few steps after
+    each restart, so they are corrected one by one instead of masking every step."""
     if starts is None:
         return None
     sample = starts.cumsum(1)
-    return {shift: (sample[:, shift:] == sample[:, :length - shift]).to(dtype)[..., None]
-            for _, shift in _taps(kernel, length)}
+    out = {}
+    for _, shift in _taps(kernel, length):
+        rows, t = torch.nonzero(sample[:, shift:] != sample[:, :length - shift], as_tuple=True)
+        out[shift] = (rows, t + shift)
+    return out
 
 
 def _taps(kernel: int, length: int):

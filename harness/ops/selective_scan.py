@@ -219,6 +219,8 @@ class Decays:
             self.last = torch.cat([dt[0, 1:], torch.zeros_like(dt[0, :1])]) if ahead else dt[-1]
             if keep is not None:
                 self.keep_last = torch.cat([keep[0, 1:], torch.ones_like(keep[0, :1])]) if ahead else keep[-1]
+                # the steps (of every chunk at once) where some row restarts: only those are multiplied
+                self.restarts = (keep == 0).flatten(1).any(1).tolist() + [bool((self.keep_last == 0).any())]
             self.buf = scratch("decays_ahead" if ahead else "decays", (*dt.shape[1:-1], *A.shape), dt)
 
     def __len__(self):
@@ -240,7 +242,7 @@ class Decays:
         last = i + 1 == len(self.dt)
         col = self.last if last else self.dt[i + self.ahead]
         torch.mul(col.unsqueeze(-2), self.A, out=out).exp_()
-        if self.keep is not None:
+        if self.keep is not None and self.restarts[len(self.dt) if last else i + self.ahead]:
             out.mul_((self.keep_last if last else self.keep[i + self.ahead]).unsqueeze(-1))
         return out
 

@@ -116,7 +116,7 @@ def _batch_seed(seed: int, process: int, batch: int) -> int:
 PACKING_GAIN = 0.9  # auto packs a cell whose batches compute at most this share of their padded tokens packed
 
 
-def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8) -> float:
+def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8, wide: bool = False) -> float:
     """Tokens a packed step computes over the padded step's, on the cell's first ``draws`` batches (the run's
     seed: what ``--packing auto`` decides by, the same answer on every resume)."""
     source = TrainingBatches(task, batch, seed, 0)
@@ -124,15 +124,16 @@ def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8) -> flo
     packed = padded = 0
     for k in range(draws):
         for ids, _ in source.pool(k):
-            p, q = packed_tokens(ids, pad)
+            p, q = packed_tokens(ids, pad, wide)
             packed, padded = packed + p, padded + q
     return packed / padded
 
 
-def packing_setting(cfg, task: TrainTask, batch: int) -> tuple[str, float | None]:
-    """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell."""
+def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False) -> tuple[str, float | None]:
+    """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell (``wide``:
+    as ``pack`` lays them out with wide rows)."""
     if cfg.packing == "off":
         return "off", None
-    share = packing_share(task, batch, cfg.seed)
+    share = packing_share(task, batch, cfg.seed, wide=wide)
     return ("on" if cfg.packing == "on" or share <= PACKING_GAIN else "off"), round(share, 4)
 

@@ -28,7 +28,7 @@ from evals import istree
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
 from harness.models.istree import build_model, trainable_parameters
-from harness.models.packing import pack
+from harness.models.packing import pack, wide_rows
 from harness.reports.plotting import pyplot, save
 from harness.procs import die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
@@ -296,7 +296,8 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     drawn.sort(key=lambda b: b[0].shape[1])
     # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
     # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
-    packing, _ = packing_setting(cell, task, batch)  # the run's own decision: packed steps are what it trains
+    wide = wide_rows(cell.arch, device.type)
+    packing, _ = packing_setting(cell, task, batch, wide)  # the run's own decision: packed steps are what it trains
     pad = task.vocab.index(PAD)
     graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
@@ -311,7 +312,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
             for _ in range(WARMUP + 1):
                 graphed(ids.to(device), mask.to(device))
     for ids, mask in [middle, middle, *picked]:  # two warm-up steps, then the timed ones
-        packed = pack(ids, mask, pad).to(device) if packing == "on" else None
+        packed = pack(ids, mask, pad, wide).to(device) if packing == "on" else None
         ids, mask = (packed.ids, packed.mask) if packed is not None else (ids.to(device), mask.to(device))
         sync()
         t0 = time.perf_counter()

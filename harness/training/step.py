@@ -64,7 +64,8 @@ def logits_of(model, ids: torch.Tensor, packed: Packed | None = None) -> torch.T
     if packed is None:
         return model(input_ids=ids).logits
     with packed_rows(packed.starts):
-        if getattr(model.config, "model_type", "") == "mamba":  # no positions: the scan is its own order
+        config = getattr(getattr(model, "module", model), "config", None)  # a data-parallel wrapper's model
+        if getattr(config, "model_type", "") == "mamba":  # no positions: the scan is its own order
             return model(input_ids=ids).logits
         # no cache: transformers reads packed sequences from the positions only when no cache is passed
         return model(input_ids=ids, position_ids=packed.positions, use_cache=False).logits

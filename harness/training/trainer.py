@@ -33,7 +33,7 @@ from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
 from harness.models.istree import scans_ran, trainable_parameters
-from harness.models.packing import pack
+from harness.models.packing import pack, wide_rows
 from harness.reports.plotting import pyplot, save
 from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig, graphs_setting
 from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
@@ -145,11 +145,13 @@ class Trainer:
             raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
                               f"process(es) on {acc.device}); use --cuda-graphs off")
         self.task = TrainTask(cfg)
-        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process)
+        self.wide_rows = wide_rows(cfg.arch, acc.device.type)
+        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process, self.wide_rows)
         if self.packing == "on" and self.graphs_setting != "off":
             # packed batches change shape from step to step: graphs would replay few of them
-            log.info("%s: packed rows (%.0f%% of the padded tokens): training steps run eagerly", cfg.name,
-                     100 * self.packed_share)
+            (log.warning if self.graphs_setting == "on" else log.info)(
+                "%s: packed rows (%.0f%% of the padded tokens): training steps run eagerly, without CUDA graphs "
+                "(--packing off keeps them)", cfg.name, 100 * self.packed_share)
             self.graphs_setting = "off"
         # auto's check of graphed steps against eager ones, before the run's own seed is set
         self.graphs_check = self.check_graphs() if self.graphs_setting == "auto" else None
@@ -282,8 +284,8 @@ class Trainer:
             for step in range(st.step, self.steps):
                 t_data = time.perf_counter()
                 ids, mask = next(batches)
-                packed = pack(ids, mask, self.vocab[PAD]).to(acc.device, non_blocking=True) if self.packing == "on" \
-                    else None
+                packed = pack(ids, mask, self.vocab[PAD], self.wide_rows).to(acc.device, non_blocking=True) \
+                    if self.packing == "on" else None
                 ids, mask = (packed.ids, packed.mask) if packed is not None else (
                     ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True))
                 st.data_s += time.perf_counter() - t_data
