@@ -138,6 +138,8 @@ def test_auto_packs_cells_whose_batches_vary_in_length_and_not_the_others():
     on, share = packing_setting(retrieval, TrainTask(retrieval), 8)
     assert on == "on" and share <= 0.9
     assert packing_setting(direct, TrainTask(direct), 8)[0] == "off"
+    transformer = TrainConfig(**{**vars(retrieval), "arch": "transformer"})  # a dense mask: not faster, measured
+    assert packing_setting(transformer, TrainTask(transformer), 8) == ("off", None)
     assert packing_setting(TrainConfig(**{**vars(retrieval), "packing": "off"}), TrainTask(retrieval), 8) == (
         "off", None)
 
