@@ -61,9 +61,11 @@ def compare_packing(a, cell: list[str], short: int, long: int) -> None:
             for packing in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 runs = [cli_run([*cell, "--packing", packing], n, a.batch, Path(d) / f"{packing}-{n}-{r}")
                         for n in (short, long)]
-                rows[packing].append({"marginal": (runs[1]["steps_seconds"] - runs[0]["steps_seconds"]) / (long - short),
+                marginal = (runs[1]["steps_seconds"] - runs[0]["steps_seconds"]) / (long - short)
+                rows[packing].append({"marginal": marginal,
                                       "losses": [c["loss"] for c in runs[1]["curve"]],
-                                      "share": runs[1]["packing"]["packed_share"], "ran": runs[1]["packing"]["ran"]})
+                                      "share": runs[1]["packed_rows"]["packed_share"],
+                                      "ran": runs[1]["packed_rows"]["ran"]})
                 print(f"--packing {packing:3s} (ran {rows[packing][-1]['ran']}): harness.train marginal step "
                       f"{rows[packing][-1]['marginal']:.3f} s ({short} vs {long} steps)", flush=True)
     off, on = (statistics.median(x["marginal"] for x in rows[k]) for k in ("off", "on"))

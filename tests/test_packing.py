@@ -158,5 +158,5 @@ def test_a_packed_run_trains_as_the_padded_run_step_by_step(arch, tmp_path):
         runs[packing] = train_one(cfg, progress=False)
     curve = {k: [c["loss"] for c in r["curve"]] for k, r in runs.items()}
     assert len(set(curve["off"])) > 1 and curve["on"] == pytest.approx(curve["off"], rel=1e-5)
-    assert runs["on"]["packing"]["ran"] == "on" and runs["off"]["packing"]["ran"] == "off"
-    assert json.loads((tmp_path / "on" / "result.json").read_text())["packing"]["packed_share"] < 1
+    assert runs["on"]["packed_rows"]["ran"] == "on" and runs["off"]["packed_rows"]["ran"] == "off"
+    assert json.loads((tmp_path / "on" / "result.json").read_text())["packed_rows"]["packed_share"] < 1

@@ -45,7 +45,8 @@ class Packed:
 def sample_lengths(ids: torch.Tensor, pad_id: int) -> list[int]:
     """Each right-padded row's length: up to and including its last token that is not ``pad_id``."""
     real = ids != pad_id
-    last = torch.where(real.any(1), real.shape[1] - real.flip(1).int().argmax(1), torch.zeros_like(real[:, 0], dtype=torch.long))
+    last = real.shape[1] - real.flip(1).int().argmax(1)  # past the last real token
+    last = torch.where(real.any(1), last, torch.zeros_like(last))
     return [int(n) for n in last]
 
 

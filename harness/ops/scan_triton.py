@@ -118,10 +118,9 @@ def _scan_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts,
 def _scan_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts,
                    du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
                    L, dim, nst, n_chunks, n_blocks,
-                   su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
-                   sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l, so_b, so_d, so_l,
-                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESETS: tl.constexpr,
-                   K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+                   su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sB_b, sB_n, sB_l,
+                   sC_b, sC_n, sC_l, sy_b, sy_d, sy_l, so_b, so_d, so_l, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                   HAS_RESETS: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """dout is read with the sy strides; du, ddt and dz are written with the so strides. dB_part and dC_part are
     [b, channel blocks, n, L], dA_part [b, d, n], dD_part [b, d]: summed over their second (first) dim after."""
     row, blk = tl.program_id(0), tl.program_id(1)
@@ -297,8 +296,8 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     """Whether the Triton scan equals ``reference`` (the PyTorch scan's autograd function) on this device for one
     class of launch (activations in ``dtype``, ``n`` states, with or without the skip ``D`` and the gate ``z``;
     output and every gradient, at a length that is not a multiple of a chunk): checked once per process and
-    class (``resets``: packed rows, restarting at samples' first tokens) before that class runs, so a kernel that miscompiles or fails on some GPU, in some precision or shape,
-    leaves training on the PyTorch scan (with a warning) instead of on wrong numbers."""
+    class (``resets``: packed rows, restarting at samples' first tokens) before that class runs, so a kernel
+    that miscompiles or fails on some GPU, in some precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers."""
     g = torch.Generator().manual_seed(0)
     b, d, length = 2, BLOCK_D + 7, 2 * CHUNK + 7
     act = getattr(torch, dtype)

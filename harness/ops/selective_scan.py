@@ -353,8 +353,8 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
     ``scan`` is the run's ``--scan`` (``SCANS``); ``fused``: mamba-ssm's fused kernels can run this call
     (transformers' own Mamba path, which ``auto`` prefers). ``auto`` otherwise runs the Triton scan on a CUDA
     tensor where Triton imports, the shape fits its 32-bit indexing and the kernels matched this module's scan
-    on that device (checked once per process and launch class; ``resets``: packed rows), else the PyTorch scan. ``triton`` on a CPU
-    needs ``TRITON_INTERPRET=1`` (tests)."""
+    on that device (checked once per process and launch class; ``resets``: packed rows), else the PyTorch
+    scan. ``triton`` on a CPU needs ``TRITON_INTERPRET=1`` (tests)."""
     if scan not in SCANS:
         raise ValueError(f"scan={scan!r}: use {', '.join(SCANS)}")
     where = dict(device=torch.device(device).type, dtype=str(dtype).replace("torch.", ""), states=states)
