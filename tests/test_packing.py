@@ -160,3 +160,21 @@ def test_a_packed_run_trains_as_the_padded_run_step_by_step(arch, tmp_path):
     assert len(set(curve["off"])) > 1 and curve["on"] == pytest.approx(curve["off"], rel=1e-5)
     assert runs["on"]["packed_rows"]["ran"] == "on" and runs["off"]["packed_rows"]["ran"] == "off"
     assert json.loads((tmp_path / "on" / "result.json").read_text())["packed_rows"]["packed_share"] < 1
+
+
+def test_auto_resumes_a_run_as_it_began_and_reuses_a_finished_one(tmp_path):
+    """A run started padded (before auto existed, or under --packing off) resumes padded under auto, and a
+    finished run of off is reused under auto (how steps run is not what they compute)."""
+    from harness.training.state import SETTINGS_FILE
+    from harness.training.trainer import train_one
+
+    base = dict(arch="mamba", size="smoke", nodes=8, setup="retrieval", samples=32, batch_size=8, eval_every=16,
+                eval_samples=8, live_eval=False, report_to="none", output=str(tmp_path / "run"))
+    done = train_one(TrainConfig(**base, packing="off").resolved(), progress=False)
+    assert done["packed_rows"]["ran"] == "off"
+    assert train_one(TrainConfig(**base).resolved(), progress=False) == done  # auto: reused, not refused
+    settings = json.loads((tmp_path / "run" / SETTINGS_FILE).read_text())
+    (tmp_path / "run" / "result.json").unlink()  # as if killed before it finished: resumed under auto
+    resumed = train_one(TrainConfig(**base).resolved(), progress=False)
+    assert resumed["packed_rows"]["ran"] == "off"
+    assert json.loads((tmp_path / "run" / SETTINGS_FILE).read_text()) == settings

@@ -58,6 +58,15 @@ class Progress:
     attempts: int = 1
 
 
+def recorded_settings(out: Path, added: dict | None = None) -> dict:
+    """The settings a run in ``out`` was started with (``added``: the values of settings it predates), or {}."""
+    try:
+        prev = json.loads((out / SETTINGS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {**(added or {}), **prev} if prev else {}
+
+
 def check_settings(out: Path, settings: dict, overwrite: bool, added: dict | None = None) -> None:
     """Refuse a directory that holds (or held, killed) a training run of other settings; record ours. ``added``:
     settings recorded only since some release, with the value a run that predates them had."""

@@ -44,6 +44,7 @@ from harness.training.state import (
     TrainingError,
     check_settings,
     drop_state,
+    recorded_settings,
     load_state,
     retire_tracker,
     rewrite_log,
@@ -92,13 +93,16 @@ def train_one(cfg: TrainConfig, progress: bool = True, overwrite: bool = False) 
         if finished is not None:
             log.info("%s: finished earlier, skipped", cfg.output)
             return finished
-    trainer = Trainer(cfg, progress)
+    trainer = Trainer(cfg, progress, overwrite)
     lock = RunLock(cfg.output).acquire() if trainer.acc.is_main_process else None
     try:
         return trainer.run(overwrite)
     finally:
         if lock is not None:
             lock.release()
+
+
+AUTO_SETTINGS = ("cuda_graphs", "packing")  # how steps run, not what they compute: auto takes either way
 
 
 def finished_result(cfg: TrainConfig) -> dict | None:
@@ -112,7 +116,8 @@ def finished_result(cfg: TrainConfig) -> dict | None:
         raise RunDirError(f"{done} is not valid JSON ({e}); move it away and rerun to finish the run") from None
     # A run finished before the protocol was recorded kept its best checkpoint on the samples it reports.
     earlier.setdefault("checkpoint", "best on the reported samples (before the checkpoint protocol)")
-    changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)]
+    changed = [k for k in RESULT_DECIDING if k in earlier and earlier[k] != getattr(cfg, k)
+               and not (k in AUTO_SETTINGS and getattr(cfg, k) == "auto")]  # auto may have been either
     if changed:
         raise ConfigError(f"{cfg.output} holds a finished run with other settings ("
                           + ", ".join(f"{k}: {earlier[k]!r} there, {getattr(cfg, k)!r} now" for k in changed)
@@ -123,7 +128,7 @@ def finished_result(cfg: TrainConfig) -> dict | None:
 class Trainer:
     """One training run, in the order it happens: build (``__init__``), start or resume, the loop, finish."""
 
-    def __init__(self, cfg: TrainConfig, progress: bool):
+    def __init__(self, cfg: TrainConfig, progress: bool, overwrite: bool = False):
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
 
@@ -140,13 +145,20 @@ class Trainer:
         self.per_process = cfg.batch_size // acc.num_processes
         cuda = acc.device.type == "cuda"
         self.bf16 = uses_bf16(cfg, acc.device)
+        # an auto setting resumes as the run it resumes began (one started before auto existed: off)
+        started = {} if overwrite else recorded_settings(self.out, ADDED_SETTINGS)
         self.graphs_setting = graphs_setting(cfg, acc.device.type, acc.num_processes)
+        if cfg.cuda_graphs == "auto" and started.get("cuda_graphs") in ("on", "off"):
+            self.graphs_setting = started["cuda_graphs"]
         if self.graphs_setting == "on" and (not cuda or acc.num_processes > 1):
             raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
                               f"process(es) on {acc.device}); use --cuda-graphs off")
         self.task = TrainTask(cfg)
         self.wide_rows = wide_rows(cfg.arch, acc.device.type)
         self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process, self.wide_rows)
+        if cfg.packing == "auto" and started.get("packing") in ("on", "off") and started["packing"] != self.packing:
+            self.packing, self.packed_share = packing_setting(
+                dataclasses.replace(cfg, packing=started["packing"]), self.task, self.per_process, self.wide_rows)
         if self.packing == "on" and self.graphs_setting != "off":
             # packed batches change shape from step to step: graphs would replay few of them
             (log.warning if self.graphs_setting == "on" else log.info)(
