@@ -69,12 +69,17 @@ def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
     return rows
 
 
+def _layout(lengths: list[int], length: int, wide: bool) -> tuple[int, list[list[int]]]:
+    """(row width, sample indices per row): rows of the batch's ``length``, or (``wide``) of the multiple of it
+    in ``WIDER`` that computes the fewest tokens."""
+    widths = [k * length for k in (WIDER if wide else (1,))]
+    return min(((w, _first_fit(lengths, w)) for w in widths), key=lambda wr: (len(wr[1]) * wr[0], wr[0]))
+
+
 def pack(ids: torch.Tensor, mask: torch.Tensor, pad_id: int, wide: bool = False) -> Packed:
-    """The padded batch (``ids``, its loss ``mask``) as packed rows (first-fit decreasing, rows of the batch's
-    length; ``wide``: of the multiple of it in ``WIDER`` that computes the fewest tokens)."""
+    """The padded batch (``ids``, its loss ``mask``) as packed rows (``_layout``: first-fit decreasing)."""
     lengths = sample_lengths(ids, pad_id)
-    widths = [k * ids.shape[1] for k in (WIDER if wide else (1,))]
-    width, rows = min(((w, _first_fit(lengths, w)) for w in widths), key=lambda wr: (len(wr[1]) * wr[0], wr[0]))
+    width, rows = _layout(lengths, ids.shape[1], wide)
     out_ids = torch.full((len(rows), width), pad_id, dtype=ids.dtype)
     out_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
     starts = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -100,7 +105,8 @@ def pack(ids: torch.Tensor, mask: torch.Tensor, pad_id: int, wide: bool = False)
 
 def packed_tokens(ids: torch.Tensor, pad_id: int, wide: bool = False) -> tuple[int, int]:
     """(tokens a packed step computes, tokens the padded step computes) for this padded batch."""
-    return pack(ids, torch.zeros_like(ids), pad_id, wide).ids.numel(), ids.numel()
+    width, rows = _layout(sample_lengths(ids, pad_id), ids.shape[1], wide)
+    return len(rows) * width, ids.numel()
 
 
 def wide_rows(arch: str, device_type: str) -> bool:

@@ -120,7 +120,7 @@ def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8, wide: 
     """Tokens a packed step computes over the padded step's, on the cell's first ``draws`` batches (the run's
     seed: what ``--packing auto`` decides by, the same answer on every resume)."""
     source = TrainingBatches(task, batch, seed, 0)
-    pad = {t: i for i, t in enumerate(task.vocab)}[PAD]
+    pad = task.vocab.index(PAD)
     packed = padded = 0
     for k in range(draws):
         for ids, _ in source.pool(k):
