@@ -5,6 +5,12 @@ inside it as ``icr``), same model, same prompts, outputs checked identical.
     python benchmarks/throughput.py [--questions 8] [--positions first,middle,last] [--hidden 256 --layers 6]
     pip install lm-eval   # for the lm-eval rows (skipped, and said so, when it is not installed)
     bash scripts/with-vllm-cpu.sh python benchmarks/throughput.py --backend vllm   # vLLM beside the default
+    bash scripts/with-vllm-cpu.sh python benchmarks/throughput.py --backend vllm --arch hybrid-phi-mamba
+
+``--arch phi-mamba`` / ``hybrid-phi-mamba`` time the paper's models (random weights, tiny shapes): vLLM runs them
+through the project's plugin (harness/backends/vllm_plugin.py, prefix caching off: not exact for them), and the
+baseline is the harness's own plan ``none`` (one sample at a time, nothing shared): transformers and lm-eval's
+``hf`` model cannot load these checkpoints.
 
 ``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
 off, each in a child process (vLLM re-decorates transformers' model classes and sets the thread count in its
@@ -121,7 +127,7 @@ def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float]:
     """Where ``other`` (another engine's greedy tokens) first parts from this model's greedy choice, and the gap
     between this model's top two logits there."""
     ids = backend.tokenizer(prompt)["input_ids"]
-    logits = backend.model(input_ids=torch.tensor([ids + other])).logits[0, len(ids) - 1:].double()
+    logits = backend.sequence_logits(torch.tensor([ids + other]))[0, len(ids) - 1:].double()
     for j, tok in enumerate(other):
         top = logits[j].topk(2)
         if int(top.indices[0]) != tok:
@@ -187,7 +193,12 @@ def main():
     ap.add_argument("--plans", default=",".join(PLANS), help="the engine's plans to time")
     ap.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                     help="vllm: add vLLM (prefix caching on and off) beside the harness's default plan")
+    ap.add_argument("--arch", choices=["phi", "phi-mamba", "hybrid-phi-mamba"], default="phi",
+                    help="the tiny model's family (the Phi-Mamba ones: the harness's plan none is the baseline)")
     a = ap.parse_args()
+    own = a.arch != "phi"  # the project's own checkpoints: no transformers model, no lm-eval hf model
+    if own and "none" not in a.plans.split(","):
+        a.plans += ",none"
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("harness").setLevel(logging.WARNING)
@@ -197,37 +208,46 @@ def main():
     tpl = PromptTemplate("hotpotqa_cot")
     prompts = [tpl.render(**task.template_vars(i)) for i in inst]
     with tempfile.TemporaryDirectory() as d:
-        model_dir = str(make_tiny_model(Path(d) / "m", "phi", hidden=a.hidden, layers=a.layers))
+        model_dir = str(make_tiny_model(Path(d) / "m", a.arch, hidden=a.hidden, layers=a.layers,
+                                        **({"init_std": 0.2} if own else {})))  # 0.5: activations of 1e5
         backend = load_backend(model_dir, "cpu", "float32")
         ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
         prompt_tokens, tree_tokens = sum(map(len, ids)), PrefixTree(ids).tree_tokens
         print(f"{len(prompts)} prompts (4-shot, {a.distractors} distractors), {min(map(len, ids))}-{max(map(len, ids))} "
-              f"tokens, max {a.max_new_tokens} new; random Phi d={a.hidden} L={a.layers}, CPU, "
+              f"tokens, max {a.max_new_tokens} new; random {a.arch} d={a.hidden} L={a.layers}, CPU, "
               f"{torch.get_num_threads()} threads\n")
-        progress = Progress(len(a.plans.split(",")) + 3 + (2 if a.backend == "vllm" else 0))
+        cachings = (False,) if own else (True, False)
+        progress = Progress(len(a.plans.split(",")) + (0 if own else 3)
+                            + (len(cachings) if a.backend == "vllm" else 0))
         run_harness(backend, prompts[:2], 4, "none")  # warm-up
         plans = {p: progress(f"the harness, plan {p}", run_harness, backend, prompts, a.max_new_tokens, p)
                  for p in a.plans.split(",")}
-        gen, t_gen = progress("transformers.generate, one sample at a time", run_generate, backend.model,
-                              backend.tokenizer, prompts, a.max_new_tokens)
-        lme, t_lme = progress("lm-eval's hf model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
-                              a.lm_eval_batch_size)
-        lmi, t_lmi = progress("lm-eval's icr model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
-                              a.icr_batch_size, model="icr")
+        if own:
+            gen, t_gen, _ = plans["none"]
+            lme = lmi = t_lme = t_lmi = None
+        else:
+            gen, t_gen = progress("transformers.generate, one sample at a time", run_generate, backend.model,
+                                  backend.tokenizer, prompts, a.max_new_tokens)
+            lme, t_lme = progress("lm-eval's hf model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
+                                  a.lm_eval_batch_size)
+            lmi, t_lmi = progress("lm-eval's icr model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
+                                  a.icr_batch_size, model="icr")
         vllm = {c: progress(f"vLLM, prefix caching {'on' if c else 'off'}", run_vllm, model_dir, prompts,
-                            a.max_new_tokens, c) for c in (True, False)} if a.backend == "vllm" else {}
+                            a.max_new_tokens, c) for c in cachings} if a.backend == "vllm" else {}
         print(file=sys.stderr)
     n = len(prompts)
     bound = prompt_tokens / tree_tokens
     print(f"{'system':48s} {'seconds':>8s} {'samples/s':>10s} {'vs generate':>12s} {'of bound':>9s} "
           f"{'prefilled':>10s} identical")
-    print(f"{'transformers.generate, one sample at a time':48s} {t_gen:8.2f} {n / t_gen:10.2f} {'1.00x':>12s} "
-          f"{1 / bound:9.0%} {prompt_tokens:10d} -")
+    base = "icr-harness, plan none (the baseline)" if own else "transformers.generate, one sample at a time"
+    print(f"{base:48s} {t_gen:8.2f} {n / t_gen:10.2f} {'1.00x':>12s} {1 / bound:9.0%} {prompt_tokens:10d} -")
     for p, (out, t, info) in plans.items():
         label = f"icr-harness generate_all, plan {p}" + (f" -> {info.ran}" if p == "auto" else "")
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} "
               f"{info.prefill_tokens:10d} {out == gen}")
-    if lme is None:
+    if own:
+        print(f"transformers.generate and lm-eval: cannot load a {a.arch} checkpoint - rows left out")
+    elif lme is None:
         print("lm-eval: not installed (pip install lm-eval) - rows skipped")
     else:
         for label, texts, t in ((f"lm-eval hf, batch_size {a.lm_eval_batch_size}", lme, t_lme),
@@ -247,9 +267,10 @@ def main():
                       f"{gap:.1e} apart (float32 kernels that sum in another order can flip a near-tie)")
     auto = plans.get("auto")
     if auto is not None and vllm:
-        best = vllm[True]["generate_s"]
-        print(f"\nharness default ({auto[2].ran}) vs vLLM: {best / auto[1]:.2f}x vLLM's speed with prefix "
-              f"caching on, {vllm[False]['generate_s'] / auto[1]:.2f}x with it off (> 1: the harness is faster)")
+        on = (f"{vllm[True]['generate_s'] / auto[1]:.2f}x vLLM's speed with prefix caching on, " if True in vllm
+              else "")
+        print(f"\nharness default ({auto[2].ran}) vs vLLM: {on}{vllm[False]['generate_s'] / auto[1]:.2f}x with "
+              "it off (> 1: the harness is faster)")
     if auto is not None:
         print(f"\nbound (prompt tokens / prefix tree's distinct tokens): {bound:.2f}x; the default plan "
               f"({auto[2].ran}) reaches {t_gen / auto[1]:.2f}x = {t_gen / auto[1] / bound:.0%} of it (goal >= 80%)"

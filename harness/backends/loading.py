@@ -42,9 +42,11 @@ def model_spec(model: str, tokenizer: str | None = None):
 def backend_name(model: str, spec, backend: str = "auto") -> str:
     """The backend that runs ``spec``: the registry's choice, or ``backend`` where it can run the checkpoint."""
     name = spec.backend if backend == "auto" else backend
-    if name != spec.backend and backend_class(spec.backend).own_checkpoints:
+    if (name != spec.backend and backend_class(spec.backend).own_checkpoints
+            and spec.backend not in backend_class(name).runs_checkpoints_of):
+        also = [n for n in BACKENDS.names() if spec.backend in backend_class(n).runs_checkpoints_of]
         raise ValueError(f"{model} is a checkpoint of the {spec.backend} backend's own kind, not a transformers "
-                         f"model; only --backend {spec.backend} (or auto) runs it")
+                         f"model; only --backend {spec.backend} (or auto){''.join(f' or {n}' for n in also)} runs it")
     return name
 
 

@@ -31,6 +31,7 @@ from harness import hub
 from harness.backends.base import Backend, BackendInfo, Generation, GenRequest, PlanRecord, resolve_device, resolve_dtype
 from harness.backends.generation import chunked_generate
 from harness.backends.scoring import scoring_window
+from harness.models.registry import backend_for_config
 
 log = logging.getLogger("harness")
 
@@ -59,6 +60,9 @@ VLLM_FAMILIES: dict[str, VLLMFamily] = {
     # Mamba-2 state: vLLM's prefix caching crashed on ~2k-token prompts (IndexError in mamba_mixer2)
     "mamba2": VLLMFamily(prefix_caching=False),
     "falcon_h1": VLLMFamily(prefix_caching=False),
+    # goombalab's Phi-Mamba and the hybrid, through the project's vLLM plugin (harness/backends/vllm_plugin.py):
+    # its Mamba layers do not write the per-block states vLLM's prefix caching of Mamba layers reads back
+    "phi-mamba": VLLMFamily(prefix_caching=False),
 }
 
 # Families measured not to run, and why (the rest are unmeasured: refused until measured).
@@ -135,17 +139,46 @@ def check_engine_types(args: dict[str, Any], fields) -> None:
                             f"{f.name}=true or {f.name}=false (on/off and yes/no are read too)")
 
 
+def _checkpoint_folder(path: str) -> Path | None:
+    """A local folder, or a hub id's snapshot in the HF cache; None where neither is here."""
+    local = Path(path).expanduser()
+    return local if local.is_dir() else hub.hub_snapshot(path)
+
+
 def _model_config(path: str) -> dict:
     """The checkpoint's config.json as a dict (a local folder, or a hub id from the HF cache)."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        file = local / "config.json"
-    else:
-        snap = hub.hub_snapshot(path)
-        file = snap / "config.json" if snap is not None else None
+    folder = _checkpoint_folder(path)
+    file = folder / "config.json" if folder is not None else None
     if file is None or not file.is_file():
         raise VLLMError(f"the vllm backend needs {path}'s config.json to check its family, and it is not there")
     return json.loads(file.read_text())
+
+
+def _family(config: dict) -> str | None:
+    return "phi-mamba" if backend_for_config(config) == "phi-mamba" else config.get("model_type")
+
+
+def phi_mamba_settings(path: str, config: dict, runs_on: str) -> dict[str, Any]:
+    """A Phi-Mamba or hybrid checkpoint, checked before vLLM starts as the plugin will load it (its config mapped,
+    every weight's name and shape, the attention's head size on a CPU): the engine settings it needs."""
+    from harness.models.phi_mamba import PhiMambaConfig, check_checkpoint  # lazy: only this family needs them
+
+    try:
+        cfg = PhiMambaConfig.from_goombalab(config)
+        check_checkpoint(cfg, _checkpoint_folder(path))
+    except (ValueError, OSError) as e:
+        raise VLLMError(f"the vllm backend cannot map {path} onto its Phi-Mamba model: {e}. --backend phi-mamba "
+                        "runs it without vLLM") from None
+    head = cfg.d_model // cfg.num_attention_heads
+    if runs_on == "cpu" and cfg.attn_layers and head not in CPU_HEAD_SIZES:
+        raise VLLMError(f"the vllm backend cannot run {path} on cpu: its attention head size is {head}, and vLLM's "
+                        f"CPU attention takes {', '.join(map(str, CPU_HEAD_SIZES))}. Use --backend phi-mamba")
+    # the hybrid's attention bounds its context (2,048 positions in the released one); vLLM sizes its cache by it
+    out: dict[str, Any] = {"max_model_len": min(cfg.max_position_embeddings, UNBOUNDED_CONTEXT) if cfg.attn_layers
+                           else UNBOUNDED_CONTEXT}
+    if config.get("model_type") != "phi_mamba":  # goombalab's own config.json names no model type
+        out["config_format"] = "phi-mamba"
+    return out
 
 
 def _head_size(config: dict) -> int | None:
@@ -177,7 +210,7 @@ def engine_settings(path: str, device: str = "auto", dtype: str = "auto", engine
                         f"use --device {runs_on} or auto, install the other build ({other}), or use --backend "
                         "transformers")
     config = _model_config(path)
-    family = config.get("model_type")
+    family = _family(config)
     spec = VLLM_FAMILIES.get(family)
     if spec is None or runs_on not in spec.devices:
         why = NOT_RUNNABLE.get(family, "its greedy output has not been checked against the transformers backend's "
@@ -186,7 +219,8 @@ def engine_settings(path: str, device: str = "auto", dtype: str = "auto", engine
         raise VLLMError(f"the vllm backend does not run model family {family!r} ({path}) on {runs_on}: {why}. Use "
                         "--backend transformers (every family, exact batching)")
     args = dict(engine_args or {})
-    head = _head_size(config)
+    own = phi_mamba_settings(path, config, runs_on) if family == "phi-mamba" else {}
+    head = _head_size(config) if not own else None
     if runs_on == "cpu" and head is not None and head not in CPU_HEAD_SIZES:
         raise VLLMError(f"the vllm backend cannot run {path} on cpu: its attention head size is {head}, and vLLM's "
                         f"CPU attention takes {', '.join(map(str, CPU_HEAD_SIZES))}. Use --backend transformers")
@@ -203,6 +237,7 @@ def engine_settings(path: str, device: str = "auto", dtype: str = "auto", engine
             settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if not any(config.get(k) for k in ("max_position_embeddings", "n_positions", "max_seq_len")):
         settings["max_model_len"] = UNBOUNDED_CONTEXT
+    settings.update(own)
     settings.update(args)  # the user's --vllm-arg last: it overrides every default above
     if not isinstance(settings["in_process"], bool):
         raise VLLMError(f"--vllm-arg in_process={settings['in_process']!r}: true (the engine in this process) or "
@@ -227,7 +262,8 @@ def _quiet_vllm_loggers() -> None:
 class VLLMBackend(Backend):
     name = "vllm"
     takes_engine_args = True
-    audit_reference = "transformers"
+    runs_checkpoints_of = ("phi-mamba",)  # through the project's vLLM plugin
+    audit_reference = "transformers"  # the reference of every family but Phi-Mamba's (set per model)
 
     @classmethod
     def parse_engine_args(cls, pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -241,6 +277,8 @@ class VLLMBackend(Backend):
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
                  engine_args: dict | None = None, **_):
         self.settings = engine_settings(path, device, dtype, engine_args)
+        if self.settings["family"] == "phi-mamba":
+            self.audit_reference = "phi-mamba"  # the project's own model is this family's reference
         # variables vLLM reads while it is imported and its engine built (it has no argument for them), restored
         # after: an in-process engine on a CPU, and its INFO lines (~25 a run, some printed at import) off unless
         # --verbose
@@ -264,6 +302,10 @@ class VLLMBackend(Backend):
                             "torchcodec (nothing here uses them); `python -m harness.doctor` says more") from None
         if quiet:
             _quiet_vllm_loggers()
+        if self.settings["family"] == "phi-mamba":
+            from harness.backends.vllm_plugin import register  # lazy: imports vLLM
+
+            register()  # as vLLM's plugin entry point does, for a checkout run without installing the project
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         kwargs = {k: v for k, v in self.settings.items() if k not in ("device", "family", "vllm", "in_process")}
         unknown = sorted(set(kwargs) - known)

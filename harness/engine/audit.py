@@ -41,7 +41,7 @@ def audit_rows(cfg, model: ResolvedModel, backend, records: list[dict], request:
     scored = [r for r in records if not r.get("skipped")]
     chosen = random.Random(f"audit:{cfg.seed}").sample(scored, min(n, len(scored)))
     requests = [request(rec["key"]) for rec in chosen]
-    other = getattr(type(backend), "audit_reference", None) if backend is not None else None
+    other = getattr(backend, "audit_reference", None) if backend is not None else None
     if other is not None:
         outs = generate_in_child(model.reference(other), requests)
         tokenizer, reference = backend.tokenizer, {"backend": other, "process": "child", "dtype": "float32"}

@@ -126,7 +126,8 @@ class PhiMambaConfig:
         attn_core = {"num_attention_heads": self.num_attention_heads, "rope_theta": self.rope_theta,
                      "partial_rotary_factor": self.partial_rotary_factor,
                      "max_position_embeddings": self.max_position_embeddings}
-        cfg = {OWN_MARKER: {"attention_from_core_input": True},
+        cfg = {"model_type": "phi_mamba",  # read by the project's vLLM plugin (harness/backends/vllm_plugin.py)
+               OWN_MARKER: {"attention_from_core_input": True},
                "LanguageModel": {"input": {"vocab_size": self.vocab_size,
                                            "pad_vocab_size_multiple": self.pad_vocab_size_multiple}},
                "MixerModel": {"input": {"d_model": self.d_model, "n_layer": self.n_layer,
@@ -514,6 +515,27 @@ def check_keys(model: nn.Module, state: dict, where: str) -> None:
         if bad:
             parts.append("shape mismatch: " + ", ".join(f"{k} {tuple(state[k].shape)} vs {want[k]}" for k in bad[:8]))
         raise ValueError(f"checkpoint {where} does not match its config.json; " + "; ".join(parts))
+
+
+def check_checkpoint(cfg: PhiMambaConfig, folder: Path | None) -> None:
+    """Raise ValueError where ``folder``'s weights (names and shapes, read from the files' headers: no tensor is
+    loaded) do not fit the model ``cfg`` describes. For a check before another engine loads the checkpoint."""
+    if folder is None:
+        raise ValueError("its files are not here (a local folder or the HF cache)")
+    st = sorted(folder.glob("*.safetensors"))
+    if st:
+        from safetensors import safe_open
+
+        shapes = {}
+        for f in st:
+            with safe_open(str(f), "pt") as handle:
+                shapes.update({k: handle.get_slice(k).get_shape() for k in handle.keys()})
+        state = {k: torch.empty(v, device="meta") for k, v in shapes.items()}
+    else:
+        state = {k: v.to("meta") for k, v in _read_weights(folder).items()}
+    with torch.device("meta"):
+        model = PhiMambaForCausalLM(cfg)
+    check_keys(model, state, str(folder))
 
 
 def _resolve_folder(name_or_path: str) -> Path:

@@ -60,7 +60,7 @@ def resolve_model(name: str) -> ModelSpec:
                                     "short: save it again with save_pretrained()") from None
         if not isinstance(cfg, dict):
             raise UnknownModelError(f"{cfg_file} must hold a JSON object (a model config), got {type(cfg).__name__}")
-        backend = _backend_for_config(cfg)
+        backend = backend_for_config(cfg)
         has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
         # goombalab's checkpoint folders carry no tokenizer: theirs is Phi-1.5's
         tokenizer = None if has_tokenizer or backend != "phi-mamba" else PHI_TOKENIZER
@@ -87,7 +87,7 @@ def _looks_like_a_path(name: str) -> bool:
             or (len(path.parts) == 2 and path.parent.is_dir()))
 
 
-def _backend_for_config(cfg: dict) -> str:
+def backend_for_config(cfg: dict) -> str:
     """goombalab checkpoints carry a ``LanguageModel``/``MixerModel`` config rather than a ``model_type``."""
     if cfg.get("model_type") in ("phi-mamba", "phi_mamba") or "MixerModel" in cfg or "LanguageModel" in cfg:
         return "phi-mamba"
