@@ -228,7 +228,9 @@ def engine_settings(path: str, device: str = "auto", dtype: str = "auto", engine
         raise VLLMError(f"--vllm-arg enable_prefix_caching=true: vLLM's prefix caching is not exact for family "
                         f"{family!r}; leave it out")
     settings: dict[str, Any] = {
-        "device": runs_on, "dtype": str(resolve_dtype(dtype, torch.device(runs_on))).replace("torch.", ""),
+        # Phi-Mamba: float32 unless asked, as its own backend (the paper's precision)
+        "device": runs_on, "dtype": str(resolve_dtype(dtype, torch.device(runs_on), family == "phi-mamba")
+                                        ).replace("torch.", ""),
         "enable_prefix_caching": spec.prefix_caching, "family": family, "vllm": f"{dist} {version}"}
     settings["in_process"] = runs_on == "cpu"  # on a CPU: a start in seconds (no engine process, no compile
     if runs_on == "cpu":                         # warm-up) and a KV cache of a known size
