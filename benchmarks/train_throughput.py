@@ -10,12 +10,12 @@ batches of the cell, and the time to generate those samples in Python. A step me
 samples is scaled linearly to the paper's batch of 64. Sizes not measured are projected from the measured
 size by trainable parameters (stated in the output). Data generation runs in DataLoader workers during
 training, so its share is what workers must hide, not time added; "store share" is the same for batches read
-from a built token store (``--store``), which replaces generation while training. ``--side-by-side K`` then trains K copies
-of one cell at once in separate processes on the same device and prints their aggregate samples/s against
-one alone: what ``--cells-per-gpu K`` gains where one small cell cannot fill a GPU."""
+from a built token store (``--store``), which replaces generation while training. ``--side-by-side K`` then trains 1, 2, 4 ...
+K copies of a short and a long cell at once in separate processes on the same device, released together by one
+barrier for one fixed window, and prints their aggregate samples/s against one alone and the CPU cores they and
+their data need: what ``--cells-per-gpu K`` gains where one small cell cannot fill a GPU."""
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -23,6 +23,7 @@ import torch
 
 from harness.training.config import TrainConfig
 from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, cell_parameters, device_name, measure_cell
+from harness.training.sharing import sharing_table
 from harness.tools.bench import benchmark_parser
 
 
@@ -35,11 +36,10 @@ def main():
     ap.add_argument("--archs", default=",".join(ARCH_ORDER))
     ap.add_argument("--measure-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--side-by-side", type=int, default=0, metavar="K", help="also measure K cells at once")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--side-by-side", type=int, default=0, metavar="K",
+                    help="also measure 1, 2, 4 ... up to K cells at once (harness.training.sharing)")
+    ap.add_argument("--window", type=float, default=5.0, help="seconds every side-by-side cell trains at once")
     a = ap.parse_args()
-    if a.child:
-        return _child(a)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes, archs = a.sizes.split(","), a.archs.split(",")
     paper = GRID_DEFAULTS["paper"]
@@ -108,37 +108,28 @@ def _store_read_s(cell, batch: int) -> float:
 
 
 def side_by_side(a, size: str, hours: float) -> None:
-    """K copies of one small cell trained at once, each in its own process, against one alone."""
-    import json
-    import subprocess
-    import sys
+    """K copies of a short and a long cell trained at once (``harness.training.sharing``: one barrier after their
+    warm-up, one fixed window, their CPU and their data's counted), K from 1 to ``--side-by-side``."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cells = {"short (mamba n=16 direct)": {"arch": "mamba", "size": size, "nodes": 16, "setup": "direct"},
+             "long (mamba n=64 retrieval)": {"arch": "mamba", "size": size, "nodes": 64, "setup": "retrieval"}}
+    ks = [k for k in (1, 2, 4, 8) if k <= a.side_by_side] + ([a.side_by_side] if a.side_by_side not in (1, 2, 4, 8)
+                                                             else [])
+    print(f"\ncells side by side on {device} ({size}, batch {a.measure_batch}, a {a.window:g} s window after one "
+          "barrier):")
+    print(f"{'cell':28s} {'K':>2s} {'samples/s':>10s} {'vs one':>7s} {'overlap':>8s} {'CPU cores':>10s}")
 
-    cell = {"arch": "mamba", "size": size, "nodes": 16, "setup": "direct"}
-    spec = json.dumps({**cell, "batch": a.measure_batch, "steps": max(a.steps, 3)})
-    rates = {}
-    for k in (1, a.side_by_side):
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", spec], stdout=subprocess.PIPE, text=True)
-                 for _ in range(k)]
-        outs = [p.communicate()[0] for p in procs]
-        if any(p.returncode for p in procs):
-            sys.exit("error: a side-by-side cell failed")
-        rates[k] = sum(json.loads(o.strip().splitlines()[-1])["samples_per_s"] for o in outs)
-    gain = rates[a.side_by_side] / rates[1]
-    print(f"\n{a.side_by_side} cells side by side ({size} mamba, n=16 direct): {rates[a.side_by_side]:.1f} samples/s "
-          f"together vs {rates[1]:.1f} for one alone ({gain:.2f}x); with --cells-per-gpu {a.side_by_side} the grid "
-          f"above would take about {hours / max(gain, 1e-9):.0f} hours if every cell gained as much")
+    def show(r):
+        print(f"{r['cell']:28s} {r['K']:2d} {r['samples_per_s']:10.1f} {r['gain_over_one']:6.2f}x "
+              f"{r['windows_overlap']:8.0%} {r['cpu_cores_needed']:5.1f} of {r['cores']}", flush=True)
 
-
-def _child(a) -> None:
-    import json
-
-    spec = json.loads(a.child)
-    batch, steps = spec.pop("batch"), spec.pop("steps")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # K processes share the cores as grid cells do
-    m = measure_cell(TrainConfig(**spec, report_to="none").resolved(), device, batch, steps)
-    print(json.dumps({"samples_per_s": batch / m["step_s"]}))
+    best = sharing_table(cells, ks, device, a.measure_batch, a.window, show)
+    if best:
+        gain = min(b["gain"] for b in best.values())
+        print(f"with --cells-per-gpu {max(b['k'] for b in best.values())} the grid above would take about "
+              f"{hours / max(gain, 1e-9):.0f} hours (every cell at the smaller of the two gains, {gain:.2f}x)")
+    else:
+        print("no K fits this machine's cores: one cell at a time")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ CASES = {
     "train_cli.py": (["--compare", "packing", "--nodes", "8", "--batch", "4", "--steps", "1,2", "--size", "smoke",
                       "--repeats", "1"], "same losses, step by step: True"),
     "train_throughput.py": (["--sizes", "0.5M", "--nodes", "4", "--setups", "direct,retrieval", "--measure-batch",
-                             "2", "--steps", "1", "--side-by-side", "2"], "cells side by side"),
+                             "2", "--steps", "1", "--side-by-side", "2", "--window", "1"], "cells side by side"),
 }
 
 

@@ -50,13 +50,20 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     out = tmp_path / "quick"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--out", str(out),
-                          "--part", "scan,trainer,sweep,decode"],  # the sweep runs only when named
+                          "--part", "scan,trainer,sharing,sweep,decode"],  # the sweep runs only when named
                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     steps = report["steps"]
-    assert {k: s["status"] for k, s in steps.items()} == dict.fromkeys(("scan", "trainer", "sweep", "decode"),
-                                                                         "done"), steps
+    assert {k: s["status"] for k, s in steps.items()} == dict.fromkeys(
+        ("scan", "trainer", "sharing", "sweep", "decode"), "done"), steps
+    # cells sharing the device: K processes released by one barrier train in one window (it overlaps, not Kx for
+    # free), and the K the measurement supports
+    shared = [r for r in steps["sharing"]["rows"] if "K" in r]
+    assert [(r["cell"], r["K"]) for r in shared] == [("short", 1), ("short", 2)]
+    assert all(r["windows_overlap"] > 0.8 and r["samples_per_s"] > 0 and r["cpu_cores_needed"] > 0 for r in shared)
+    assert len(shared[1]["steps_each"]) == 2 and shared[0]["gain_over_one"] == 1.0
+    assert [r for r in steps["sharing"]["rows"] if r.get("supported")], steps["sharing"]["rows"]
     scan = [r for r in steps["scan"]["rows"] if "name" not in r]
     assert {(r["tokens"], r["dtype"]) for r in scan} == {(24, "float32"), (24, "bfloat16")}
     profiled = [r for r in steps["scan"]["rows"] if "name" in r]
@@ -81,7 +88,8 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     assert summary[cpu_hours]["value"] > 0 and not [n for n in summary if "H100-hours" in n]
     assert all(r["met"] in ("n/a", "yes") for r in report["summary"]), report["summary"]  # goals: GPU only
     md = (out / "report.md").read_text()
-    assert "## The decisive numbers" in md and "projected:" in md and "(d) Decode" in md
+    assert "## The decisive numbers" in md and "projected:" in md and "(e) Decode" in md
+    assert "(c) Cells sharing a device" in md
 
     # the budget is enforced: a step is killed at its limit (keeping what it wrote), and a budget that cannot
     # hold a step skips it with the reason
@@ -92,7 +100,7 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     assert cut["status"] == "stopped" and "limit of 3 s" in cut["reason"] and time.perf_counter() - t < 3 + 10, cut
     assert run_quick(tmp_path / "small", budget=MIN_STEP_S + 5) == 0
     small = json.loads((tmp_path / "small" / "report.json").read_text())
-    assert [s["status"] for s in small["steps"].values()] == ["skipped"] * 3  # the default: scan, trainer, decode
+    assert [s["status"] for s in small["steps"].values()] == ["skipped"] * 4  # scan, trainer, sharing, decode
     assert all("budget" in s["reason"] for s in small["steps"].values())
     assert {r["met"] for r in small["summary"]} == {"not measured"}
     # a part re-measured after a fix: the steps named, in that order (--part with --quick)

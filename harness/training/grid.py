@@ -20,6 +20,7 @@ import sys
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -275,6 +276,63 @@ def cell_parameters(arch: str, size: str, nodes: int) -> int:
     return trainable_parameters(build_model(arch, size, len(istree.vocabulary(nodes))))
 
 
+@dataclasses.dataclass
+class CellSteps:
+    """A cell's optimizer step as its run takes it (its model, optimizer, precision, graphs and packing as the run
+    decides them), with batches drawn as the run draws them, sorted by padded length."""
+    step: Callable[[tuple], None]  # one optimizer step on a drawn (ids, mask), synchronised
+    drawn: list
+    graphs: bool
+    packing: str
+    gen_s_per_sample: float  # seconds of data generation a sample (one thread, inline)
+    forward: Callable[[tuple], None]  # a forward pass only (evaluations), synchronised
+
+
+def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int = 32) -> CellSteps:
+    """Everything a timed step of ``cell`` needs, built as the trainer builds it; graphs captured for the drawn
+    batches' shapes (eager warm-up steps first, as a run), so what follows times replays."""
+    task = TrainTask(cell)
+    torch.manual_seed(cell.seed)
+    model = new_model(cell, task).to(device)
+    graphs = cell.cuda_graphs != "off" and device.type == "cuda"  # auto as the run would: graphs, if they agree
+    opt = new_optimizer(cell, model, device, graphs)
+    source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
+    t = time.perf_counter()
+    drawn = [b for k in range(-(-draws // cell.bucket)) for b in source.pool(k)]
+    gen_s = (time.perf_counter() - t) / (len(drawn) * batch)
+    drawn.sort(key=lambda b: b[0].shape[1])
+    # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
+    # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
+    wide = wide_rows(cell.arch, device.type)
+    packing, _ = packing_setting(cell, task, batch, wide)  # the run's own decision: packed steps are what it trains
+    pad = task.vocab.index(PAD)
+    graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(cell, device))
+    graphed = GraphedSteps(model, opt, device.type, uses_bf16(cell, device)) if graphs else None
+    if graphed is not None:  # as a run: each batch shape's eager warm-up steps and its capture
+        for ids, mask in {b[0].shape: b for b in drawn}.values():
+            for _ in range(WARMUP + 1):
+                graphed(ids.to(device), mask.to(device))
+
+    def step(b) -> None:
+        ids, mask = b
+        packed = pack(ids, mask, pad, wide).to(device) if packing == "on" else None
+        ids, mask = (packed.ids, packed.mask) if packed is not None else (ids.to(device), mask.to(device))
+        if graphed is not None:
+            graphed(ids, mask)
+        else:
+            optimizer_step(model, opt, ids, mask, autocast, packed=packed)
+        sync()
+
+    def forward(b) -> None:
+        with torch.no_grad(), autocast:
+            model(input_ids=b[0].to(device))
+        sync()
+
+    return CellSteps(step, drawn, graphs, packing, gen_s, forward)
+
+
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32) -> dict:
     """Seconds per optimizer step (the trainer's own ``optimizer_step``: its model, scan, precision, loss and
     optimizer) and per sample of data generation, and the forward-only seconds of one batch (for evaluations).
@@ -284,53 +342,21 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     drawn as the trainer draws them (``TrainingBatches``: the run's seed, bucketing and batch), and the ``steps``
     timed steps (after two warm-up steps) run on the batches at evenly spaced quantiles of padded length: their mean is
     a stratified estimate of the run's mean step."""
-    task = TrainTask(cell)
-    torch.manual_seed(cell.seed)
-    model = new_model(cell, task).to(device)
-    graphs = cell.cuda_graphs != "off" and device.type == "cuda"  # auto as the run would: graphs, if they agree
-    opt = new_optimizer(cell, model, device, graphs)
-    source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
-    t = time.perf_counter()
-    drawn = [b for k in range(-(-max(draws, steps) // cell.bucket)) for b in source.pool(k)]
-    gen_s = (time.perf_counter() - t) / (len(drawn) * batch)
-    drawn.sort(key=lambda b: b[0].shape[1])
-    # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
-    # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
-    wide = wide_rows(cell.arch, device.type)
-    packing, _ = packing_setting(cell, task, batch, wide)  # the run's own decision: packed steps are what it trains
-    pad = task.vocab.index(PAD)
-    graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
+    cs = cell_steps(cell, device, batch, max(draws, steps))
+    drawn = cs.drawn
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
     middle = drawn[len(drawn) // 2]
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(cell, device))
     times = []
-    if graphs:  # as a run: each batch shape's eager warm-up steps and its capture before the timed replays
-        graphed = GraphedSteps(model, opt, device.type, uses_bf16(cell, device))
-        for ids, mask in {b[0].shape: b for b in [middle, *picked]}.values():
-            for _ in range(WARMUP + 1):
-                graphed(ids.to(device), mask.to(device))
-    for ids, mask in [middle, middle, *picked]:  # two warm-up steps, then the timed ones
-        packed = pack(ids, mask, pad, wide).to(device) if packing == "on" else None
-        ids, mask = (packed.ids, packed.mask) if packed is not None else (ids.to(device), mask.to(device))
-        sync()
+    for b in [middle, middle, *picked]:  # two warm-up steps, then the timed ones
         t0 = time.perf_counter()
-        if graphs:
-            graphed(ids, mask)
-        else:
-            optimizer_step(model, opt, ids, mask, autocast, packed=packed)
-        sync()
+        cs.step(b)
         times.append(time.perf_counter() - t0)
-    ids = middle[0].to(device)
-    sync()
     t1 = time.perf_counter()
-    with torch.no_grad(), autocast:
-        model(input_ids=ids)
-    sync()
+    cs.forward(middle)
     timed = times[2:]
     return {"step_s": sum(timed) / steps, "spread": (max(timed) - min(timed)) / (sum(timed) / steps),
-            "graphs": graphs, "packing": packing, "gen_s_per_sample": gen_s, "forward_s": time.perf_counter() - t1,
+            "graphs": cs.graphs, "packing": cs.packing, "gen_s_per_sample": cs.gen_s_per_sample,
+            "forward_s": time.perf_counter() - t1,
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
             "padded_lengths": [int(b[0].shape[1]) for b in picked]}
 
