@@ -165,7 +165,10 @@ def trainer_step(device: str, spec: dict, emit) -> None:
                         measured["off"][key] = measured["auto"][key] = m
                         continue
                     how = "graphs" if m["graphs"] else "packed" if m["packing"] == "on" else "eager"
-                    row.update(plan=how, plan_step_s=round(m["step_s"], 4), speedup=round(row["step_s"] / m["step_s"], 2))
+                    # cores of data generation the planned step rate needs (a run gives a cell 4 workers)
+                    data = spec["batch"] / m["step_s"] * m["gen_s_per_sample"]
+                    row.update(plan=how, plan_step_s=round(m["step_s"], 4), speedup=round(row["step_s"] / m["step_s"], 2),
+                               data_cores=round(data, 2), data_binds=data > 4)
                     if m["step_s"] < row["step_s"]:  # auto keeps a cell whose graphs are slower eager
                         measured["auto"][key] = m
                 emit(row)
@@ -376,6 +379,13 @@ def summary(report: dict) -> list[dict]:
             goal(f"paper grid, {'H100-' if gpu else 'CPU '}hours as planned with K={k} cells sharing the device "
                  f"(every cell taken at the smallest measured gain, {gain}x)", round(proj[-1]["planned_grid_hours"] / gain, 1),
                  GOALS["grid_h100_hours"], higher=False, spread=spread)
+    fed = [r for r in steps.get("trainer", {}).get("rows", []) if "data_binds" in r]
+    if fed:
+        worst = max(fed, key=lambda r: r["data_cores"])
+        rows.append({"number": "data generation keeps up with the planned steps, 4 workers a cell (most needed: "
+                               f"{worst['data_cores']} cores, {worst['arch']} {worst['size']} {worst['cell']})",
+                     "value": f"{sum(not r['data_binds'] for r in fed)}/{len(fed)}", "goal": "all",
+                     "met": ("yes" if not any(r["data_binds"] for r in fed) else "no") if gpu else "n/a"})
     graphed = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("name", "").startswith("graphed")]
     if graphed:
         rows.append({"number": "training steps from CUDA graphs == eager (speed-ups: "
