@@ -242,6 +242,8 @@ class PhiMambaLM(nn.Module, HasInnerState):
         if get_tensor_model_parallel_world_size() != 1:
             raise ValueError("the Phi-Mamba plugin runs one model per device: use --data-parallel-size, not "
                              "--tensor-parallel-size")
+        if vllm_config.num_speculative_tokens:  # several tokens a decode step: never checked against the reference
+            raise ValueError("the Phi-Mamba plugin does not take speculative decoding; leave it off")
         self.cfg = cfg = phi_mamba_config(vllm_config.model_config.hf_config)
         self.backbone = Backbone(cfg, vllm_config, f"{prefix}backbone")
         self.lm_head = ParallelLMHead(cfg.padded_vocab, cfg.d_model, bias=True, prefix=f"{prefix}lm_head")
