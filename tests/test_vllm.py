@@ -24,7 +24,11 @@ from harness.backends.loading import load_backend  # noqa: E402
 from harness.eval import main as eval_main  # noqa: E402
 from tests.helpers import assert_varied, diverse_prompts, mixed_requests  # noqa: E402
 
-ENGINE = {"kv_cache_memory_bytes": 1 << 30}  # 1 GiB of KV cache: tiny models, and the start skips its warm-up
+# 256 MiB of KV cache an engine: tiny models (a 2.5k-token prompt of them holds ~5 MB), and the module keeps one
+# engine a family alive at once beside the main tests (at 1 GiB each, their memory squeezed the main half's
+# memory-sized decisions)
+KV_BYTES = 1 << 28
+ENGINE = {"kv_cache_memory_bytes": KV_BYTES}
 FIELDS = ("text", "finish_reason", "stop_string", "new_tokens", "tool_tokens", "token_ids", "tool_spans",
           "retokenized_spans")
 # every family of VLLM_FAMILIES, at head size 32 (vLLM's CPU attention takes no smaller); the last two through the
@@ -178,7 +182,7 @@ def _run_flags(models, retrieval):
 @pytest.mark.parametrize("retrieval", [False, True])
 def test_eval_run_on_vllm_equals_transformers_and_resumes(models, references, tmp_path, capsys, retrieval):
     common = _run_flags(models, retrieval)
-    engine = ["--backend", "vllm", "--vllm-arg", f"kv_cache_memory_bytes={1 << 30}"]
+    engine = ["--backend", "vllm", "--vllm-arg", f"kv_cache_memory_bytes={KV_BYTES}"]
     assert eval_main([*common, *engine, "--output", str(tmp_path / "v")]) == 0
     v, t = _samples(tmp_path / "v"), _samples(references[f"run{int(retrieval)}"])
     assert_varied([r["generation"] for r in t.values()])
@@ -215,7 +219,7 @@ def test_phi_mamba_eval_runs_on_vllm_equal_its_own_backend(models, tmp_path, arc
         common += ["--retrieval"] if retrieval else []
         ref, got = tmp_path / f"own{int(retrieval)}", tmp_path / f"vllm{int(retrieval)}"
         assert eval_main([*common, "--backend", "phi-mamba", "--output", str(ref)]) == 0
-        assert eval_main([*common, "--backend", "vllm", "--vllm-arg", f"kv_cache_memory_bytes={1 << 30}",
+        assert eval_main([*common, "--backend", "vllm", "--vllm-arg", f"kv_cache_memory_bytes={KV_BYTES}",
                           "--output", str(got)]) == 0
         own, v = _samples(ref), _samples(got)
         assert_varied([r["generation"] for r in own.values()])
@@ -251,7 +255,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 path, fmt, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 extra = {"config_format": fmt} if fmt else {}
-llm = LLM(model=path, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_model_len=4096,
+llm = LLM(model=path, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 28, max_model_len=4096,
           **extra)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(temperature=0, max_tokens=32))
 print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
@@ -297,7 +301,7 @@ def test_vllm_serve_answers_with_the_plugin(models, references, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(goomba),
                              "--config-format", "phi-mamba", "--tokenizer",
                              models["phi-mamba"], "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
-                             "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager", "--max-model-len", "4096"],
+                             "--kv-cache-memory-bytes", str(KV_BYTES), "--enforce-eager", "--max-model-len", "4096"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

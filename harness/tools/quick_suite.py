@@ -338,29 +338,9 @@ def run_child(name: str, rows_path: Path, limit: float) -> dict:
             "reason": reason, "rows": rows}
 
 
-def summary(report: dict) -> list[dict]:
-    """The decisive numbers against their goals (judged on a GPU only: a CPU's tiny sizes decide nothing)."""
-    steps, gpu = report["steps"], report["device"] == "cuda"
-    rows = []
-
-    def goal(name: str, value, target: float, higher: bool = True, spread: float = 0.0) -> None:
-        """``spread``: the measurement's relative spread; a margin inside it decides nothing."""
-        met = None if value is None or not gpu else (value >= target if higher else value <= target)
-        label = {None: "n/a" if value is not None else "not measured", True: "yes", False: "no"}[met]
-        if met is not None and abs(value - target) <= spread * abs(value):
-            label = f"not decided (within the measured spread of {spread:.0%})"
-        rows.append({"number": name, "value": value, "goal": f"{'>=' if higher else '<='} {target:g}", "met": label})
-
-    scan_rows, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
-    scan = [r for r in scan_rows if "name" not in r]
-    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16)",
-                 "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
-                 "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
-                 if scan else "not measured"})
-    profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
-    goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
-         if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",
-         profiled[0]["scan_conv_ms"] if profiled else None, GOALS["scan_conv_ms"], higher=False)
+def grid_rows(steps: dict, gpu: bool, goal, rows: list) -> None:
+    """The summary's grid numbers: hours eager and as planned (5M and 1M samples), with cells sharing the device,
+    and whether data generation keeps up (``goal``: the summary's judge of one number)."""
     proj = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("projection")]
     spread = proj[-1].get("spread", 0.0) if proj else 0.0
     goal("paper grid, H100-hours (81 runs)" if gpu else "paper grid, hours on this CPU (81 runs; the goal is an "
@@ -386,6 +366,32 @@ def summary(report: dict) -> list[dict]:
                                f"{worst['data_cores']} cores, {worst['arch']} {worst['size']} {worst['cell']})",
                      "value": f"{sum(not r['data_binds'] for r in fed)}/{len(fed)}", "goal": "all",
                      "met": ("yes" if not any(r["data_binds"] for r in fed) else "no") if gpu else "n/a"})
+
+
+def summary(report: dict) -> list[dict]:
+    """The decisive numbers against their goals (judged on a GPU only: a CPU's tiny sizes decide nothing)."""
+    steps, gpu = report["steps"], report["device"] == "cuda"
+    rows = []
+
+    def goal(name: str, value, target: float, higher: bool = True, spread: float = 0.0) -> None:
+        """``spread``: the measurement's relative spread; a margin inside it decides nothing."""
+        met = None if value is None or not gpu else (value >= target if higher else value <= target)
+        label = {None: "n/a" if value is not None else "not measured", True: "yes", False: "no"}[met]
+        if met is not None and abs(value - target) <= spread * abs(value):
+            label = f"not decided (within the measured spread of {spread:.0%})"
+        rows.append({"number": name, "value": value, "goal": f"{'>=' if higher else '<='} {target:g}", "met": label})
+
+    scan_rows, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
+    scan = [r for r in scan_rows if "name" not in r]
+    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16)",
+                 "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
+                 "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
+                 if scan else "not measured"})
+    profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
+    goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
+         if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",
+         profiled[0]["scan_conv_ms"] if profiled else None, GOALS["scan_conv_ms"], higher=False)
+    grid_rows(steps, gpu, goal, rows)
     graphed = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("name", "").startswith("graphed")]
     if graphed:
         rows.append({"number": "training steps from CUDA graphs == eager (speed-ups: "
