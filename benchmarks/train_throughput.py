@@ -108,11 +108,14 @@ def _store_read_s(cell, batch: int) -> float:
 
 
 def side_by_side(a, size: str, hours: float) -> None:
-    """K copies of a short and a long cell trained at once (``harness.training.sharing``: one barrier after their
-    warm-up, one fixed window, their CPU and their data's counted), K from 1 to ``--side-by-side``."""
+    """K copies of a short and a long cell (the smallest ``--nodes`` direct, the largest retrieval) trained at once
+    (``harness.training.sharing``: one barrier after their warm-up, one fixed window, their CPU and their data's
+    counted), K from 1 to ``--side-by-side``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cells = {"short (mamba n=16 direct)": {"arch": "mamba", "size": size, "nodes": 16, "setup": "direct"},
-             "long (mamba n=64 retrieval)": {"arch": "mamba", "size": size, "nodes": 64, "setup": "retrieval"}}
+    nodes = sorted(map(int, a.nodes.split(",")))  # the shortest and the longest cell of those measured above
+    cells = {f"short (mamba n={nodes[0]} direct)": {"arch": "mamba", "size": size, "nodes": nodes[0], "setup": "direct"},
+             f"long (mamba n={nodes[-1]} retrieval)": {"arch": "mamba", "size": size, "nodes": nodes[-1],
+                                                       "setup": "retrieval"}}
     ks = [k for k in (1, 2, 4, 8) if k <= a.side_by_side] + ([a.side_by_side] if a.side_by_side not in (1, 2, 4, 8)
                                                              else [])
     print(f"\ncells side by side on {device} ({size}, batch {a.measure_batch}, a {a.window:g} s window after one "
