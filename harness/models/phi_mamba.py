@@ -518,8 +518,8 @@ def check_keys(model: nn.Module, state: dict, where: str) -> None:
 
 
 def check_checkpoint(cfg: PhiMambaConfig, folder: Path | None) -> None:
-    """Raise ValueError where ``folder``'s weights (names and shapes, read from the files' headers: no tensor is
-    loaded) do not fit the model ``cfg`` describes. For a check before another engine loads the checkpoint."""
+    """Raise ValueError where ``folder``'s weights (names and shapes; safetensors files are read from their headers,
+    no tensor loaded) do not fit the model ``cfg`` describes. For a check before another engine loads them."""
     if folder is None:
         raise ValueError("its files are not here (a local folder or the HF cache)")
     st = sorted(folder.glob("*.safetensors"))
