@@ -57,11 +57,11 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     steps = report["steps"]
     assert {k: s["status"] for k, s in steps.items()} == dict.fromkeys(
         ("scan", "trainer", "sharing", "sweep", "decode"), "done"), steps
-    # cells sharing the device: K processes released by one barrier train in one window (it overlaps, not Kx for
-    # free), and the K the measurement supports
+    # cells sharing the device: K processes released by one barrier (no window opens before every process is
+    # warmed up: an ordering of events, not a timing), each reporting its steps, and the K the measurement supports
     shared = [r for r in steps["sharing"]["rows"] if "K" in r]
     assert [(r["cell"], r["K"]) for r in shared] == [("short", 1), ("short", 2)]
-    assert all(r["windows_overlap"] > 0.8 and r["samples_per_s"] > 0 and r["cpu_cores_needed"] > 0 for r in shared)
+    assert all(r["released_together"] and all(n >= 1 for n in r["steps_each"]) for r in shared)
     assert len(shared[1]["steps_each"]) == 2 and shared[0]["gain_over_one"] == 1.0
     assert [r for r in steps["sharing"]["rows"] if r.get("supported")], steps["sharing"]["rows"]
     scan = [r for r in steps["scan"]["rows"] if "name" not in r]

@@ -37,6 +37,7 @@ def _worker(spec: dict, device: str, batch: int, window_s: float, barrier, resul
         random.Random(os.getpid()).shuffle(order)  # each process its own mix of lengths, as independent runs
         for b in (cs.drawn[len(cs.drawn) // 2],) * 2:
             cs.step(b)
+        ready = time.time()
         barrier.wait(timeout=BARRIER_TIMEOUT_S)
         start, cpu0 = time.time(), time.process_time()
         end, samples, k = start + window_s, 0.0, 0
@@ -49,7 +50,7 @@ def _worker(spec: dict, device: str, batch: int, window_s: float, barrier, resul
                 samples += batch * max(0.0, end - t0) / max(t1 - t0, 1e-9)
                 break
             samples += batch
-        results.put({"pid": os.getpid(), "start": start, "end": end, "samples": samples, "steps": k,
+        results.put({"pid": os.getpid(), "ready": ready, "start": start, "end": end, "samples": samples, "steps": k,
                      "cpu_s": time.process_time() - cpu0, "gen_s_per_sample": cs.gen_s_per_sample,
                      "graphs": cs.graphs, "packing": cs.packing})
     except BaseException as e:  # noqa: BLE001  reported to the parent, which names it
@@ -81,10 +82,13 @@ def shared_rate(spec: dict, k: int, device: str, batch: int, window_s: float) ->
     if errors:
         raise RuntimeError(f"{k} cells side by side: {errors[0]}")
     overlap = max(0.0, min(g["end"] for g in got) - max(g["start"] for g in got)) / window_s
+    # the barrier's guarantee: no window opened before every process had finished its warm-up
+    released_together = max(g["ready"] for g in got) <= min(g["start"] for g in got)
     rate = sum(g["samples"] for g in got) / window_s
     cpu_cores = sum(g["cpu_s"] for g in got) / window_s
     data_cores = rate * sum(g["gen_s_per_sample"] for g in got) / len(got)
-    return {"k": k, "samples_per_s": rate, "overlap": overlap, "steps": [g["steps"] for g in got],
+    return {"k": k, "samples_per_s": rate, "overlap": overlap, "released_together": released_together,
+            "steps": [g["steps"] for g in got],
             "process_cores": cpu_cores, "data_cores": data_cores, "cores": os.cpu_count(),
             "graphs": got[0]["graphs"], "packing": got[0]["packing"]}
 
@@ -102,6 +106,7 @@ def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int
             need = r["process_cores"] + r["data_cores"]
             row = {"cell": name, "K": k, "samples_per_s": round(r["samples_per_s"], 1),
                    "gain_over_one": round(r["samples_per_s"] / alone, 2), "windows_overlap": round(r["overlap"], 3),
+                   "released_together": r["released_together"],
                    "steps_each": r["steps"], "cpu_cores_needed": round(need, 1), "cores": r["cores"],
                    "plan": "graphs" if r["graphs"] else "packed" if r["packing"] == "on" else "eager"}
             emit(row)
