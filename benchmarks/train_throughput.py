@@ -23,7 +23,7 @@ import torch
 
 from harness.training.config import TrainConfig
 from harness.training.grid import ARCH_ORDER, GRID_DEFAULTS, cell_parameters, device_name, measure_cell
-from harness.training.sharing import sharing_table
+from harness.training.sharing import sharing_table, supported_gain
 from harness.tools.bench import benchmark_parser
 
 
@@ -128,8 +128,8 @@ def side_by_side(a, size: str, hours: float) -> None:
 
     best = sharing_table(cells, ks, device, a.measure_batch, a.window, show)
     if best:
-        gain = min(b["gain"] for b in best.values())
-        print(f"with --cells-per-gpu {max(b['k'] for b in best.values())} the grid above would take about "
+        k, gain = supported_gain(best)
+        print(f"with --cells-per-gpu {k} the grid above would take about "
               f"{hours / max(gain, 1e-9):.0f} hours (every cell at the smaller of the two gains, {gain:.2f}x)")
     else:
         print("no K fits this machine's cores: one cell at a time")

@@ -21,6 +21,7 @@ if os.environ.get("ICR_REQUIRE_VLLM") != "1":
 
 from harness.tools.fixture_prompts import fixture_prompts  # noqa: E402
 from harness.backends.loading import load_backend  # noqa: E402
+from harness.backends.tokenizer import load_tokenizer  # noqa: E402
 from harness.eval import main as eval_main  # noqa: E402
 from tests.helpers import assert_varied, diverse_prompts, mixed_requests  # noqa: E402
 
@@ -261,7 +262,7 @@ outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], Samplin
 print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
     ref = references["hybrid-phi-mamba"]["tool_free"][:4]
-    tok = engine_tokenizer(models["hybrid-phi-mamba"])
+    tok = load_tokenizer(models["hybrid-phi-mamba"])
     prompts = [tok(p)["input_ids"] for p in TOOL_PROMPTS[:4]]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for path, fmt in ((models["hybrid-phi-mamba"], ""), (str(goomba), "phi-mamba")):
@@ -275,12 +276,6 @@ print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 def _without_eos(ids: list[int], tok) -> list[int]:
     """vLLM's raw output keeps the end-of-text token it stopped at; the harness's rows do not."""
     return ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids
-
-
-def engine_tokenizer(path: str):
-    from harness.backends.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 def test_vllm_serve_answers_with_the_plugin(models, references, tmp_path):
@@ -315,7 +310,7 @@ def test_vllm_serve_answers_with_the_plugin(models, references, tmp_path):
             except OSError:
                 time.sleep(2)
         ref = references["phi-mamba"]["tool_free"][:2]
-        tok = engine_tokenizer(models["phi-mamba"])
+        tok = load_tokenizer(models["phi-mamba"])
         for prompt, want in zip(TOOL_PROMPTS[:2], ref):
             body = {"model": str(goomba), "prompt": tok(prompt)["input_ids"], "max_tokens": 32, "temperature": 0,
                     "return_token_ids": True}

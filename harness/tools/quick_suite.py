@@ -42,7 +42,7 @@ from harness.tools.step_profile import profile_step
 from harness.training.config import TrainConfig
 from harness.training.data import TrainingBatches, TrainTask
 from harness.training.grid import GRID_DEFAULTS, GRIDS, cell_parameters, measure_cell
-from harness.training.sharing import sharing_table
+from harness.training.sharing import sharing_table, supported_gain
 from harness.training.step_graphs import check_graphed_steps
 
 BUDGET_S = 480  # the whole call on an H100, start-up and model building included: 10-minute calls, with margin
@@ -353,9 +353,7 @@ def grid_rows(steps: dict, gpu: bool, goal, rows: list) -> None:
              GOALS["grid_h100_hours_1m"], higher=False, spread=spread)
         shared = [r["best"] for r in steps.get("sharing", {}).get("rows", []) if r.get("supported")]
         if shared and shared[0]:
-            # the smaller of the measured cells' gains at the K each supports: every cell gains at least that
-            k = max(b["k"] for b in shared[0].values())
-            gain = min(b["gain"] for b in shared[0].values())
+            k, gain = supported_gain(shared[0])
             goal(f"paper grid, {'H100-' if gpu else 'CPU '}hours as planned with K={k} cells sharing the device "
                  f"(every cell taken at the smallest measured gain, {gain}x)", round(proj[-1]["planned_grid_hours"] / gain, 1),
                  GOALS["grid_h100_hours"], higher=False, spread=spread)

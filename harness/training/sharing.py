@@ -114,3 +114,9 @@ def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int
             if fits and row["gain_over_one"] > best.get(name, {}).get("gain", 0):
                 best[name] = {"k": k, "gain": row["gain_over_one"]}
     return best
+
+
+def supported_gain(best: dict) -> tuple[int, float]:
+    """From ``sharing_table``'s answer: the largest K supported and the smallest gain among the cells measured
+    (every cell gains at least that), for projecting a grid's hours."""
+    return max(b["k"] for b in best.values()), min(b["gain"] for b in best.values())
