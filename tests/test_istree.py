@@ -168,6 +168,21 @@ def test_embedding_is_frozen_sinusoidal_and_tied():
         assert trainable_parameters(m) == sum(p.numel() for n, p in m.named_parameters() if "embed" not in n)
 
 
+def test_the_hybrids_unmasked_pass_is_its_causal_pass():
+    """With no mask (the trainer's padded rows) the hybrid's attention runs SDPA's causal path: the same logits
+    as an all-ones mask, and at every real position of a right-padded row the same as the row alone."""
+    torch.manual_seed(0)
+    m = build_model("hybrid", "smoke", 30).eval()
+    ids = torch.randint(0, 30, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        unmasked = m(input_ids=ids).logits
+        masked = m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        alone = m(input_ids=ids[:1, :25]).logits
+    assert unmasked.std() > 0 and (unmasked[0, :25] - unmasked[1, :25]).abs().max() > 1e-3  # rows differ
+    torch.testing.assert_close(unmasked, masked)
+    torch.testing.assert_close(unmasked[:1, :25], alone)
+
+
 def _tool_free_reference(model, ids, n, eos=None):
     """Uncached greedy decoding; stops before ``eos`` as the harness does (the EOS token is not kept)."""
     out = []

@@ -94,9 +94,14 @@ CHILD = textwrap.dedent("""
     interpreter.ScanOps.generic_scan = fast
     out["bitwise"] = all(torch.equal(a, b) for a, b in zip(*runs)) and bool(runs[0][0].std() > 0)
 
-    # the causal convolution against CausalConv: strided input, with and without a bias, 4 and 2 taps, one step
+    # the causal convolution against CausalConv: strided input, with and without a bias, 4 and 2 taps, one step;
+    # packed rows (restarts at the first step, inside a block, at a block's edge, twice in a row, at the last step)
     out["conv"] = []
-    for b, length, c, taps, bias in [(2, 37, 67, 4, True), (1, 1, 3, 4, True), (2, 5, 9, 2, False)]:
+    packed = torch.zeros(2, 37)
+    packed[:, [0, 3, 31, 32, 33, 36]] = 1
+    for b, length, c, taps, bias, starts in [(2, 37, 67, 4, True, None), (1, 1, 3, 4, True, None),
+                                             (2, 5, 9, 2, False, None), (2, 37, 67, 4, True, packed),
+                                             (2, 37, 9, 2, False, packed)]:
         g = torch.Generator().manual_seed(c)
         wide = torch.randn(b, length, 2 * c, generator=g)
         weight, bb = torch.randn(c, taps, generator=g), torch.randn(c, generator=g)
@@ -104,9 +109,11 @@ CHILD = textwrap.dedent("""
         res = []
         for conv in (ct.TritonCausalConv, CausalConv):
             leaves = [t.clone().requires_grad_() for t in ((wide, weight, bb) if bias else (wide, weight))]
-            y = conv.apply(leaves[0][..., :c], leaves[1], leaves[2] if bias else None)
+            y = conv.apply(leaves[0][..., :c], leaves[1], leaves[2] if bias else None, starts)
             res.append([y.detach(), *torch.autograd.grad(y, leaves, dy)])
-        out["conv"].append({"varies": float(res[1][0].std()), "worst": max(rel(a, r) for a, r in zip(*res))})
+        unpacked = CausalConv.apply(wide[..., :c], weight, bb if bias else None)
+        out["conv"].append({"varies": float(res[1][0].std()), "worst": max(rel(a, r) for a, r in zip(*res)),
+                            "restarted": rel(res[0][0], unpacked) if starts is not None else None})
 
     # the trainer's Mamba on each scan (Triton: its scan and its convolution): loss and every gradient
     ids = torch.randint(0, 30, (2, 21), generator=torch.Generator().manual_seed(1))
@@ -131,6 +138,7 @@ CHILD = textwrap.dedent("""
                                for dtype, skip, gate in (("bfloat16", True, True), ("float32", False, False))]
     out["verified_classes"].append(ct.verified_on("cpu", CausalConv, "bfloat16"))
     out["verified_classes"].append(st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True))
+    out["verified_classes"].append(ct.verified_on("cpu", CausalConv, "bfloat16", resets=True))
     for module, fn, check in ((st, "TritonScan", lambda: st.verified_on("cpu", ss.SelectiveScan)),
                               (ct, "TritonCausalConv", lambda: ct.verified_on("cpu", CausalConv))):
         right = getattr(module, fn)
@@ -162,9 +170,10 @@ def test_the_triton_scan_and_convolution_equal_the_reference_in_the_interpreter(
     assert out["bitwise"] is True
     for case in out["conv"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
+        assert case["restarted"] is None or case["restarted"] > 1e-2, case  # the restarts changed the numbers
     assert out["model_grads"] > 10 and out["model_worst"] < 1e-5, out
     assert {(r["scan"], r["conv"]) for r in out["triton_ran"]} == {("triton", "triton")}, out
-    assert out["verified"] == [True, True] and out["verified_classes"] == [True, True, True, True]
+    assert out["verified"] == [True, True] and out["verified_classes"] == [True] * 5
     for fn, what in (("TritonScan", "PyTorch scan"), ("TritonCausalConv", "PyTorch one")):
         assert out[f"{fn} differs"][0] is False and f"differs from the {what}" in out[f"{fn} differs"][1]
         assert out[f"{fn} fails"][0] is False and "ZeroDivisionError" in out[f"{fn} fails"][1]
@@ -230,13 +239,13 @@ AOT = textwrap.dedent("""
     from harness.ops import conv_triton as ct, scan_triton as st
 
     POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "resets", "dout", "y", "starts", "du", "ddt", "dz", "dB_part",
-                "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part"}
+                "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part", "since"}
     BF16 = {"u", "z", "Bm", "Cm", "du", "dz", "x", "dx"}  # the mixer's activations under bf16 autocast
 
     def build(kernel, constexprs, arch):
         params = list(inspect.signature(kernel.fn).parameters)
-        signature = {p: "constexpr" if p in constexprs else ("*bf16" if p in BF16 else "*fp32") if p in POINTERS
-                     else "i32" for p in params}
+        signature = {p: "constexpr" if p in constexprs else ("*bf16" if p in BF16 else "*i32" if p == "since" else
+                                                             "*fp32") if p in POINTERS else "i32" for p in params}
         src = ASTSource(kernel, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
         return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
@@ -246,9 +255,10 @@ AOT = textwrap.dedent("""
             tile = dict(K=st.CHUNK, BD=st.BLOCK_D, BN=16)
             for kernel in (st._scan_forward, st._scan_backward):
                 built += bool(build(kernel, dict(**flags, **tile), arch).asm["cubin"])
-        for bias in (True, False):
+        for bias in (True, False):  # packed rows' restarts with the bias, not without
             for kernel in (ct._conv_forward, ct._conv_backward):
-                built += bool(build(kernel, dict(HAS_BIAS=bias, K=4, BT=ct.BLOCK_T, BC=ct.BLOCK_C), arch).asm["cubin"])
+                built += bool(build(kernel, dict(HAS_BIAS=bias, HAS_SINCE=bias, K=4, BT=ct.BLOCK_T, BC=ct.BLOCK_C),
+                                    arch).asm["cubin"])
     print(built)
 """)
 

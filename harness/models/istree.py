@@ -40,7 +40,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
 from harness.ops.causal_conv import causal_conv
-from harness.models.masks import block_attention_mask
+from harness.models.masks import block_attention_mask, register_causal_sdpa
 from harness.models.packing import current_starts
 from harness.ops.selective_scan import SCANS, ScanChoice, choose_scan, run_scan
 
@@ -211,6 +211,10 @@ class HybridForCausalLM(PreTrainedModel):
         if use_cache and kv is None:
             kv = DynamicCache()
         past = kv.get_seq_length() if kv is not None else 0
+        starts = current_starts() if past == 0 else None
+        # no mask, no cache, not packed (the trainer's padded rows: padding only after each sample, never a
+        # target): SDPA's causal kernels, not a dense [b, 1, l, l] mask that keeps flash attention off
+        causal_only = attention_mask is None and past == 0 and starts is None
         if attention_mask is None:
             attention_mask = torch.ones(b, past + l, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
@@ -218,7 +222,7 @@ class HybridForCausalLM(PreTrainedModel):
         out = self.backbone(input_ids, attention_mask=attention_mask if l > 1 else None, cache_params=mcache,
                             use_cache=use_cache)
         h = out.last_hidden_state
-        mask = block_attention_mask(attention_mask, l, current_starts() if past == 0 else None)
+        mask = None if causal_only else block_attention_mask(attention_mask, l, starts)
         h = self.attn(h, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
                       position_embeddings=self.rotary(h, position_ids), use_cache=use_cache)
         h = h[0] if isinstance(h, tuple) else h
@@ -258,7 +262,8 @@ def build_model(arch: str, size: str, vocab: int, max_positions: int = 8192, d_m
                                              num_hidden_layers=n_layers, num_attention_heads=heads,
                                              num_key_value_heads=heads, max_position_embeddings=max_positions,
                                              rms_norm_eps=RMS_NORM_EPS, tie_word_embeddings=True, pad_token_id=4,
-                                             bos_token_id=11, eos_token_id=4))
+                                             bos_token_id=11, eos_token_id=4,
+                                             attn_implementation=register_causal_sdpa()))
     elif arch == "mamba":
         model = MambaForCausalLM(_mamba_config(vocab, *spec))
         mamba_ssm_init_(model.backbone)

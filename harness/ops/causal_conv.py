@@ -72,10 +72,8 @@ def _taps(kernel: int, length: int):
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 kernel: str = "torch", starts: torch.Tensor | None = None) -> torch.Tensor:
     """``CausalConv`` (``kernel="torch"``) or its Triton kernels (``"triton"``, ``conv_triton``; ``choose_scan``
-    decides) with weight given as ``nn.Conv1d``'s [c, 1, K] or as [c, K]. Packed rows (``starts``) run on
-    ``CausalConv``: the Triton kernels do not restart at a sample's first token."""
-    if starts is not None:
-        return CausalConv.apply(x, weight.reshape(weight.shape[0], -1), bias, starts)
+    decides) with weight given as ``nn.Conv1d``'s [c, 1, K] or as [c, K]; ``starts`` [b, L]: packed rows (1 at
+    each sample's first token), every tap kept inside its sample."""
     if kernel == "triton":
         from harness.ops.conv_triton import TritonCausalConv  # lazy: imports triton, which a CPU install may lack
         fn = TritonCausalConv
@@ -83,4 +81,4 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         fn = CausalConv
     else:
         raise ValueError(f"kernel={kernel!r}: use torch or triton")
-    return fn.apply(x, weight.reshape(weight.shape[0], -1), bias)
+    return fn.apply(x, weight.reshape(weight.shape[0], -1), bias, starts)

@@ -375,7 +375,8 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
     if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
                                                                   states, skip, gate, resets):
         b, d, length = shape
-        conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"])
+        conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"],
+                                                                             resets=resets)
         return ScanChoice("triton", **where, checked=True, conv="triton" if conv else "torch")
     return ScanChoice("torch", **where)
 

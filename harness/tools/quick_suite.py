@@ -178,8 +178,8 @@ def trainer_step(device: str, spec: dict, emit) -> None:
         emit({"projection": True, "grid_hours": round(hours, 1), "planned_grid_hours": round(planned, 1),
               "planned_grid_hours_1m": round(planned / 5, 1), "spread": round(spread, 2),
               "how": how + "; planned: each cell's step as the run takes it by default (CUDA graphs where its "
-                           "batch shapes repeat and the graphed step is faster, packed rows where they save 10% of "
-                           "the tokens; --cuda-graphs auto also needs graphs exact: the graph gates)"})
+                           "batch shapes repeat and the graphed step is faster, packed rows on a CPU where they save "
+                           "10% of the tokens; --cuda-graphs auto also needs graphs exact: the graph gates)"})
 
 
 def grid_projection(measured: dict, spec: dict, device: torch.device) -> tuple[float, str]:

@@ -129,12 +129,16 @@ def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8, wide: 
     return packed / padded
 
 
-def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False) -> tuple[str, float | None]:
+def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False,
+                    device_type: str = "cpu") -> tuple[str, float | None]:
     """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell (``wide``:
-    as ``pack`` lays them out with wide rows)."""
-    # A Transformer's attention over packed rows takes a dense block mask, which keeps SDPA off its causal
-    # kernels: at n=32 retrieval, batch 8, on a CPU its packed step ran 0.95x the padded one (6 batches, twice)
-    if cfg.packing == "off" or (cfg.packing == "auto" and cfg.arch == "transformer"):
+    as ``pack`` lays them out with wide rows) on ``device_type``."""
+    # auto packs on a CPU only. A Transformer's attention over packed rows takes a dense block mask, which keeps
+    # SDPA off its causal kernels: at n=32 retrieval, batch 8, on a CPU its packed step ran 0.95x the padded one.
+    # On a GPU the Triton scan walks each row's length in turn, so fewer rows of the same width save little, and
+    # the packed step ran 0.85x the padded one for the 0.5M Mamba at n=64 retrieval, batch 64, on an H100 (the
+    # hybrid: 0.72x, its attention on the dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
+    if cfg.packing == "off" or (cfg.packing == "auto" and (cfg.arch == "transformer" or device_type != "cpu")):
         return "off", None
     share = packing_share(task, batch, cfg.seed, wide=wide)
     return ("on" if cfg.packing == "on" or share <= PACKING_GAIN else "off"), round(share, 4)

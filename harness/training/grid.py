@@ -304,7 +304,7 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
     # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
     # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
     wide = wide_rows(cell.arch, device.type)
-    packing, _ = packing_setting(cell, task, batch, wide)  # the run's own decision: packed steps are what it trains
+    packing, _ = packing_setting(cell, task, batch, wide, device.type)  # the run's own decision: what it trains
     pad = task.vocab.index(PAD)
     graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.models.istree import build_model
+from harness.models.masks import causal_rows
 from harness.models.packing import Packed, packed_rows
 from harness.training.config import TrainConfig
 from harness.training.data import TrainTask
@@ -42,19 +43,31 @@ def new_model(cfg: TrainConfig, task: TrainTask):
 
 def new_optimizer(cfg: TrainConfig, model, device: torch.device, graphs: bool = False) -> torch.optim.Optimizer:
     """The run's AdamW (weight decay 0, the paper's); on CUDA its fused kernel (one launch for every parameter:
-    the small models' steps are bound by kernel launches). ``graphs``: capturable, with the learning rate a
-    device tensor the scheduler fills in place (``harness.training.step_graphs``). Also switches on TF32 for
-    float32 matmuls on CUDA, as the run does: what the planner times is what the run runs."""
+    the small models' steps are bound by kernel launches), capturable, with the learning rate a float32 device
+    tensor the scheduler fills in place (``rate_on_device``), graphs or not: the fused kernel reads a tensor rate
+    in float32 and a Python rate in float64, so a rate of one kind for graphed runs and the other for eager ones
+    parted their weights by 3e-8 a step, which bf16 training grew to 3e-3 in the loss within 8 steps (H100).
+    ``graphs`` on a CPU (capture off, the tests): the tensor rate too, on the single-tensor implementation. Also
+    switches on TF32 for float32 matmuls on CUDA, as the run does: what the planner times is what the run runs."""
     cuda = device.type == "cuda"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     params = [p for p in model.parameters() if p.requires_grad]
-    if graphs:  # a tensor rate needs the capturable or the single-tensor implementation
-        lr = torch.tensor(cfg.lr, dtype=torch.float32, device=device)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=cuda, capturable=cuda,
-                                 foreach=False if not cuda else None)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=cuda)
+    if cuda or graphs:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=cuda, capturable=cuda,
+                                foreach=False if not cuda else None)
+        return rate_on_device(opt, device)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+
+def rate_on_device(opt: torch.optim.Optimizer, device: torch.device) -> torch.optim.Optimizer:
+    """Each group's learning rate as a float32 tensor on ``device``, the form graphed and eager CUDA steps share
+    (also after a resumed run's optimizer state, loaded on the CPU, replaced it)."""
+    for group in opt.param_groups:
+        if not isinstance(group["lr"], torch.Tensor) or group["lr"].device != torch.device(device):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    return opt
 
 
 def logits_of(model, ids: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
@@ -62,7 +75,8 @@ def logits_of(model, ids: torch.Tensor, packed: Packed | None = None) -> torch.T
     positions restart per sample (transformers' packed-sequence masking reads them) and the Mamba mixers
     restart their states at each sample's first token."""
     if packed is None:
-        return model(input_ids=ids).logits
+        with causal_rows():  # right-padded rows, no mask: SDPA's causal kernels (``masks.causal_rows``)
+            return model(input_ids=ids).logits
     with packed_rows(packed.starts):
         config = getattr(getattr(model, "module", model), "config", None)  # a data-parallel wrapper's model
         if getattr(config, "model_type", "") == "mamba":  # no positions: the scan is its own order

@@ -32,7 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness.cuda_graphs import GraphCache, ReplayedStep, on_side_stream
 from harness.training.data import TrainingBatches, TrainTask
-from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
+from harness.training.step import (lr_at, logits_of, masked_loss, new_model, new_optimizer, optimizer_step,
+                                   rate_on_device, uses_bf16)
 
 log = logging.getLogger("harness")
 
@@ -65,7 +66,7 @@ class _Step(ReplayedStep):
         # fresh gradients every step, as a replay writes them (captured from None: no accumulation kernel)
         opt.zero_grad(set_to_none=True)
         with self.steps.autocast(cache=False):  # cached casts would outlive a capture
-            logits = model(input_ids=self.ids).logits
+            logits = logits_of(model, self.ids)  # the eager step's forward, its attention kernels included
         loss = masked_loss(logits, self.ids, self.mask)
         loss.backward()
         opt.step()
@@ -134,10 +135,7 @@ class GraphedSteps:
         replay's inputs are copied in by ``_Step.load``."""
         step = _Step(self, ids, mask)
         if self.capture:
-            # the rate a replay reads: a tensor on the device (a resumed run's optimizer state loads on the CPU)
-            for group in self.opt.param_groups:
-                if not isinstance(group["lr"], torch.Tensor) or group["lr"].device != ids.device:
-                    group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=ids.device)
+            rate_on_device(self.opt, ids.device)  # the rate a replay reads (a resumed state loads on the CPU)
             step.record(ids.device, pool, warm=False)  # the shape's eager steps were its warm-up
         return step
 

@@ -36,7 +36,8 @@ from harness.models.istree import scans_ran, trainable_parameters
 from harness.models.packing import pack, wide_rows
 from harness.reports.plotting import pyplot, save
 from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig, graphs_setting
-from harness.training.step import lr_at, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
+from harness.training.step import (lr_at, masked_loss, new_model, new_optimizer, optimizer_step, rate_on_device,
+                                   uses_bf16)
 from harness.training.step_graphs import GraphedSteps, check_graphed_steps
 from harness.training.data import PAD, TrainingBatches, TrainTask, batch_from_tokens, packing_setting
 from harness.training.state import (
@@ -155,10 +156,12 @@ class Trainer:
                               f"process(es) on {acc.device}); use --cuda-graphs off")
         self.task = TrainTask(cfg)
         self.wide_rows = wide_rows(cfg.arch, acc.device.type)
-        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process, self.wide_rows)
+        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process, self.wide_rows,
+                                                          acc.device.type)
         if cfg.packing == "auto" and started.get("packing") in ("on", "off") and started["packing"] != self.packing:
             self.packing, self.packed_share = packing_setting(
-                dataclasses.replace(cfg, packing=started["packing"]), self.task, self.per_process, self.wide_rows)
+                dataclasses.replace(cfg, packing=started["packing"]), self.task, self.per_process, self.wide_rows,
+                acc.device.type)
         if self.packing == "on" and self.graphs_setting != "off":
             # packed batches change shape from step to step: graphs would replay few of them
             (log.warning if self.graphs_setting == "on" else log.info)(
@@ -231,6 +234,8 @@ class Trainer:
                            overwrite, ADDED_SETTINGS)
         acc.wait_for_everyone()
         resumed = load_state(self.out, acc.unwrap_model(self.model), self.opt, self.sched, acc.num_processes)
+        if resumed is not None and acc.device.type == "cuda":
+            rate_on_device(self.opt, acc.device)  # the saved state loads on the CPU
         if resumed is not None:
             self.state = resumed
             log.info("%s: resumed at step %d of %d (%s samples; attempt %d); the curve so far is kept", cfg.name,
