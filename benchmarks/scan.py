@@ -13,7 +13,8 @@ scan); on a GPU part 1 also times the PyTorch scan.
 
     python benchmarks/scan.py --tune --batch 64   # on a GPU: the Triton scan's chunk and channel-block sizes
 
-``--tune`` times the Triton scan's forward+backward for each chunk length and channel block at each length, on
+``--tune`` times the Triton scan's forward+backward for each layout (chunked prefix scans, step by step) and tile
+(``TUNE_CONFIGS``) at each length, on
 bf16 activations (what the trainer's autocast hands it), each configuration's output and gradients checked
 against the PyTorch scan; the fastest per length is marked.
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import os
 import resource
@@ -78,49 +78,54 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     return out
 
 
-def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", chunks=(32, 64), blocks=(8, 16, 32),
-         warps=(4, 8)) -> None:
-    """The Triton scan's CHUNK x BLOCK_D x NUM_WARPS on this GPU: seconds of forward+backward and the largest
-    relative difference from the PyTorch scan (output and every gradient) per configuration and length."""
+# (layout, chunk, channel block, warps) --tune times beside the default: the chunked prefix scans at the tiles an
+# H100 liked before, the step-by-step kernels at tiles that keep a program's states in one or two warps
+TUNE_CONFIGS = [("chunks", 64, 16, 4), ("chunks", 32, 16, 4), ("chunks", 64, 8, 4), ("steps", 32, 4, 1),
+                ("steps", 32, 8, 1), ("steps", 32, 8, 2), ("steps", 64, 4, 1), ("steps", 32, 16, 2),
+                ("steps", 32, 2, 1)]
+
+
+def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", configs=None) -> None:
+    """The Triton scan's layout and tile (``scan_triton.tiled``) on this GPU: seconds of forward+backward and the
+    largest relative difference from the PyTorch scan (output and every gradient) per configuration and length."""
     from harness.ops import scan_triton
     from harness.ops.selective_scan import selective_scan
 
     d, n = 128, 16
-    default = (scan_triton.CHUNK, scan_triton.BLOCK_D, scan_triton.NUM_WARPS)
-    print(f"Triton scan configurations, forward+backward, batch {batch}, bf16 activations (default: chunk "
-          f"{default[0]}, block {default[1]}, {default[2]} warps)")
-    print(f"{'tokens':>7s} {'chunk':>6s} {'block':>6s} {'warps':>6s} {'seconds':>9s} {'vs default':>11s} "
-          f"{'max rel diff':>13s}")
+    default = scan_triton.current_tile()
+    configs = list(dict.fromkeys([default, *(configs or TUNE_CONFIGS)]))
+    print(f"Triton scan configurations, forward+backward, batch {batch}, bf16 activations (default: {default[0]}, "
+          f"chunk {default[1]}, block {default[2]}, {default[3]} warps)")
+    print(f"{'tokens':>7s} {'layout':>7s} {'chunk':>6s} {'block':>6s} {'warps':>6s} {'seconds':>9s} "
+          f"{'vs default':>11s} {'max rel diff':>13s}")
     for length in lengths:
         inputs = [t.requires_grad_() for t in _scan_inputs(batch, d, n, length, torch.bfloat16, device, seed=length)]
-        u, dt, A, B, C, D, z = inputs
         dy = torch.randn(batch, d, length, generator=torch.Generator().manual_seed(length + 1)).to(device).bfloat16()
 
         def run(scan):
-            y = selective_scan(u, dt, A, B, C, D=D, z=z, scan=scan)
+            y = selective_scan(*inputs[:5], D=inputs[5], z=inputs[6], scan=scan)
             grads = torch.autograd.grad(y, inputs, dy)
             return [y.float(), *(x.float() for x in grads)]
 
         ref = run("torch")
         rows = []
-        for chunk, block, warp in itertools.product(chunks, blocks, warps):
-            scan_triton.CHUNK, scan_triton.BLOCK_D, scan_triton.NUM_WARPS = chunk, block, warp
-            got = run("triton")  # compiles this configuration
-            diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref))
-            best = float("inf")
-            for _ in range(repeats):
-                _sync(device)
-                t = time.perf_counter()
-                run("triton")
-                _sync(device)
-                best = min(best, time.perf_counter() - t)
-            rows.append((chunk, block, warp, best, diff))
-        scan_triton.CHUNK, scan_triton.BLOCK_D, scan_triton.NUM_WARPS = default
-        base = next(r[3] for r in rows if r[:3] == default)
-        fastest = min(r[3] for r in rows)
-        for chunk, block, warp, sec, diff in rows:
-            print(f"{length:7d} {chunk:6d} {block:6d} {warp:6d} {sec:9.5f} {base / sec:10.2f}x {diff:13.2e}"
-                  + ("  <- fastest" if sec == fastest else ""), flush=True)
+        for config in configs:
+            with scan_triton.tiled(*config):
+                got = run("triton")  # compiles this configuration
+                diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+                best = float("inf")
+                for _ in range(repeats):
+                    _sync(device)
+                    t = time.perf_counter()
+                    run("triton")
+                    _sync(device)
+                    best = min(best, time.perf_counter() - t)
+            rows.append((config, best, diff))
+        base = next(sec for config, sec, _ in rows if config == default)
+        fastest = min(sec for _, sec, _ in rows)
+        for (layout, chunk, block, warp), sec, diff in rows:
+            print(f"{length:7d} {layout:>7s} {chunk:6d} {block:6d} {warp:6d} {sec:9.5f} {base / sec:10.2f}x "
+                  f"{diff:13.2e}" + ("  <- fastest" if sec == fastest else ""), flush=True)
 
 
 def _scan_inputs(batch: int, d: int, n: int, length: int, dtype: torch.dtype, device: str, seed: int = 0):

@@ -109,7 +109,7 @@ def _run(model, out, mode, limit, backend=None, batch_size="3"):
     positions = ["0", "1", "2", "3", "last"]
     cfg = RunConfig(task="hotpotqa", model=model, data="fixture", task_args={"distractors": 4, "positions": positions}, limit=limit,
                     max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size=batch_size,
-                    prefix_reuse=mode)
+                    prefix_reuse=mode, prefix_memory="1GiB")  # not a quarter of what is free: a busy machine's
     res = run_eval(cfg, backend=backend, progress=False)
     return res, {json.loads(l)["key"]: json.loads(l)["generation"] for l in open(out / "samples.jsonl")}
 

@@ -83,6 +83,33 @@ CHILD = textwrap.dedent("""
     out["resets"] = {"worst": max(rel(a, r) for a, r in zip(*res)),
                      "restarted": rel(st.TritonScan.apply(u, dt, A, B, C, D, z), res[0][0])}
 
+    # the step-by-step layout (scan_triton_steps): the same contract, with and without restarts, D and z
+    out["steps"] = []
+    for b, d, n, length, skip, gate, restarts in [(2, 9, 16, 19, True, True, False), (2, 5, 4, 27, True, True, True),
+                                                  (1, 3, 5, 11, False, False, True)]:
+        g = torch.Generator().manual_seed(length + d)
+        u, z = torch.randn(b, length, d, generator=g).transpose(1, 2), torch.randn(b, d, length, generator=g)
+        dt = torch.rand(b, d, length, generator=g) * 0.3 + 1e-3
+        B, C, w = torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g), torch.randn(b, d, length)
+        A, D = -torch.rand(d, n, generator=g) * 2 - 0.5, torch.randn(d, generator=g)
+        starts = None
+        if restarts:
+            starts = torch.zeros(b, length)
+            starts[:, [0, 3, 8, 9, length - 1]] = 1
+        res = []
+        for fn in ("triton", "sequential"):
+            ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C)]
+            extra = [D.clone().requires_grad_() if skip else None, z.clone().requires_grad_() if gate else None]
+            with st.tiled("steps", 8, 4, 1):
+                y = (st.TritonScan.apply(*ins, *extra, starts) if fn == "triton"
+                     else ss.sequential_scan(*ins, *extra, starts=starts))
+                leaves = ins + [t for t in extra if t is not None]
+                res.append([y.detach(), *torch.autograd.grad(y, leaves, w)])
+        out["steps"].append({"varies": float(res[1][0].std()), "worst": max(rel(a, r) for a, r in zip(*res))})
+    with st.tiled("steps", 8, 4, 1):
+        out["steps_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
+                                               st.current_tile())
+
     # the vectorised interpreter scan gives the stock interpreter's bits
     fast = interpreter.ScanOps.generic_scan
     runs = []
@@ -167,6 +194,9 @@ def test_the_triton_scan_and_convolution_equal_the_reference_in_the_interpreter(
         # sums of dB and dC per block of channels (a state history in memory was 6-10x the gradients here)
         assert case["backward_bytes"] <= 2 * case["gradient_bytes"], case
     assert out["resets"]["worst"] < 1e-5 and out["resets"]["restarted"] > 1e-2, out["resets"]
+    for case in out["steps"]:
+        assert case["varies"] > 0 and case["worst"] < 1e-5, case
+    assert out["steps_verified"] is True
     assert out["bitwise"] is True
     for case in out["conv"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
@@ -238,8 +268,10 @@ AOT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from harness.ops import conv_triton as ct, scan_triton as st
 
+    from harness.ops import scan_triton_steps as steps
+
     POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "resets", "dout", "y", "starts", "du", "ddt", "dz", "dB_part",
-                "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part", "since"}
+                "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part", "since", "scratch"}
     BF16 = {"u", "z", "Bm", "Cm", "du", "dz", "x", "dx"}  # the mixer's activations under bf16 autocast
 
     def build(kernel, constexprs, arch):
@@ -255,6 +287,10 @@ AOT = textwrap.dedent("""
             tile = dict(K=st.CHUNK, BD=st.BLOCK_D, BN=16)
             for kernel in (st._scan_forward, st._scan_backward):
                 built += bool(build(kernel, dict(**flags, **tile), arch).asm["cubin"])
+        if arch == 90:  # the step-by-step layout, every flag on (sm_90 only: its compile is the slow one)
+            for kernel in (steps._steps_forward, steps._steps_backward):
+                flags = dict(HAS_D=True, HAS_Z=True, HAS_RESETS=True, K=32, BD=4, BN=16)
+                built += bool(build(kernel, flags, arch).asm["cubin"])
         for bias in (True, False):  # packed rows' restarts with the bias, not without
             for kernel in (ct._conv_forward, ct._conv_backward):
                 built += bool(build(kernel, dict(HAS_BIAS=bias, HAS_SINCE=bias, K=4, BT=ct.BLOCK_T, BC=ct.BLOCK_C),
@@ -272,4 +308,4 @@ def test_the_kernels_compile_for_nvidia_gpus_without_one(tmp_path):
     env.update(PYTHONPATH=str(REPO), TRITON_CACHE_DIR=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", AOT], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert int(res.stdout.strip().splitlines()[-1]) == 2 * (2 * 2 + 2 * 2)
+    assert int(res.stdout.strip().splitlines()[-1]) == 2 * (2 * 2 + 2 * 2) + 2

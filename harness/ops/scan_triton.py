@@ -24,6 +24,7 @@ CPU interpreter and compiled for sm_80/sm_90 in the tests; on a GPU ``selective_
 ``verified_on`` has compared it with the PyTorch scan on that device."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from harness.ops.interpreter import vectorise_scans
+from harness.ops.scan_triton_steps import _steps_backward, _steps_forward
 from harness.ops.triton_shared import agrees, store_rounded
 
 vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter runs the prefix scans per slice
@@ -43,6 +45,28 @@ vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter r
 CHUNK = 32
 BLOCK_D = 16  # channels a program owns
 NUM_WARPS = 4  # warps a program runs on (Triton's default); benchmarks/scan.py --tune times the choices
+# "chunks": the prefix scans here; "steps": one step at a time (``scan_triton_steps``), not yet timed on a GPU
+LAYOUT = "chunks"
+STEPS_TILE = ("steps", 32, 4, 1)  # (layout, chunk, channel block, warps) the quick suite times the steps layout at
+
+
+def current_tile() -> tuple:
+    """(layout, chunk, channel block, warps): what a scan launched now runs."""
+    return LAYOUT, CHUNK, BLOCK_D, NUM_WARPS
+
+
+@contextlib.contextmanager
+def tiled(layout: str, chunk: int, block: int, warps: int):
+    """The scan's layout and tile set for a block of code (benchmarks and the quick suite time the choices)."""
+    if layout not in ("chunks", "steps"):
+        raise ValueError(f"layout={layout!r}: use chunks or steps")
+    knobs = ("LAYOUT", "CHUNK", "BLOCK_D", "NUM_WARPS")
+    saved = current_tile()
+    globals().update(zip(knobs, (layout, chunk, block, warps)))
+    try:
+        yield
+    finally:
+        globals().update(zip(knobs, saved))
 
 
 @triton.jit
@@ -219,27 +243,32 @@ class TritonScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z, resets=None):
-        ctx.chunk = CHUNK
+        ctx.tile = current_tile()  # read at each call; the backward launches as the forward did
         y = _time_major(u, u.dtype)
         resets = resets.float().contiguous() if resets is not None else None
-        k = _launch(u, dt, A, B, C, D, z, y, ctx.chunk, resets)
+        k = _launch(u, dt, A, B, C, D, z, y, ctx.tile, resets)
         starts = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
-        _scan_forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags, num_warps=NUM_WARPS)
+        forward = _steps_forward if k.layout == "steps" else _scan_forward
+        forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags, num_warps=k.warps)
         ctx.save_for_backward(u, dt, A, B, C, D, z, resets, starts)
         return y
 
     @staticmethod
     def backward(ctx, dout):
         u, dt, A, B, C, D, z, resets, starts = ctx.saved_tensors
-        k = _launch(u, dt, A, B, C, D, z, dout, ctx.chunk, resets)
+        k = _launch(u, dt, A, B, C, D, z, dout, ctx.tile, resets)
         du, ddt = _time_major(u, u.dtype), _time_major(u, dt.dtype)
         dz = _time_major(u, z.dtype) if z is not None else du  # not written without a gate
         dB_part = u.new_empty((k.rows, k.blocks, k.nst, k.length), dtype=torch.float32)
         dC_part = torch.empty_like(dB_part)
         dA_part = u.new_empty((k.rows, k.dim, k.nst), dtype=torch.float32)
         dD_part = u.new_empty((k.rows, k.dim), dtype=torch.float32) if D is not None else dA_part
-        _scan_backward[k.grid](*k.tensors, dout, starts, du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
-                               *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags, num_warps=NUM_WARPS)
+        outputs = [du, ddt, dz, dB_part, dC_part, dA_part, dD_part]
+        if k.layout == "steps":  # a chunk's recomputed states, one slab a program
+            outputs.append(u.new_empty((k.rows * k.blocks, k.chunk, k.block, k.bn), dtype=torch.float32))
+        backward = _steps_backward if k.layout == "steps" else _scan_backward
+        backward[k.grid](*k.tensors, dout, starts, *outputs, *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags,
+                         num_warps=k.warps)
         return (du, ddt, dA_part.sum(0).to(A.dtype), _over_blocks(dB_part).to(B.dtype),
                 _over_blocks(dC_part).to(C.dtype), dD_part.sum(0).to(D.dtype) if D is not None else None,
                 dz if z is not None else None, None)
@@ -250,42 +279,45 @@ def _over_blocks(part: torch.Tensor) -> torch.Tensor:
     return part[:, 0] if part.shape[1] == 1 else part.sum(1)
 
 
-def _launch(u, dt, A, B, C, D, z, out, chunk, resets=None) -> types.SimpleNamespace:
-    """What every launch of one scan's kernels shares: the grid, the leading tensors (float32 A and D), the
-    sizes, the strides of the inputs and of ``out`` (read or written with the last stride triple), the flags."""
+def _launch(u, dt, A, B, C, D, z, out, tile, resets=None) -> types.SimpleNamespace:
+    """What every launch of one scan's kernels shares: the ``tile`` (layout, chunk, channel block, warps), the
+    grid, the leading tensors (float32 A and D), the sizes, the strides of the inputs and of ``out`` (read or
+    written with the last stride triple), the flags."""
     rows, dim, length = u.shape
     nst = A.shape[1]
-    grid, blocks, n_chunks, bn = _grid(u, nst, chunk)
+    layout, chunk, block, warps = tile
+    grid, blocks, n_chunks, bn = _grid(u, nst, chunk, block)
     a32 = A.float().contiguous()
     zz = z if z is not None else u
     return types.SimpleNamespace(
         rows=rows, dim=dim, length=length, nst=nst, grid=grid, blocks=blocks, n_chunks=n_chunks, bn=bn,
+        chunk=chunk, block=block, warps=warps, layout=layout,
         tensors=(u, dt, zz, B, C, a32, D.float().contiguous() if D is not None else a32,
                  resets if resets is not None else a32),
         sizes=(length, dim, nst, n_chunks),
         strides=(*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(out)),
-        flags=dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_RESETS=resets is not None, K=chunk, BD=BLOCK_D,
+        flags=dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_RESETS=resets is not None, K=chunk, BD=block,
                    BN=bn))
 
 
-def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None) -> bool:
+def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None, block: int | None = None) -> bool:
     """Whether every index the kernels form for ``u`` of ``shape`` (b, d, l) fits 32 bits: the inputs (as the
     mixer lays them out, z a slice of a tensor twice as wide), the partial sums of dB and dC (b x channel blocks
     x n x l) and the chunks' states (b x chunks x d x n)."""
     b, d, length = shape
-    chunk = chunk or CHUNK
-    padded_d, padded_l = triton.cdiv(d, BLOCK_D) * BLOCK_D, triton.cdiv(length, chunk) * chunk
-    largest = max(2 * padded_d * padded_l, triton.cdiv(d, BLOCK_D) * n * padded_l,
+    chunk, block = chunk or CHUNK, block or BLOCK_D
+    padded_d, padded_l = triton.cdiv(d, block) * block, triton.cdiv(length, chunk) * chunk
+    largest = max(2 * padded_d * padded_l, triton.cdiv(d, block) * n * padded_l,
                   triton.cdiv(length, chunk) * padded_d * triton.next_power_of_2(n))
     return b * largest < 2**31
 
 
-def _grid(u, n, chunk):
+def _grid(u, n, chunk, block):
     """(launch grid, channel blocks, chunks, states padded to a power of two) for u [b, d, l]."""
     b, d, length = u.shape
-    if not fits(tuple(u.shape), n, chunk):
+    if not fits(tuple(u.shape), n, chunk, block):
         raise ValueError(f"the Triton scan indexes in 32 bits: {b} rows of {length} steps are too many at once")
-    blocks, n_chunks = triton.cdiv(d, BLOCK_D), triton.cdiv(length, chunk)
+    blocks, n_chunks = triton.cdiv(d, block), triton.cdiv(length, chunk)
     return (b, blocks), blocks, n_chunks, triton.next_power_of_2(n)
 
 
@@ -296,12 +328,13 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 @functools.lru_cache(maxsize=None)
 def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, skip: bool = True,
-                gate: bool = True, resets: bool = False) -> bool:
+                gate: bool = True, resets: bool = False, tile: tuple | None = None) -> bool:
     """Whether the Triton scan equals ``reference`` (the PyTorch scan's autograd function) on this device for one
     class of launch (activations in ``dtype``, ``n`` states, with or without the skip ``D`` and the gate ``z``;
     output and every gradient, at a length that is not a multiple of a chunk): checked once per process and
-    class (``resets``: packed rows, restarting at samples' first tokens) before that class runs, so a kernel
-    that miscompiles or fails on some GPU, in some precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers."""
+    class (``resets``: packed rows, restarting at samples' first tokens; ``tile``: ``current_tile()``, the kernels
+    and tile it runs with) before that class runs, so a kernel that miscompiles or fails on some GPU, in some
+    precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers."""
     g = torch.Generator().manual_seed(0)
     b, d, length = 2, BLOCK_D + 7, 2 * CHUNK + 7
     act = getattr(torch, dtype)

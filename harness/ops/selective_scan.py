@@ -373,7 +373,8 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
     if scan == "triton":
         return ScanChoice("triton", **where, checked=False, conv="triton")
     if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
-                                                                  states, skip, gate, resets):
+                                                                  states, skip, gate, resets,
+                                                                  scan_triton.current_tile()):
         b, d, length = shape
         conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"],
                                                                              resets=resets)

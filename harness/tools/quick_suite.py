@@ -92,9 +92,9 @@ def sizes(cuda: bool) -> dict:
 
 # -- the steps (each runs in its own child process; ``emit`` saves its rows as it goes) ---------------------------
 def scan_step(device: str, spec: dict, emit) -> None:
-    """The Triton scan against the PyTorch scan, forward and backward, per length and precision: seconds of
-    each (the best of ``repeats`` after a warm-up on a GPU) and the largest relative difference over the output
-    and every gradient."""
+    """The Triton scan (its landed chunked layout and the step-by-step one) against the PyTorch scan, forward and
+    backward, per length and precision: seconds of each (the best of ``repeats`` after a warm-up on a GPU) and
+    the largest relative difference over the output and every gradient."""
     from harness.ops import scan_triton  # lazy: imports triton, which a CPU install may lack
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -110,23 +110,30 @@ def scan_step(device: str, spec: dict, emit) -> None:
             D = torch.ones(d, device=device)
             weight = torch.randn(b, d, length, generator=g).to(device)
             out, secs = {}, {}
-            for name, scan in (("triton", scan_triton.TritonScan), ("torch", SelectiveScan)):
+            # the landed kernels, the step-by-step layout (``scan_triton_steps``, timed beside them), the reference
+            for name, scan, tile in (("triton", scan_triton.TritonScan, scan_triton.current_tile()),
+                                     ("steps", scan_triton.TritonScan, scan_triton.STEPS_TILE),
+                                     ("torch", SelectiveScan, scan_triton.current_tile())):
                 best = math.inf
-                for _ in range(spec["repeats"] + (device == "cuda")):
-                    leaves = [t.detach().requires_grad_() for t in (u, dt, A, B, C, D, z)]
-                    sync()
-                    t = time.perf_counter()
-                    y = scan.apply(*leaves)
-                    grads = torch.autograd.grad((y.float() * weight).sum(), leaves)
-                    sync()
-                    best = min(best, time.perf_counter() - t)
+                with scan_triton.tiled(*tile):
+                    for _ in range(spec["repeats"] + (device == "cuda")):
+                        leaves = [t.detach().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+                        sync()
+                        t = time.perf_counter()
+                        y = scan.apply(*leaves)
+                        grads = torch.autograd.grad((y.float() * weight).sum(), leaves)
+                        sync()
+                        best = min(best, time.perf_counter() - t)
                 out[name], secs[name] = [y.detach().float(), *(x.float() for x in grads)], best
-            worst = max(((x - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                        for x, r in zip(out["triton"], out["torch"]))
+            worst = {name: max(((x - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                               for x, r in zip(out[name], out["torch"])) for name in ("triton", "steps")}
+            tolerance = scan_triton.TOLERANCE[dtype]
             emit({"tokens": length, "batch": b, "dtype": dtype, "triton_ms": round(1e3 * secs["triton"], 2),
                   "torch_ms": round(1e3 * secs["torch"], 2), "speedup": round(secs["torch"] / secs["triton"], 2),
-                  "max_rel_diff": float(f"{worst:.2e}"), "tolerance": scan_triton.TOLERANCE[dtype],
-                  "ok": worst <= scan_triton.TOLERANCE[dtype]})
+                  "max_rel_diff": float(f"{worst['triton']:.2e}"), "tolerance": tolerance,
+                  "steps_ms": round(1e3 * secs["steps"], 2), "steps_max_rel_diff": float(f"{worst['steps']:.2e}"),
+                  "steps_over_chunks": round(secs["triton"] / secs["steps"], 2),
+                  "ok": worst["triton"] <= tolerance and worst["steps"] <= tolerance})
     # where a Mamba training step's time goes: the scan's and the convolution's kernels against the rest
     cell = spec["profile"]
     cfg = TrainConfig(arch="mamba", size=cell["size"], nodes=cell["nodes"], setup=cell["setup"],
@@ -383,10 +390,14 @@ def summary(report: dict) -> list[dict]:
 
     scan_rows, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
     scan = [r for r in scan_rows if "name" not in r]
-    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16)",
+    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16; both layouts)",
                  "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
                  "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
                  if scan else "not measured"})
+    longest = max((r for r in scan if r["dtype"] == "bfloat16"), key=lambda r: r["tokens"], default=None)
+    if longest is not None and gpu:  # which Triton layout should be the default: measured, not assumed
+        rows.append({"number": f"step-by-step scan over the chunked one, {longest['tokens']} tokens bf16 (x faster)",
+                     "value": longest["steps_over_chunks"], "goal": "> 1 to switch", "met": "n/a"})
     profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
     goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
          if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",
