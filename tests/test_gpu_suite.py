@@ -75,6 +75,9 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     measured = [r for r in trainer if "step_s" in r]
     assert len(measured) == 6 and all({"padded_tokens", "samples_per_s", "spread"} <= set(r) for r in measured)
     assert [r["grid_hours"] > 0 for r in trainer if r.get("projection")] == [True]
+    live = [r for r in trainer if r.get("live")]  # the live evaluation timed through the trainer's evaluate
+    assert len(live) == 1 and live[0]["samples"] == 4 and live[0]["tokens_per_sample"] > 0, live
+    assert live[0]["retrieval_cells_hours"] > 0 and trainer[-1] is live[0]  # last: the least known length
     assert [r["name"] for r in trainer if "name" in r][0].startswith("graphed training steps == eager")  # gate first
     assert {(r["model"], r["plan"]) for r in steps["sweep"]["rows"]} == {
         (m, p) for m in ("phi", "phi-mamba") for p in ("auto", "batch", "none")}

@@ -41,7 +41,7 @@ from harness.tools.gpu_suite import model_path, plan_sweep
 from harness.tools.step_profile import profile_step
 from harness.training.config import TrainConfig
 from harness.training.data import TrainingBatches, TrainTask
-from harness.training.grid import GRID_DEFAULTS, GRIDS, cell_parameters, measure_cell
+from harness.training.grid import GRID_DEFAULTS, GRIDS, cell_parameters, measure_cell, measure_live_eval
 from harness.training.sharing import sharing_table, supported_gain
 from harness.training.step_graphs import check_graphed_steps
 
@@ -69,7 +69,9 @@ def sizes(cuda: bool) -> dict:
                             "graph_cells": [("transformer", 16, "direct"), ("mamba", 16, "direct"),
                                             ("hybrid", 16, "direct"), ("transformer", 64, "retrieval"),
                                             ("hybrid", 64, "retrieval")],
-                            "draws": 8},
+                            "draws": 8,
+                            # one evaluation batch of a retrieval cell's live evaluation, timed last (untrained)
+                            "live": {"arch": "mamba", "size": "0.5M", "nodes": 64, "setup": "retrieval"}},
                 # the long cell the hours go to, then a launch-bound short one, K copies after one barrier (the
                 # long first: on an H100 the short cell's K = 1, 4, 8 took the step's 100 s, graphed and gaining
                 # nothing, 1.00x at K = 4 and 8)
@@ -83,7 +85,8 @@ def sizes(cuda: bool) -> dict:
                      "profile": {"size": "smoke", "nodes": 4, "setup": "direct", "batch": 1}},
             "trainer": {"sizes": ["smoke"], "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "graph_steps": 5, "graph_cells": [("mamba", 4, "direct")],
-                        "draws": 2},
+                        "draws": 2, "live": {"arch": "mamba", "size": "smoke", "nodes": 4, "setup": "retrieval"},
+                        "live_settings": {"eval_batch_size": 4}},
             "sharing": {"cells": {"short": {"arch": "mamba", "size": "smoke", "nodes": 4, "setup": "direct"}},
                         "ks": [1, 2], "batch": 2, "window_s": 0.5},
             "sweep": {"questions": 2, "slots": 3, "size": "tiny", "new": 8},
@@ -152,7 +155,8 @@ def trainer_step(device: str, spec: dict, emit) -> None:
     the same code with capture off). Then steps of each architecture at two cells per size through the trainer's
     own step and data, eager and as ``--cuda-graphs auto`` would run them, and after each size the paper grid's
     projected hours from what is measured so far (a row with ``projection``; the last one counts), so a step
-    cut at its limit still projects."""
+    cut at its limit still projects. Last, one evaluation batch of a retrieval cell's live evaluation
+    (``measure_live_eval``), scaled to the grid's retrieval cells."""
     dev = torch.device(device)
     for arch, nodes, setup in spec["graph_cells"]:
         cell = TrainConfig(arch=arch, size=spec["sizes"][0], nodes=nodes, setup=setup, report_to="none").resolved()
@@ -189,6 +193,16 @@ def trainer_step(device: str, spec: dict, emit) -> None:
               "how": how + "; planned: each cell's step as the run takes it by default (CUDA graphs where its "
                            "batch shapes repeat and the graphed step is faster, packed rows on a CPU where they save "
                            "10% of the tokens; --cuda-graphs auto also needs graphs exact: the graph gates)"})
+    if spec.get("live"):  # last: the part whose length is least known
+        cell = TrainConfig(**spec["live"], report_to="none", **spec.get("live_settings", {})).resolved()
+        m = measure_live_eval(cell, dev, spec.get("live_samples"))
+        paper = GRID_DEFAULTS["paper"]
+        retrieval_cells = PAPER_RUNS // len(GRIDS["paper"]["setup"])
+        emit({"live": True, "cell": cell.name, **{k: round(v, 4) for k, v in m.items()},
+              "retrieval_cells_hours": round(m["s_per_sample"] * paper["eval_samples"] * retrieval_cells / 3600, 2),
+              "how": f"{m['samples']} test samples of {cell.name} with its untrained model (each generates to an EOS "
+                     f"or the limit; a trained one's traces differ), scaled to {paper['eval_samples']:,} samples "
+                     f"and {retrieval_cells} retrieval cells"})
 
 
 def grid_projection(measured: dict, spec: dict, device: torch.device) -> tuple[float, str]:
@@ -366,6 +380,11 @@ def grid_rows(steps: dict, gpu: bool, goal, rows: list) -> None:
             goal(f"paper grid, {'H100-' if gpu else 'CPU '}hours as planned with K={k} cells sharing the device "
                  f"(every cell taken at the smallest measured gain, {gain}x)", round(proj[-1]["planned_grid_hours"] / gain, 1),
                  GOALS["grid_h100_hours"], higher=False, spread=spread)
+    live = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("live")]
+    if live:
+        rows.append({"number": f"live evaluation, hours for the paper grid's retrieval cells ({live[0]['how']}; "
+                               "not in the hours above)", "value": live[0]["retrieval_cells_hours"], "goal": "in the 24",
+                     "met": "n/a"})
     fed = [r for r in steps.get("trainer", {}).get("rows", []) if "data_binds" in r]
     if fed:
         worst = max(fed, key=lambda r: r["data_cores"])
@@ -460,7 +479,7 @@ def render(report: dict) -> str:
             continue
         lines.append(f"{step['status']} in {step.get('seconds', 0)} s (limit {step.get('limit_s', '-')} s)"
                      + (f": {step['reason']}" if step.get("reason") else ""))
-        table = [r for r in step["rows"] if not r.get("projection") and not r.get("supported")]
+        table = [r for r in step["rows"] if not r.get("projection") and not r.get("supported") and not r.get("live")]
         # a check's row (a name and a verdict) and the measurements each get their own table
         for kind in (True, False):
             rows = [r for r in table if ("name" in r) == kind]
@@ -468,6 +487,9 @@ def render(report: dict) -> str:
                 lines += ["", pd.DataFrame(rows).fillna("").to_markdown(index=False)]
         lines += [f"\nprojected: **{r['grid_hours']} hours** for the paper grid on {card} ({r['how']})"
                   for r in [r for r in step["rows"] if r.get("projection")][-1:]]
+        lines += [f"\nlive evaluation: {r['s_per_sample']} s a sample, {r['tokens_per_sample']} tokens and "
+                  f"{r['tool_calls_per_sample']} tool calls a sample at batch {r['batch']}: **{r['retrieval_cells_hours']} "
+                  f"hours** ({r['how']})" for r in step["rows"] if r.get("live")]
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -37,7 +38,8 @@ from harness.training.data import PAD, TrainingBatches, TrainTask, packing_setti
 from harness.training.launch import run_on_scheduler
 from harness.training.step_graphs import MAX_SHAPES, WARMUP, GraphedSteps
 from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
-from harness.training.trainer import train_one
+from harness.training.state import save_checkpoint
+from harness.training.trainer import evaluate, train_one
 
 log = logging.getLogger("harness")
 
@@ -359,6 +361,31 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
             "forward_s": time.perf_counter() - t1,
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
             "padded_lengths": [int(b[0].shape[1]) for b in picked]}
+
+
+def measure_live_eval(cell: TrainConfig, device: torch.device, samples: int | None = None) -> dict:
+    """Seconds a test sample of the cell's live evaluation takes (the trainer's own ``evaluate``: greedy
+    generation through the eval engine at the run's evaluation batch, the tool live), on ``samples`` samples
+    (default: one evaluation batch), with the tokens generated and the tool calls made. The model is the cell's
+    fresh one, untrained: it generates until an EOS or the task's limit and calls the tool when its tokens happen
+    to, so this times the engine at those lengths, not a trained model's traces (at n=64 retrieval: ~1,500 tokens
+    and ~190 tool calls a sample, within a limit of 3,840)."""
+    task = TrainTask(cell)
+    torch.manual_seed(cell.seed)
+    model = new_model(cell, task).to(device).eval()
+    batch = cell.eval_batch_size
+    samples = samples or batch
+    with tempfile.TemporaryDirectory() as d:
+        run_dir = Path(d)
+        save_checkpoint(run_dir, model, task.tokenizer(), {"task": cell.task, "args": task.eval_args})
+        t = time.perf_counter()
+        evaluate(model, task.tokenizer(), run_dir, cell.task, {**task.eval_args, "samples": samples}, batch)
+        seconds = time.perf_counter() - t
+        rows = [json.loads(line) for line in open(run_dir / "eval" / "samples.jsonl")]
+    count = max(1, len(rows))
+    return {"samples": len(rows), "batch": batch, "s_per_sample": seconds / count,
+            "tokens_per_sample": sum(r["new_tokens"] for r in rows) / count,
+            "tool_calls_per_sample": sum(len(r["tool_calls"]) for r in rows) / count}
 
 
 def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | None = None, steps: int = 3,
