@@ -6,7 +6,7 @@ speed and state memory at 512 / 2k / 8k tokens of context. Exit status 1 if any 
 
     python -m harness.doctor                       # what is here, and every check that can run here
     python -m harness.doctor --interpret-kernels   # also mamba-ssm's Triton kernels on CPU (interpreter; slow)
-    python -m harness.doctor --suite gpu --quick   # a lent GPU's first call: the decisive numbers in <= 480 s
+    python -m harness.doctor --suite gpu --quick   # a lent GPU's first call: the decisive numbers in <= 510 s
 
 Checks: the Phi-Mamba reference path (chunked scan = recurrence, batched = alone); mamba-ssm kernels against
 the reference (CUDA, or Triton's interpreter on CPU with ``--interpret-kernels``; prompt scan, decode step,

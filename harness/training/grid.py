@@ -335,7 +335,8 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
     return CellSteps(step, drawn, graphs, packing, gen_s, forward)
 
 
-def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32) -> dict:
+def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32,
+                 busy: bool = False) -> dict:
     """Seconds per optimizer step (the trainer's own ``optimizer_step``: its model, scan, precision, loss and
     optimizer) and per sample of data generation, and the forward-only seconds of one batch (for evaluations).
 
@@ -343,7 +344,8 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     batches), so a few steps on whatever batches come first misstate the mean by as much. ``draws`` batches are
     drawn as the trainer draws them (``TrainingBatches``: the run's seed, bucketing and batch), and the ``steps``
     timed steps (after two warm-up steps) run on the batches at evenly spaced quantiles of padded length: their mean is
-    a stratified estimate of the run's mean step."""
+    a stratified estimate of the run's mean step. ``busy`` (CUDA): the same steps again under the profiler, their
+    kernels' time a step (``busy_s``: the GPU's busy time, what a step without launch gaps would take)."""
     cs = cell_steps(cell, device, batch, max(draws, steps))
     drawn = cs.drawn
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
@@ -356,7 +358,17 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     t1 = time.perf_counter()
     cs.forward(middle)
     timed = times[2:]
+    busy_s = None
+    if busy and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile  # lazy: the profiler is only for this
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for b in picked:
+                cs.step(b)
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        busy_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
     return {"step_s": sum(timed) / steps, "spread": (max(timed) - min(timed)) / (sum(timed) / steps),
+            "busy_s": busy_s,
             "graphs": cs.graphs, "packing": cs.packing, "gen_s_per_sample": cs.gen_s_per_sample,
             "forward_s": time.perf_counter() - t1,
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
