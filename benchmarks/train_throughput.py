@@ -127,7 +127,7 @@ def side_by_side(a, size: str, hours: float) -> None:
               f"{r['windows_overlap']:8.0%} {r['cpu_cores_needed']:5.1f} of {r['cores']}", flush=True)
 
     best = sharing_table(cells, ks, device, a.measure_batch, a.window, show)
-    if best:
+    if best and supported_gain(best):
         k, gain = supported_gain(best)
         print(f"with --cells-per-gpu {k} the grid above would take about "
               f"{hours / max(gain, 1e-9):.0f} hours (every cell at the smaller of the two gains, {gain:.2f}x)")

@@ -60,9 +60,10 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     # cells sharing the device: K processes released by one barrier (no window opens before every process is
     # warmed up: an ordering of events, not a timing), each reporting its steps, and the K the measurement supports
     shared = [r for r in steps["sharing"]["rows"] if "K" in r]
-    assert [(r["cell"], r["K"]) for r in shared] == [("short", 1), ("short", 2)]
+    assert [(r["cell"], r["way"], r["K"]) for r in shared] == [
+        ("short", way, k) for way in ("streams", "processes") for k in (1, 2)]  # one process's streams first
     assert all(r["released_together"] and all(n >= 1 for n in r["steps_each"]) for r in shared)
-    assert len(shared[1]["steps_each"]) == 2 and shared[0]["gain_over_one"] == 1.0
+    assert all(len(r["steps_each"]) == r["K"] for r in shared) and shared[0]["gain_over_one"] == 1.0
     assert [r for r in steps["sharing"]["rows"] if r.get("supported")], steps["sharing"]["rows"]
     scan = [r for r in steps["scan"]["rows"] if "name" not in r]
     assert {(r["tokens"], r["dtype"]) for r in scan} == {(24, "float32"), (24, "bfloat16")}

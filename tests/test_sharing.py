@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from harness.training.sharing import shared_rate
+from harness.training.sharing import shared_rate, sharing_table, supported_gain
 
 
 def test_a_cell_that_cannot_start_is_named_and_its_partners_released():
@@ -15,3 +15,15 @@ def test_a_cell_that_cannot_start_is_named_and_its_partners_released():
     with pytest.raises(RuntimeError, match="2 cells side by side: .*nodes"):
         shared_rate({"arch": "mamba", "size": "smoke", "nodes": -3, "setup": "direct"}, 2, "cpu", 2, 0.2)
     assert time.perf_counter() - t < 120
+
+
+def test_cells_on_streams_of_one_process_each_take_every_round():
+    """K cells in one process (on a CPU the streams are the same code, one after another): every cell steps in
+    every round, the rows say which way they shared, and each way's supported K is read apart."""
+    rows = []
+    best = sharing_table({"short": {"arch": "mamba", "size": "smoke", "nodes": 4, "setup": "direct"}}, [1, 2], "cpu",
+                         2, 0.3, rows.append, ways=("streams",))
+    assert [(r["way"], r["K"]) for r in rows] == [("streams", 1), ("streams", 2)]
+    assert all(r["samples_per_s"] > 0 and len(set(r["steps_each"])) == 1 and r["steps_each"][0] >= 1 for r in rows)
+    assert list(best) == ["short (streams)"] or best == {}  # a CPU's K=2 may not fit its cores
+    assert supported_gain(best, "processes") is None

@@ -290,9 +290,11 @@ class CellSteps:
     forward: Callable[[tuple], None]  # a forward pass only (evaluations), synchronised
 
 
-def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int = 32) -> CellSteps:
+def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int = 32,
+               synchronize: bool = True) -> CellSteps:
     """Everything a timed step of ``cell`` needs, built as the trainer builds it; graphs captured for the drawn
-    batches' shapes (eager warm-up steps first, as a run), so what follows times replays."""
+    batches' shapes (eager warm-up steps first, as a run), so what follows times replays. ``synchronize``: each
+    step waits for the device (off: cells stepping on streams of their own, ``sharing.streamed_rate``)."""
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device)
@@ -309,7 +311,7 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
     packing, _ = packing_setting(cell, task, batch, wide, device.type)  # the run's own decision: what it trains
     pad = task.vocab.index(PAD)
     graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" and synchronize else (lambda: None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(cell, device))
     graphed = GraphedSteps(model, opt, device.type, uses_bf16(cell, device)) if graphs else None
     if graphed is not None:  # as a run: each batch shape's eager warm-up steps and its capture

@@ -6,12 +6,17 @@ fixed wall window and counts the samples it finished inside it (the step running
 part of it inside). Starting K processes and timing each over its own few steps would not do: their start-ups
 take seconds, so short timed windows need not overlap at all and a sum of rates can read Kx with no sharing.
 
+A second way (``streamed_rate``): K cells in one process, each stepping on its own CUDA stream, one round of
+steps launched after another; kernels of different streams may run at once where one cell leaves the GPU's
+multiprocessors idle (a latency-bound scan), which K processes cannot without MPS (their contexts take turns).
+
 The CPU is counted too: each process's CPU seconds in the window (its own threads), and the CPU that data
 generation would need at the measured rate (its seconds a sample, measured single-threaded as the run's
 DataLoader workers generate) against the machine's cores. Windows are wall-clock times (``time.time``) so the
 report states how much they overlapped."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -93,30 +98,73 @@ def shared_rate(spec: dict, k: int, device: str, batch: int, window_s: float) ->
             "graphs": got[0]["graphs"], "packing": got[0]["packing"]}
 
 
-def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int, window_s: float, emit) -> dict:
-    """``shared_rate`` for each named cell at each K; a row each (``emit``), and the K each cell supports best:
-    the largest aggregate rate whose processes' and data's CPU fit in the machine's cores."""
+def streamed_rate(spec: dict, k: int, device: str, batch: int, window_s: float) -> dict:
+    """K copies of the cell ``spec`` in this process, each on its own CUDA stream (on a CPU: one after another,
+    the same code), trained in rounds (one step of each, then a wait for all) for ``window_s`` seconds after
+    their warm-up: ``shared_rate``'s answer for them (one process: its windows overlap by construction)."""
+    dev = torch.device(device)
+    cfg = TrainConfig(**spec, report_to="none").resolved()
+    cells = [cell_steps(cfg, dev, batch, draws=8, synchronize=False) for _ in range(k)]
+    streams = [torch.cuda.Stream(dev) if dev.type == "cuda" else None for _ in range(k)]
+    orders = [random.Random(i).sample(cs.drawn, len(cs.drawn)) for i, cs in enumerate(cells)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def round_of_steps(r: int) -> None:
+        for cs, stream, order in zip(cells, streams, orders):
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                cs.step(order[r % len(order)])
+        sync()
+
+    for r in range(2):  # warm-up
+        round_of_steps(len(orders[0]) // 2 + r)
+    start, cpu0 = time.time(), time.process_time()
+    end, rounds, r = start + window_s, 0.0, 0
+    while True:
+        t0 = time.time()
+        round_of_steps(r)
+        t1 = time.time()
+        r += 1
+        if t1 >= end:
+            rounds += max(0.0, end - t0) / max(t1 - t0, 1e-9)
+            break
+        rounds += 1
+    rate = rounds * k * batch / window_s
+    return {"k": k, "samples_per_s": rate, "overlap": 1.0, "released_together": True, "steps": [r] * k,
+            "process_cores": (time.process_time() - cpu0) / window_s,
+            "data_cores": rate * cells[0].gen_s_per_sample, "cores": os.cpu_count(),
+            "graphs": cells[0].graphs, "packing": cells[0].packing}
+
+
+def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int, window_s: float, emit,
+                  ways: tuple[str, ...] = ("processes",)) -> dict:
+    """For each way (``processes``: ``shared_rate``; ``streams``: ``streamed_rate``), named cell and K, a row
+    (``emit``), and the K each cell supports best: the largest aggregate rate whose processes' and data's CPU fit
+    in the machine's cores (keys ``cell`` or ``cell (streams)``)."""
     best = {}
     ks = [1, *[k for k in ks if k != 1]]  # gains are against one alone
-    for name, spec in cells.items():
+    for way, (name, spec) in ((w, c) for w in ways for c in cells.items()):
         alone = None
+        measure = streamed_rate if way == "streams" else shared_rate
         for k in ks:
-            r = shared_rate(spec, k, device, batch, window_s)
+            r = measure(spec, k, device, batch, window_s)
             alone = alone or r["samples_per_s"] / k
             need = r["process_cores"] + r["data_cores"]
-            row = {"cell": name, "K": k, "samples_per_s": round(r["samples_per_s"], 1),
+            row = {"cell": name, "way": way, "K": k, "samples_per_s": round(r["samples_per_s"], 1),
                    "gain_over_one": round(r["samples_per_s"] / alone, 2), "windows_overlap": round(r["overlap"], 3),
                    "released_together": r["released_together"],
                    "steps_each": r["steps"], "cpu_cores_needed": round(need, 1), "cores": r["cores"],
                    "plan": "graphs" if r["graphs"] else "packed" if r["packing"] == "on" else "eager"}
             emit(row)
             fits = need <= r["cores"] and r["overlap"] > 0.9
-            if fits and row["gain_over_one"] > best.get(name, {}).get("gain", 0):
-                best[name] = {"k": k, "gain": row["gain_over_one"]}
+            key = name if way == "processes" else f"{name} ({way})"
+            if fits and row["gain_over_one"] > best.get(key, {}).get("gain", 0):
+                best[key] = {"k": k, "gain": row["gain_over_one"]}
     return best
 
 
-def supported_gain(best: dict) -> tuple[int, float]:
-    """From ``sharing_table``'s answer: the largest K supported and the smallest gain among the cells measured
-    (every cell gains at least that), for projecting a grid's hours."""
-    return max(b["k"] for b in best.values()), min(b["gain"] for b in best.values())
+def supported_gain(best: dict, way: str = "processes") -> tuple[int, float] | None:
+    """From ``sharing_table``'s answer, for one way of sharing: the largest K supported and the smallest gain
+    among the cells measured (every cell gains at least that), for projecting a grid's hours; None if that way
+    was not measured."""
+    mine = [b for key, b in best.items() if (key.endswith(f" ({way})") if way != "processes" else " (" not in key)]
+    return (max(b["k"] for b in mine), min(b["gain"] for b in mine)) if mine else None
