@@ -136,8 +136,8 @@ def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False,
     # auto packs on a CPU only. A Transformer's attention over packed rows takes a dense block mask, which keeps
     # SDPA off its causal kernels: at n=32 retrieval, batch 8, on a CPU its packed step ran 0.95x the padded one.
     # On a GPU the Triton scan walks each row's length in turn, so fewer rows of the same width save little, and
-    # the packed step ran 0.85x the padded one for the 0.5M Mamba at n=64 retrieval, batch 64, on an H100 (the
-    # hybrid: 0.72x, its attention on the dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
+    # the packed step ran 0.85-0.88x the padded one for the 0.5M Mamba at n=64 retrieval, batch 64, on an H100 (the
+    # hybrid: 0.45-0.72x, its attention on a dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
     if cfg.packing == "off" or (cfg.packing == "auto" and (cfg.arch == "transformer" or device_type != "cpu")):
         return "off", None
     share = packing_share(task, batch, cfg.seed, wide=wide)
