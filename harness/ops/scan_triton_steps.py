@@ -42,6 +42,19 @@ def _decay(dtv, A_t, resets, row, t, L, HAS_RESETS: tl.constexpr):
 
 
 @triton.jit
+def _program(blk, dim, nst, A, D, HAS_D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """A program's channels and states (offsets, masks), its [channels, states] A, its skip D (0 without)."""
+    offs_d, offs_n = blk * BD + tl.arange(0, BD), tl.arange(0, BN)
+    md, mn = offs_d < dim, offs_n < nst
+    mdn = md[:, None] & mn[None, :]
+    A_t = tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
+    d_skip = tl.zeros((BD,), dtype=tl.float32)
+    if HAS_D:
+        d_skip = tl.load(D + offs_d, mask=md, other=0.0)
+    return offs_d, offs_n, md, mn, mdn, A_t, d_skip
+
+
+@triton.jit
 def _steps_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts,
                    L, dim, nst, n_chunks,
                    su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
@@ -50,12 +63,7 @@ def _steps_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts,
                    K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """``scan_triton._scan_forward``'s arguments and outputs (``starts``: the state entering each chunk)."""
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs_d, offs_n = blk * BD + tl.arange(0, BD), tl.arange(0, BN)
-    md, mn = offs_d < dim, offs_n < nst
-    mdn = md[:, None] & mn[None, :]
-    A_t = tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
-    if HAS_D:
-        d_skip = tl.load(D + offs_d, mask=md, other=0.0)
+    offs_d, offs_n, md, mn, mdn, A_t, d_skip = _program(blk, dim, nst, A, D, HAS_D, BD, BN)
     h = tl.zeros((BD, BN), dtype=tl.float32)
     for c in range(0, n_chunks):
         tl.store(starts + ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :], h, mask=mdn)
@@ -86,12 +94,7 @@ def _steps_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts,
     """``scan_triton._scan_backward``'s arguments and outputs; ``scratch`` [programs, K, BD, BN] float32 holds a
     chunk's recomputed states."""
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs_d, offs_n = blk * BD + tl.arange(0, BD), tl.arange(0, BN)
-    md, mn = offs_d < dim, offs_n < nst
-    mdn = md[:, None] & mn[None, :]
-    A_t = tl.load(A + offs_d[:, None] * nst + offs_n[None, :], mask=mdn, other=0.0)
-    if HAS_D:
-        d_skip = tl.load(D + offs_d, mask=md, other=0.0)
+    offs_d, offs_n, md, mn, mdn, A_t, d_skip = _program(blk, dim, nst, A, D, HAS_D, BD, BN)
     mine = scratch + (row * n_blocks + blk) * K * BD * BN + tl.arange(0, BD)[:, None] * BN + offs_n[None, :]
     carry = tl.zeros((BD, BN), dtype=tl.float32)  # a_{t+1} dL/dh_{t+1}, handed from each step to the one before
     grad_a = tl.zeros((BD, BN), dtype=tl.float32)
