@@ -45,22 +45,27 @@ def _worker(spec: dict, device: str, batch: int, window_s: float, barrier, resul
         ready = time.time()
         barrier.wait(timeout=BARRIER_TIMEOUT_S)
         start, cpu0 = time.time(), time.process_time()
-        end, samples, k = start + window_s, 0.0, 0
-        while True:
-            t0 = time.time()
-            cs.step(order[k % len(order)])
-            t1 = time.time()
-            k += 1
-            if t1 >= end:
-                samples += batch * max(0.0, end - t0) / max(t1 - t0, 1e-9)
-                break
-            samples += batch
-        results.put({"pid": os.getpid(), "ready": ready, "start": start, "end": end, "samples": samples, "steps": k,
-                     "cpu_s": time.process_time() - cpu0, "gen_s_per_sample": cs.gen_s_per_sample,
-                     "graphs": cs.graphs, "packing": cs.packing})
+        done, k = _window(lambda k: cs.step(order[k % len(order)]), start + window_s)
+        results.put({"pid": os.getpid(), "ready": ready, "start": start, "end": start + window_s,
+                     "samples": batch * done, "steps": k, "cpu_s": time.process_time() - cpu0,
+                     "gen_s_per_sample": cs.gen_s_per_sample, "graphs": cs.graphs, "packing": cs.packing})
     except BaseException as e:  # noqa: BLE001  reported to the parent, which names it
         barrier.abort()
         results.put({"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"})
+
+
+def _window(step, end: float) -> tuple[float, int]:
+    """``step(k)`` for k = 0, 1, ... until wall time ``end``: (the steps finished inside the window, the one
+    running at its end counted by its part inside; the steps taken)."""
+    done, k = 0.0, 0
+    while True:
+        t0 = time.time()
+        step(k)
+        t1 = time.time()
+        k += 1
+        if t1 >= end:
+            return done + max(0.0, end - t0) / max(t1 - t0, 1e-9), k
+        done += 1
 
 
 def shared_rate(spec: dict, k: int, device: str, batch: int, window_s: float) -> dict:
@@ -118,16 +123,7 @@ def streamed_rate(spec: dict, k: int, device: str, batch: int, window_s: float) 
     for r in range(2):  # warm-up
         round_of_steps(len(orders[0]) // 2 + r)
     start, cpu0 = time.time(), time.process_time()
-    end, rounds, r = start + window_s, 0.0, 0
-    while True:
-        t0 = time.time()
-        round_of_steps(r)
-        t1 = time.time()
-        r += 1
-        if t1 >= end:
-            rounds += max(0.0, end - t0) / max(t1 - t0, 1e-9)
-            break
-        rounds += 1
+    rounds, r = _window(round_of_steps, start + window_s)
     rate = rounds * k * batch / window_s
     return {"k": k, "samples_per_s": rate, "overlap": 1.0, "released_together": True, "steps": [r] * k,
             "process_cores": (time.process_time() - cpu0) / window_s,

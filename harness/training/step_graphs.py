@@ -32,8 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness.cuda_graphs import GraphCache, ReplayedStep, on_side_stream
 from harness.training.data import TrainingBatches, TrainTask
-from harness.training.step import (lr_at, logits_of, masked_loss, new_model, new_optimizer, optimizer_step,
-                                   rate_on_device, uses_bf16)
+from harness.training.step import lr_at, logits_of, masked_loss, new_model, new_optimizer, optimizer_step, uses_bf16
 
 log = logging.getLogger("harness")
 
@@ -134,8 +133,7 @@ class GraphedSteps:
         """Static inputs for this shape and its step, captured (with capture off: run on them eagerly); each
         replay's inputs are copied in by ``_Step.load``."""
         step = _Step(self, ids, mask)
-        if self.capture:
-            rate_on_device(self.opt, ids.device)  # the rate a replay reads (a resumed state loads on the CPU)
+        if self.capture:  # the rate a replay reads is a device tensor already (``new_optimizer``, a resume)
             step.record(ids.device, pool, warm=False)  # the shape's eager steps were its warm-up
         return step
 
