@@ -78,24 +78,24 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     return out
 
 
-# (layout, chunk, channel block, warps) --tune times beside the default: the chunked prefix scans at the tiles an
-# H100 liked before, the step-by-step kernels at tiles that keep a program's states in one or two warps
-TUNE_CONFIGS = [("chunks", 64, 16, 4), ("chunks", 32, 16, 4), ("chunks", 64, 8, 4), ("steps", 32, 4, 1),
-                ("steps", 32, 8, 1), ("steps", 32, 8, 2), ("steps", 64, 4, 1), ("steps", 32, 16, 2),
-                ("steps", 32, 2, 1)]
+# (layout, chunk, channel block, warps) --tune times beside the default: each layout's best on an H100 at 128 and
+# 256 channels, their neighbours, and the former default (chunks of 32, 16 channels, 4 warps)
+TUNE_CONFIGS = [("chunks", 64, 4, 1), ("chunks", 32, 4, 1), ("chunks", 64, 8, 1), ("chunks", 128, 4, 1),
+                ("chunks", 32, 16, 4), ("steps", 16, 16, 1), ("steps", 8, 16, 1), ("steps", 16, 8, 1),
+                ("steps", 32, 16, 1), ("steps", 8, 8, 1)]
 
 
-def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", configs=None) -> None:
+def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", configs=None, d: int = 128) -> None:
     """The Triton scan's layout and tile (``scan_triton.tiled``) on this GPU: seconds of forward+backward and the
     largest relative difference from the PyTorch scan (output and every gradient) per configuration and length."""
     from harness.ops import scan_triton
     from harness.ops.selective_scan import selective_scan
 
-    d, n = 128, 16
-    default = scan_triton.current_tile()
+    n = 16
+    default = scan_triton.current_tile(d)
     configs = list(dict.fromkeys([default, *(configs or TUNE_CONFIGS)]))
-    print(f"Triton scan configurations, forward+backward, batch {batch}, bf16 activations (default: {default[0]}, "
-          f"chunk {default[1]}, block {default[2]}, {default[3]} warps)")
+    print(f"Triton scan configurations, forward+backward, batch {batch}, {d} channels, bf16 activations "
+          f"(default: {default[0]}, chunk {default[1]}, block {default[2]}, {default[3]} warps)")
     print(f"{'tokens':>7s} {'layout':>7s} {'chunk':>6s} {'block':>6s} {'warps':>6s} {'seconds':>9s} "
           f"{'vs default':>11s} {'max rel diff':>13s}")
     for length in lengths:
@@ -108,7 +108,7 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", con
             return [y.float(), *(x.float() for x in grads)]
 
         ref = run("torch")
-        rows = []
+        rows = []  # the default first: each row prints as it is timed (a cut-off run keeps what it measured)
         for config in configs:
             with scan_triton.tiled(*config):
                 got = run("triton")  # compiles this configuration
@@ -120,12 +120,13 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", con
                     run("triton")
                     _sync(device)
                     best = min(best, time.perf_counter() - t)
-            rows.append((config, best, diff))
-        base = next(sec for config, sec, _ in rows if config == default)
-        fastest = min(sec for _, sec, _ in rows)
-        for (layout, chunk, block, warp), sec, diff in rows:
-            print(f"{length:7d} {layout:>7s} {chunk:6d} {block:6d} {warp:6d} {sec:9.5f} {base / sec:10.2f}x "
-                  f"{diff:13.2e}" + ("  <- fastest" if sec == fastest else ""), flush=True)
+            rows.append((config, best))
+            layout, chunk, block, warp = config
+            print(f"{length:7d} {layout:>7s} {chunk:6d} {block:6d} {warp:6d} {best:9.5f} {rows[0][1] / best:10.2f}x "
+                  f"{diff:13.2e}", flush=True)
+        config, best = min(rows, key=lambda r: r[1])
+        print(f"fastest at {length} tokens: {':'.join(map(str, config))} ({rows[0][1] / best:.2f}x the default)\n",
+              flush=True)
 
 
 def _scan_inputs(batch: int, d: int, n: int, length: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -250,6 +251,18 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _configs(text: str | None) -> list[tuple] | None:
+    """--configs LAYOUT:CHUNK:BLOCK:WARPS,... as ``scan_triton.tiled``'s tuples (None: TUNE_CONFIGS)."""
+    if not text:
+        return None
+    try:
+        return [(layout, int(chunk), int(block), int(warps))
+                for layout, chunk, block, warps in (c.split(":") for c in text.split(","))]
+    except ValueError:
+        sys.exit(f"error: --configs {text!r}: write LAYOUT:CHUNK:BLOCK:WARPS separated by commas, e.g. "
+                 "chunks:32:16:4,steps:32:4:1")
+
+
 def main():
     ap = benchmark_parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
@@ -259,7 +272,9 @@ def main():
     ap.add_argument("--cells", default="16:direct,32:retrieval,64:retrieval", help="IsTree NODES:SETUP of part 2")
     ap.add_argument("--tune", action="store_true", help="on a GPU: time the Triton scan's chunk and block sizes")
     ap.add_argument("--memory", action="store_true", help="the Triton scan's bytes (and on a GPU times) per shape")
-    ap.add_argument("--channels", type=int, default=128, help="channels of --memory's scans")
+    ap.add_argument("--channels", type=int, default=128, help="channels of --tune's and --memory's scans")
+    ap.add_argument("--configs", default=None, help="--tune's configurations, LAYOUT:CHUNK:BLOCK:WARPS separated by "
+                                                    "commas (default: TUNE_CONFIGS)")
     ap.add_argument("--dtypes", default=None, help="precisions of --memory (default: float32,bfloat16 on a GPU, "
                                                    "float32 under the interpreter)")
     ap.add_argument("--profile", action="store_true", help="one training step's time by kernel family per cell")
@@ -273,7 +288,7 @@ def main():
         if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("error: --tune times the Triton scan's kernels: run it on a CUDA GPU (or, to check it at tiny "
                      "sizes, with TRITON_INTERPRET=1)")
-        tune(list(map(int, a.lengths.split(","))), a.batch, a.repeats, device)
+        tune(list(map(int, a.lengths.split(","))), a.batch, a.repeats, device, _configs(a.configs), a.channels)
         return
     if a.memory:
         if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -29,7 +29,9 @@ CHILD = textwrap.dedent("""
     from harness.tools.bench import AllocatedBytes
     from harness.training.step import masked_loss
 
-    st.CHUNK = 8  # chunks of 8 steps: lengths below, at and past several chunks stay quick to interpret
+    # every scan on chunks of 8 steps (lengths below, at and past several chunks stay quick to interpret) and blocks
+    # of 16 channels (the cases below cross blocks)
+    st.TILES = ((None, ("chunks", 8, 16, 4)),)
     out = {"cases": []}
 
     def rel(a, b):
@@ -108,7 +110,7 @@ CHILD = textwrap.dedent("""
         out["steps"].append({"varies": float(res[1][0].std()), "worst": max(rel(a, r) for a, r in zip(*res))})
     with st.tiled("steps", 8, 4, 1):
         out["steps_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
-                                               st.current_tile())
+                                               st.current_tile(1))
 
     # the vectorised interpreter scan gives the stock interpreter's bits
     fast = interpreter.ScanOps.generic_scan
@@ -146,7 +148,7 @@ CHILD = textwrap.dedent("""
     ids = torch.randint(0, 30, (2, 21), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 21)
     grads = {}
-    st.BLOCK_D = 64  # one block per layer: quicker to interpret (the cases above cross blocks)
+    st.TILES = ((None, ("chunks", 8, 64, 4)),)  # one block per layer: quicker to interpret
     for choice in ("triton", "torch"):
         torch.manual_seed(0)
         model = build_model("mamba", "smoke", 30, scan=choice)
@@ -154,7 +156,7 @@ CHILD = textwrap.dedent("""
         loss.backward()
         grads[choice] = [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
         out[f"{choice}_ran"] = scans_ran(model)
-    st.BLOCK_D = 16
+    st.TILES = ((None, ("chunks", 8, 16, 4)),)
     out["model_worst"] = max(rel(a, b) for a, b in zip(grads["triton"], grads["torch"]))
     out["model_grads"] = len(grads["torch"])
 
@@ -281,15 +283,18 @@ AOT = textwrap.dedent("""
         src = ASTSource(kernel, signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
         return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
+    # each layout at the tile scan_triton.TILES gives it (a layout the table no longer picks: a tile it did)
+    LAYOUTS = {"chunks": ("chunks", 32, 16, 4), "steps": ("steps", 32, 4, 1), **{t[0]: t for _, t in st.TILES}}
     built = 0
     for arch in (80, 90):  # A100, H100/H200
         for flags in (dict(HAS_D=True, HAS_Z=True, HAS_RESETS=True), dict(HAS_D=False, HAS_Z=False, HAS_RESETS=False)):
-            tile = dict(K=st.CHUNK, BD=st.BLOCK_D, BN=16)
+            tile = dict(K=LAYOUTS["chunks"][1], BD=LAYOUTS["chunks"][2], BN=16)
             for kernel in (st._scan_forward, st._scan_backward):
                 built += bool(build(kernel, dict(**flags, **tile), arch).asm["cubin"])
         if arch == 90:  # the step-by-step layout, every flag on (sm_90 only: its compile is the slow one)
             for kernel in (steps._steps_forward, steps._steps_backward):
-                flags = dict(HAS_D=True, HAS_Z=True, HAS_RESETS=True, K=32, BD=4, BN=16)
+                flags = dict(HAS_D=True, HAS_Z=True, HAS_RESETS=True, K=LAYOUTS["steps"][1], BD=LAYOUTS["steps"][2],
+                             BN=16)
                 built += bool(build(kernel, flags, arch).asm["cubin"])
         for bias in (True, False):  # packed rows' restarts with the bias, not without
             for kernel in (ct._conv_forward, ct._conv_backward):

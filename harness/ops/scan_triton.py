@@ -3,7 +3,7 @@ kept on chip in both passes.
 
 Per (row, channel, state) the scan is the scalar recurrence ``h_t = a_t h_{t-1} + x_t`` (``a_t = exp(dt_t A)``,
 ``x_t = dt_t u_t B_t``), read out as ``y_t = sum_n C_t h_t``. One program owns (row, block of channels) and walks
-its time in chunks of ``CHUNK`` steps; inside a chunk each state's recurrence is one parallel prefix scan over
+its time in chunks of steps (``TILES``: the chunk and the block by the layer's channels); inside a chunk each state's recurrence is one parallel prefix scan over
 the chunk's steps (``tl.associative_scan``) seeded with the state entering the chunk, which the program carries
 in registers to the next. Nothing the size of steps x channels x states ever reaches memory:
 
@@ -38,35 +38,35 @@ from harness.ops.triton_shared import agrees, store_rounded
 
 vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter runs the prefix scans per slice
 
-# steps of one prefix scan (a power of two); read at each call. 32: on an H100 (bf16, batch 64, 128 channels,
-# 2,535 steps) forward+backward 7.35 ms a layer against 8.85 ms at 64, the 0.5M Mamba's n=64 retrieval step 143
-# against 164 ms. A [channels, states, steps] tile per chunk instead of the loop over states took 7.50 ms: the
-# kernels are bound by the prefix scans' instructions, not by the loop (docs/results/scan-on-chip.md)
-CHUNK = 32
-BLOCK_D = 16  # channels a program owns
-NUM_WARPS = 4  # warps a program runs on (Triton's default); benchmarks/scan.py --tune times the choices
-# "chunks": the prefix scans here; "steps": one step at a time (``scan_triton_steps``), not yet timed on a GPU
-LAYOUT = "chunks"
-STEPS_TILE = ("steps", 32, 4, 1)  # (layout, chunk, channel block, warps) the quick suite times the steps layout at
+# The tile a scan takes by its channels when no ``tiled`` block sets one: (up to this many channels, (layout, steps
+# of a chunk (a power of two), channels a program owns, warps a program runs on)), read at each call. Measured on an
+# H100, batch 64, bf16 forward+backward (``benchmarks/scan.py --tune``, docs/results/scan-on-chip.md): at 128
+# channels (the 0.5M models) chunks of 64, 4 channels, 1 warp took 4.8 ms at 2,535 steps against 7.1 for the former
+# chunks of 32, 16 channels, 4 warps (1.44x; 615 steps 1.25x; the step-by-step layout's best 5.3 ms); at 256
+# (1M, 2M) step by step, chunks of 16, 16 channels, 1 warp 6.9 ms against 13.7 (2.0x at 615 and 2,535 steps;
+# chunks' best 9.7). More programs of more warps were slower at every size: one warp a program won.
+TILES = ((128, ("chunks", 64, 4, 1)), (None, ("steps", 16, 16, 1)))
+_forced: tuple | None = None  # the tile a ``tiled`` block sets
 
 
-def current_tile() -> tuple:
-    """(layout, chunk, channel block, warps): what a scan launched now runs."""
-    return LAYOUT, CHUNK, BLOCK_D, NUM_WARPS
+def current_tile(dim: int) -> tuple:
+    """(layout, chunk, channel block, warps): what a scan of ``dim`` channels launched now runs."""
+    if _forced is not None:
+        return _forced
+    return next(tile for most, tile in TILES if most is None or dim <= most)
 
 
 @contextlib.contextmanager
 def tiled(layout: str, chunk: int, block: int, warps: int):
-    """The scan's layout and tile set for a block of code (benchmarks and the quick suite time the choices)."""
+    """Every scan in a block of code on one layout and tile (benchmarks and the quick suite time the choices)."""
+    global _forced
     if layout not in ("chunks", "steps"):
         raise ValueError(f"layout={layout!r}: use chunks or steps")
-    knobs = ("LAYOUT", "CHUNK", "BLOCK_D", "NUM_WARPS")
-    saved = current_tile()
-    globals().update(zip(knobs, (layout, chunk, block, warps)))
+    saved, _forced = _forced, (layout, chunk, block, warps)
     try:
         yield
     finally:
-        globals().update(zip(knobs, saved))
+        _forced = saved
 
 
 @triton.jit
@@ -243,7 +243,7 @@ class TritonScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z, resets=None):
-        ctx.tile = current_tile()  # read at each call; the backward launches as the forward did
+        ctx.tile = current_tile(u.shape[1])  # read at each call; the backward launches as the forward did
         y = _time_major(u, u.dtype)
         resets = resets.float().contiguous() if resets is not None else None
         k = _launch(u, dt, A, B, C, D, z, y, ctx.tile, resets)
@@ -305,7 +305,8 @@ def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None, block: i
     mixer lays them out, z a slice of a tensor twice as wide), the partial sums of dB and dC (b x channel blocks
     x n x l) and the chunks' states (b x chunks x d x n)."""
     b, d, length = shape
-    chunk, block = chunk or CHUNK, block or BLOCK_D
+    _, default_chunk, default_block, _ = current_tile(d)
+    chunk, block = chunk or default_chunk, block or default_block
     padded_d, padded_l = triton.cdiv(d, block) * block, triton.cdiv(length, chunk) * chunk
     largest = max(2 * padded_d * padded_l, triton.cdiv(d, block) * n * padded_l,
                   triton.cdiv(length, chunk) * padded_d * triton.next_power_of_2(n))
@@ -334,9 +335,12 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     output and every gradient, at a length that is not a multiple of a chunk): checked once per process and
     class (``resets``: packed rows, restarting at samples' first tokens; ``tile``: ``current_tile()``, the kernels
     and tile it runs with) before that class runs, so a kernel that miscompiles or fails on some GPU, in some
-    precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers."""
+    precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers. Without
+    ``tile``, the narrowest layers' tile."""
+    tile = tile or current_tile(1)
+    _, chunk, block, _ = tile
     g = torch.Generator().manual_seed(0)
-    b, d, length = 2, BLOCK_D + 7, 2 * CHUNK + 7
+    b, d, length = 2, block + 7, 2 * chunk + 7
     act = getattr(torch, dtype)
     u, z = (torch.randn(b, length, d, generator=g).transpose(1, 2).to(act) for _ in range(2))
     dt = torch.rand(b, d, length, generator=g) * 0.1 + 0.001  # float32, as _step_sizes gives it
@@ -348,13 +352,14 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     starts = None
     if resets:  # at the first step, mid-chunk, twice in a row at a chunk's start
         starts = torch.zeros(b, length, device=device)
-        starts[:, [0, 5, CHUNK, CHUNK + 1]] = 1
+        starts[:, [0, 5, chunk, chunk + 1]] = 1
 
     def run():
         results = []
         for scan in (TritonScan, reference):
             inputs = [t.to(device).requires_grad_() if t is not None else None for t in (u, dt, A, B, C, D, z)]
-            y = scan.apply(*inputs, starts)
+            with tiled(*tile):
+                y = scan.apply(*inputs, starts)
             leaves = [t for t in inputs if t is not None]
             results.append([y.detach(), *torch.autograd.grad((y.float() * weight).sum(), leaves)])
         return results

@@ -374,7 +374,7 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
         return ScanChoice("triton", **where, checked=False, conv="triton")
     if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
                                                                   states, skip, gate, resets,
-                                                                  scan_triton.current_tile()):
+                                                                  scan_triton.current_tile(shape[1])):
         b, d, length = shape
         conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"],
                                                                              resets=resets)

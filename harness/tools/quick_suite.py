@@ -60,7 +60,8 @@ PAPER_RUNS = 81
 def sizes(cuda: bool) -> dict:
     """What each step measures: the real shapes on a GPU, tiny ones on a CPU."""
     if cuda:
-        return {"scan": {"lengths": [48, 455, 1845], "batch": 64, "channels": 128, "states": 16, "repeats": 3,
+        # the scan at the paper models' channels (0.5M: 128; 1M, 2M: 256) and its cells' lengths
+        return {"scan": {"lengths": [48, 615, 2535], "batch": 64, "channels": [128, 256], "states": 16, "repeats": 3,
                          "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64}},
                 # each paper size measured (smallest, largest, then the middle): small models' steps are bound by
                 # kernel launches, so step time does not scale with parameters
@@ -81,7 +82,7 @@ def sizes(cuda: bool) -> dict:
                             "ks": [1, 4, 8], "batch": 64, "window_s": 5.0},
                 "sweep": {"questions": 4, "slots": 11, "size": "real", "new": 16},
                 "decode": {"context": 2048, "batches": [1, 64], "steps": 8, "size": "real"}}
-    return {"scan": {"lengths": [24], "batch": 1, "channels": 16, "states": 4, "repeats": 1,  # interpreted: slow
+    return {"scan": {"lengths": [24], "batch": 1, "channels": [16], "states": 4, "repeats": 1,  # interpreted: slow
                      "profile": {"size": "smoke", "nodes": 4, "setup": "direct", "batch": 1}},
             "trainer": {"sizes": ["smoke"], "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "graph_steps": 5, "graph_cells": [("mamba", 4, "direct")],
@@ -93,16 +94,25 @@ def sizes(cuda: bool) -> dict:
             "decode": {"context": 64, "batches": [1, 4], "steps": 2, "size": "tiny"}}
 
 
+def _tile_name(tile: tuple) -> str:
+    """A scan tile as the report names it: "chunks 64/4/1" (layout, chunk, channel block, warps)."""
+    layout, chunk, block, warps = tile
+    return f"{layout} {chunk}/{block}/{warps}"
+
+
 # -- the steps (each runs in its own child process; ``emit`` saves its rows as it goes) ---------------------------
 def scan_step(device: str, spec: dict, emit) -> None:
-    """The Triton scan (its landed chunked layout and the step-by-step one) against the PyTorch scan, forward and
-    backward, per length and precision: seconds of each (the best of ``repeats`` after a warm-up on a GPU) and
-    the largest relative difference over the output and every gradient."""
+    """The Triton scan against the PyTorch scan, forward and backward, per channel count, length and precision:
+    the tile ``scan_triton.TILES`` gives those channels and the table's tile of the other layout, timed side by
+    side (the best of ``repeats`` after a warm-up on a GPU), and the largest relative difference of each over the
+    output and every gradient."""
     from harness.ops import scan_triton  # lazy: imports triton, which a CPU install may lack
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    d, n, b = spec["channels"], spec["states"], spec["batch"]
-    for length in spec["lengths"]:
+    n, b = spec["states"], spec["batch"]
+    for d, length in ((d, length) for d in spec["channels"] for length in spec["lengths"]):
+        tile = scan_triton.current_tile(d)
+        other = next((t for _, t in scan_triton.TILES if t[0] != tile[0]), tile)
         for dtype in ("float32", "bfloat16"):
             g = torch.Generator().manual_seed(length)
             act = getattr(torch, dtype)  # the activations autocast hands the scan; step sizes stay float32
@@ -113,12 +123,10 @@ def scan_step(device: str, spec: dict, emit) -> None:
             D = torch.ones(d, device=device)
             weight = torch.randn(b, d, length, generator=g).to(device)
             out, secs = {}, {}
-            # the landed kernels, the step-by-step layout (``scan_triton_steps``, timed beside them), the reference
-            for name, scan, tile in (("triton", scan_triton.TritonScan, scan_triton.current_tile()),
-                                     ("steps", scan_triton.TritonScan, scan_triton.STEPS_TILE),
-                                     ("torch", SelectiveScan, scan_triton.current_tile())):
+            for name, scan, run_tile in (("triton", scan_triton.TritonScan, tile),
+                                         ("other", scan_triton.TritonScan, other), ("torch", SelectiveScan, tile)):
                 best = math.inf
-                with scan_triton.tiled(*tile):
+                with scan_triton.tiled(*run_tile):
                     for _ in range(spec["repeats"] + (device == "cuda")):
                         leaves = [t.detach().requires_grad_() for t in (u, dt, A, B, C, D, z)]
                         sync()
@@ -129,14 +137,16 @@ def scan_step(device: str, spec: dict, emit) -> None:
                         best = min(best, time.perf_counter() - t)
                 out[name], secs[name] = [y.detach().float(), *(x.float() for x in grads)], best
             worst = {name: max(((x - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                               for x, r in zip(out[name], out["torch"])) for name in ("triton", "steps")}
+                               for x, r in zip(out[name], out["torch"])) for name in ("triton", "other")}
             tolerance = scan_triton.TOLERANCE[dtype]
-            emit({"tokens": length, "batch": b, "dtype": dtype, "triton_ms": round(1e3 * secs["triton"], 2),
-                  "torch_ms": round(1e3 * secs["torch"], 2), "speedup": round(secs["torch"] / secs["triton"], 2),
+            emit({"channels": d, "tokens": length, "batch": b, "dtype": dtype, "tile": _tile_name(tile),
+                  "triton_ms": round(1e3 * secs["triton"], 2), "torch_ms": round(1e3 * secs["torch"], 2),
+                  "speedup": round(secs["torch"] / secs["triton"], 2),
                   "max_rel_diff": float(f"{worst['triton']:.2e}"), "tolerance": tolerance,
-                  "steps_ms": round(1e3 * secs["steps"], 2), "steps_max_rel_diff": float(f"{worst['steps']:.2e}"),
-                  "steps_over_chunks": round(secs["triton"] / secs["steps"], 2),
-                  "ok": worst["triton"] <= tolerance and worst["steps"] <= tolerance})
+                  "other_tile": _tile_name(other), "other_ms": round(1e3 * secs["other"], 2),
+                  "other_max_rel_diff": float(f"{worst['other']:.2e}"),
+                  "tile_over_other": round(secs["other"] / secs["triton"], 2),
+                  "ok": worst["triton"] <= tolerance and worst["other"] <= tolerance})
     # where a Mamba training step's time goes: the scan's and the convolution's kernels against the rest
     cell = spec["profile"]
     cfg = TrainConfig(arch="mamba", size=cell["size"], nodes=cell["nodes"], setup=cell["setup"],
@@ -426,10 +436,17 @@ def summary(report: dict) -> list[dict]:
                  "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
                  "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
                  if scan else "not measured"})
-    longest = max((r for r in scan if r["dtype"] == "bfloat16"), key=lambda r: r["tokens"], default=None)
-    if longest is not None and gpu:  # which Triton layout should be the default: measured, not assumed
-        rows.append({"number": f"step-by-step scan over the chunked one, {longest['tokens']} tokens bf16 (x faster)",
-                     "value": longest["steps_over_chunks"], "goal": "> 1 to switch", "met": "n/a"})
+    longest = {}  # per channel count, its longest bf16 row: the table's tile against the other layout's
+    for r in (r for r in scan if r["dtype"] == "bfloat16"):
+        if r["tokens"] >= longest.get(r["channels"], r)["tokens"]:
+            longest[r["channels"]] = r
+    if longest and gpu:  # which tile each channel count takes: measured, not assumed
+        rows.append({"number": "the scan's tile (scan_triton.TILES) over the other layout's, bf16 at "
+                               + ", ".join(f"{d} channels {r['tokens']} tokens" for d, r in longest.items())
+                               + " (x faster)",
+                     "value": ", ".join(f"{r['tile_over_other']:g}" for r in longest.values()), "goal": ">= 1 each",
+                     "met": "yes" if all(r["tile_over_other"] >= 1 for r in longest.values())
+                     else "no: retune TILES (benchmarks/scan.py --tune)"})
     profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
     goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
          if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",

@@ -291,20 +291,22 @@ class CellSteps:
 
 
 def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int = 32,
-               synchronize: bool = True) -> CellSteps:
+               synchronize: bool = True, data: tuple[list, float] | None = None) -> CellSteps:
     """Everything a timed step of ``cell`` needs, built as the trainer builds it; graphs captured for the drawn
     batches' shapes (eager warm-up steps first, as a run), so what follows times replays. ``synchronize``: each
-    step waits for the device (off: cells stepping on streams of their own, ``sharing.streamed_rate``)."""
+    step waits for the device (off: cells stepping on streams of their own, ``sharing.streamed_rate``). ``data``:
+    another copy's (drawn batches, generation seconds a sample), so K copies of a cell generate its data once."""
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device)
     graphs = cell.cuda_graphs != "off" and device.type == "cuda"  # auto as the run would: graphs, if they agree
     opt = new_optimizer(cell, model, device, graphs)
-    source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
-    t = time.perf_counter()
-    drawn = [b for k in range(-(-draws // cell.bucket)) for b in source.pool(k)]
-    gen_s = (time.perf_counter() - t) / (len(drawn) * batch)
-    drawn.sort(key=lambda b: b[0].shape[1])
+    if data is None:
+        source = TrainingBatches(task, batch, cell.seed, 0, cell.bucket)
+        t = time.perf_counter()
+        drawn = [b for k in range(-(-draws // cell.bucket)) for b in source.pool(k)]
+        data = sorted(drawn, key=lambda b: b[0].shape[1]), (time.perf_counter() - t) / (len(drawn) * batch)
+    drawn, gen_s = data
     # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
     # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
     wide = wide_rows(cell.arch, device.type)

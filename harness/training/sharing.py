@@ -109,7 +109,10 @@ def streamed_rate(spec: dict, k: int, device: str, batch: int, window_s: float) 
     their warm-up: ``shared_rate``'s answer for them (one process: its windows overlap by construction)."""
     dev = torch.device(device)
     cfg = TrainConfig(**spec, report_to="none").resolved()
-    cells = [cell_steps(cfg, dev, batch, draws=8, synchronize=False) for _ in range(k)]
+    built = time.time()
+    cells = [cell_steps(cfg, dev, batch, draws=8, synchronize=False)]
+    cells += [cell_steps(cfg, dev, batch, synchronize=False, data=(cells[0].drawn, cells[0].gen_s_per_sample))
+              for _ in range(k - 1)]  # the data generated once: the copies' build is their model and graphs
     streams = [torch.cuda.Stream(dev) if dev.type == "cuda" else None for _ in range(k)]
     orders = [random.Random(i).sample(cs.drawn, len(cs.drawn)) for i, cs in enumerate(cells)]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -122,13 +125,14 @@ def streamed_rate(spec: dict, k: int, device: str, batch: int, window_s: float) 
 
     for r in range(2):  # warm-up
         round_of_steps(len(orders[0]) // 2 + r)
+    built = time.time() - built
     start, cpu0 = time.time(), time.process_time()
     rounds, r = _window(round_of_steps, start + window_s)
     rate = rounds * k * batch / window_s
     return {"k": k, "samples_per_s": rate, "overlap": 1.0, "released_together": True, "steps": [r] * k,
             "process_cores": (time.process_time() - cpu0) / window_s,
             "data_cores": rate * cells[0].gen_s_per_sample, "cores": os.cpu_count(),
-            "graphs": cells[0].graphs, "packing": cells[0].packing}
+            "graphs": cells[0].graphs, "packing": cells[0].packing, "build_s": built}
 
 
 def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int, window_s: float, emit,
@@ -148,7 +152,8 @@ def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int
             row = {"cell": name, "way": way, "K": k, "samples_per_s": round(r["samples_per_s"], 1),
                    "gain_over_one": round(r["samples_per_s"] / alone, 2), "windows_overlap": round(r["overlap"], 3),
                    "released_together": r["released_together"],
-                   "steps_each": r["steps"], "cpu_cores_needed": round(need, 1), "cores": r["cores"],
+                   "steps_each": r["steps"], "build_s": round(r["build_s"], 1) if "build_s" in r else None,
+                   "cpu_cores_needed": round(need, 1), "cores": r["cores"],
                    "plan": "graphs" if r["graphs"] else "packed" if r["packing"] == "on" else "eager"}
             emit(row)
             fits = need <= r["cores"] and r["overlap"] > 0.9
