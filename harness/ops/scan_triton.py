@@ -3,8 +3,8 @@ kept on chip in both passes.
 
 Per (row, channel, state) the scan is the scalar recurrence ``h_t = a_t h_{t-1} + x_t`` (``a_t = exp(dt_t A)``,
 ``x_t = dt_t u_t B_t``), read out as ``y_t = sum_n C_t h_t``. One program owns (row, block of channels) and walks
-its time in chunks of steps (``TILES``: the chunk and the block by the layer's channels); inside a chunk each state's recurrence is one parallel prefix scan over
-the chunk's steps (``tl.associative_scan``) seeded with the state entering the chunk, which the program carries
+its time in chunks of steps (``TILES``: the chunk and the block by the layer's channels); inside a chunk each
+state's recurrence is one parallel prefix scan over the chunk's steps (``tl.associative_scan``) seeded with the state entering the chunk, which the program carries
 in registers to the next. Nothing the size of steps x channels x states ever reaches memory:
 
     ``_scan_forward``   the gated output, and the state entering every chunk (chunks x channels x states, the
@@ -333,7 +333,7 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     """Whether the Triton scan equals ``reference`` (the PyTorch scan's autograd function) on this device for one
     class of launch (activations in ``dtype``, ``n`` states, with or without the skip ``D`` and the gate ``z``;
     output and every gradient, at a length that is not a multiple of a chunk): checked once per process and
-    class (``resets``: packed rows, restarting at samples' first tokens; ``tile``: ``current_tile()``, the kernels
+    class (``resets``: packed rows, restarting at samples' first tokens; ``tile``: ``current_tile(channels)``, the kernels
     and tile it runs with) before that class runs, so a kernel that miscompiles or fails on some GPU, in some
     precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers. Without
     ``tile``, the narrowest layers' tile."""
