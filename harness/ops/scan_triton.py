@@ -5,7 +5,8 @@ Per (row, channel, state) the scan is the scalar recurrence ``h_t = a_t h_{t-1} 
 ``x_t = dt_t u_t B_t``), read out as ``y_t = sum_n C_t h_t``. One program owns (row, block of channels) and walks
 its time in chunks of steps (``TILES``: the chunk and the block by the layer's channels); inside a chunk each
 state's recurrence is one parallel prefix scan over the chunk's steps (``tl.associative_scan``) seeded with the
-state entering the chunk, which the program carries in registers to the next. Nothing the size of steps x channels x states ever reaches memory:
+state entering the chunk, which the program carries in registers to the next. Nothing the size of steps x
+channels x states ever reaches memory:
 
     ``_scan_forward``   the gated output, and the state entering every chunk (chunks x channels x states, the
                         backward's checkpoints: 1/64 of the states, not the states)
