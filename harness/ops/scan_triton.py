@@ -334,8 +334,8 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     """Whether the Triton scan equals ``reference`` (the PyTorch scan's autograd function) on this device for one
     class of launch (activations in ``dtype``, ``n`` states, with or without the skip ``D`` and the gate ``z``;
     output and every gradient, at a length that is not a multiple of a chunk): checked once per process and
-    class (``resets``: packed rows, restarting at samples' first tokens; ``tile``: ``current_tile(channels)``, the kernels
-    and tile it runs with) before that class runs, so a kernel that miscompiles or fails on some GPU, in some
+    class (``resets``: packed rows, restarting at samples' first tokens; ``tile``: ``current_tile(channels)``,
+    the kernels and tile it runs with) before that class runs, so a kernel that miscompiles or fails on some GPU, in some
     precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers. Without
     ``tile``, the narrowest layers' tile."""
     tile = tile or current_tile(1)
