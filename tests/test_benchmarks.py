@@ -66,14 +66,15 @@ def test_a_benchmarks_help_shows_every_default():
 @pytest.mark.slow
 def test_the_scan_benchmarks_memory_and_profile_parts_run():
     """``benchmarks/scan.py --memory`` under Triton's interpreter prints the backward's bytes beside the gradients'
-    (nothing the size of steps x channels x states: under 2x), and ``--profile`` a step's share of the scan."""
+    (nothing the size of steps x channels x states, which alone would be 3.6x the gradients here: under 3x, the
+    partial sums of dB and dC per block of 4 channels included), and ``--profile`` a step's share of the scan."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     script = str(ROOT / "benchmarks" / "scan.py")
     res = subprocess.run([sys.executable, script, "--memory", "--batch", "1", "--channels", "24", "--lengths", "70"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     row = res.stdout.strip().splitlines()[-1].split()
-    assert row[:2] == ["70", "float32"] and 1.0 <= float(row[-1].rstrip("x")) < 2.0, res.stdout
+    assert row[:2] == ["70", "float32"] and 1.0 <= float(row[-1].rstrip("x")) < 3.0, res.stdout
     env.pop("TRITON_INTERPRET")
     res = subprocess.run([sys.executable, script, "--profile", "--batch", "1", "--cells", "4:direct"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
