@@ -91,12 +91,13 @@ class BackendInfo:
     family: str | None = None  # the transformers family (harness.backends.families)
     scan: str | None = None  # the Mamba layers' scan path, where its kernels round apart from the reference
     decode: str | None = None  # eager, or the CUDA graphs' description
+    fused: list[str] | None = None  # modules swapped for fused kernels that round apart (harness.backends.fused_activations)
     parameters: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # what one backend alone reports (vLLM's engine settings)
 
     def to_json(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in ("backend", "device", "dtype", "model_class", "max_context", "family",
-                                             "scan", "decode", "parameters")}
+                                             "scan", "decode", "fused", "parameters")}
         return {**{k: v for k, v in out.items() if v is not None or k == "max_context"}, **self.extra}
 
 

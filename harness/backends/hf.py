@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
 from harness.backends import fla_models, growing_cache
+from harness.backends.additive_mask import additive_mask
+from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresText, resolve_device, resolve_dtype
 from harness.backends.families import (
     family_of,
@@ -46,10 +48,13 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         if fla_models.is_fla_type(model.config.model_type):
             fla_models.prepare_device(self.device)
         self.model = model.to(self.device).eval()
+        self.fused = fuse_activations(self.model)
         self.family = family_of(self.model)
         self.max_context = getattr(self.model.config, "max_position_embeddings", None) \
             if self.family.max_context else None
         self.graphs, self.decode = None, "eager"
+        # a family that takes a prepared additive 4D mask gets one built once a forward (harness.backends.additive_mask)
+        self.additive_masks = unsupported(self.model, self.family) is None
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
@@ -97,7 +102,8 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         fam = self.family
         args = dict(input_ids=input_ids, use_cache=True, **kw)
         if attention_mask is not None:
-            args["attention_mask"] = attention_mask
+            args["attention_mask"] = additive_mask(attention_mask, input_ids.shape[1], self.model.dtype) \
+                if self.additive_masks and attention_mask.dim() == 2 else attention_mask
         if fam.positions:
             args["position_ids"] = pos
         if cache is not None:
@@ -201,5 +207,5 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
                            model_class=type(self.model).__name__, max_context=self.max_context,
                            family=self.family.name,
                            decode=self.graphs.describe() if self.graphs is not None else self.decode,
-                           parameters=sum(p.numel() for p in self.model.parameters()),
+                           parameters=sum(p.numel() for p in self.model.parameters()), fused=self.fused or None,
                            extra={"padding": self.family.padding})

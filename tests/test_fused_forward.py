@@ -1,0 +1,99 @@
+"""What the transformers backend changes in a checkpoint's forward for speed, each measured against the forward
+it replaces: the additive 4D mask built once a forward (equal to transformers' boolean mask to the bit), GELU's
+tanh form as one kernel (equal to float32 rounding, recorded in the run's settings), and a CPU's token budget
+(the tree's rows decode in one batch where memory allows)."""
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.activations import NewGELUActivation
+
+from harness.backends import memory
+from harness.backends.additive_mask import additive_mask
+from harness.backends.hf import TransformersBackend
+from harness.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def gpt2_backend(tiny_tokenizer):
+    with tempfile.TemporaryDirectory() as d:
+        yield TransformersBackend(str(make_tiny_model(Path(d) / "gpt2", "gpt2", tokenizer=tiny_tokenizer)), device="cpu",
+                                  dtype="float32")
+
+
+@torch.inference_mode()
+def _paths(backend, gen):
+    """Logits of a left-padded prefill, a right-padded block after it, a one-token step, and a run extended
+    after a copied prefix (the prefix tree's path)."""
+    ids = torch.randint(5, 900, (3, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    mask[1, :2] = 0
+    block, step, run = (torch.randint(5, 900, s, generator=gen) for s in ((3, 5), (3, 1), (9,)))
+    logits, state = backend.prefill(ids, mask)
+    out = [logits]
+    mask = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], 1)
+    mask[2, -2:] = 0  # the third row's block is two tokens shorter
+    out.append(backend.step(state, block, mask))
+    out.append(backend.step(state, step, torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)))
+    _, alone = backend.prefill(ids[:1, 7:], torch.ones_like(ids[:1, 7:]))
+    copied = backend.expand(alone, 1)
+    out.append(backend.extend(copied, run.tolist(), 33))
+    return out
+
+
+@pytest.mark.parametrize("name", ["phi_backend", "llama_backend", "gpt2_backend"])
+def test_the_additive_mask_built_once_gives_transformers_masks_logits_to_the_bit(name, request):
+    backend = request.getfixturevalue(name)
+    assert backend.additive_masks
+    out = {}
+    try:
+        for built in (False, True):
+            backend.additive_masks = built
+            out[built] = _paths(backend, torch.Generator().manual_seed(3))
+    finally:
+        backend.additive_masks = True
+    for plain, built in zip(out[False], out[True]):
+        assert plain.shape[0] == 1 or len({int(i) for i in plain.argmax(-1)}) > 1  # the rows differ
+        assert torch.equal(plain, built)
+
+
+def test_the_additive_mask_is_causal_padded_and_left_to_sdpa_where_transformers_builds_none():
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    built = additive_mask(mask, 2, torch.float32)
+    low = torch.finfo(torch.float32).min
+    assert built.shape == (2, 1, 2, 5)
+    assert built[0, 0].tolist() == [[low, 0, 0, 0, low], [low, 0, 0, 0, 0]]  # the pad, and the next key unseen
+    assert built[1, 0].tolist() == [[0, 0, 0, 0, low], [0, 0, 0, 0, 0]]
+    full = torch.ones(2, 5, dtype=torch.long)
+    assert additive_mask(full, 5, torch.float32) is full and additive_mask(full, 1, torch.float32) is full
+    assert additive_mask(full, 2, torch.float32).shape == (2, 1, 2, 5)  # queries after cached keys: a mask
+
+
+@torch.inference_mode()
+def test_fused_gelu_replaces_the_python_one_and_rounds_within_float32(tiny_phi_dir):
+    backend = TransformersBackend(str(tiny_phi_dir), device="cpu", dtype="float32")
+    stock = AutoModelForCausalLM.from_pretrained(str(tiny_phi_dir), dtype=torch.float32).eval()
+    layers = stock.config.num_hidden_layers
+    assert backend.fused == [f"NewGELUActivation x{layers} -> gelu(approximate='tanh')"]
+    assert not any(isinstance(m, NewGELUActivation) for m in backend.model.modules())
+    assert sum(isinstance(m, NewGELUActivation) for m in stock.modules()) == layers
+    assert backend.describe().to_json()["fused"] == backend.fused
+    ids = torch.randint(5, 900, (2, 30), generator=torch.Generator().manual_seed(0))
+    fused, plain = backend.model(input_ids=ids).logits, stock(input_ids=ids).logits
+    assert len({int(i) for i in plain[0].argmax(-1)}) > 1  # the logits move along the sequence
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_token_budget_follows_free_memory_between_its_bounds(phi_backend, monkeypatch):
+    low, high = memory.CPU_TOKENS
+    monkeypatch.setattr(memory, "available_memory", lambda: 64 * 2**30)
+    assert memory.token_budget(phi_backend) == high  # a tiny model: every row of a sweep in one batch
+    monkeypatch.setattr(memory, "available_memory", lambda: 2**30)
+    assert memory.token_budget(phi_backend) == low
+    monkeypatch.setattr(memory, "available_memory", lambda: None)
+    assert memory.token_budget(phi_backend) == low
+    monkeypatch.undo()
+    assert memory.available_memory() > 0  # read from this machine (Linux's /proc/meminfo)
