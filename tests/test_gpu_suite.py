@@ -81,12 +81,21 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     assert len(live) == 1 and live[0]["samples"] == 4 and live[0]["tokens_per_sample"] > 0, live
     assert live[0]["retrieval_cells_hours"] > 0 and trainer[-1] is live[0]  # last: the least known length
     assert [r["name"] for r in trainer if "name" in r][0].startswith("graphed training steps == eager")  # gate first
-    assert {(r["model"], r["plan"]) for r in steps["sweep"]["rows"]} == {
-        (m, p) for m in ("phi", "phi-mamba") for p in ("auto", "batch", "none")}
+    assert {(r["model"], r["plan"], r["runs"]) for r in steps["sweep"]["rows"]} == {
+        (m, p, 3) for m in ("phi", "phi-mamba") for p in ("auto", "tree-rows", "tree-block", "batch", "none")}
+    for model in ("phi", "phi-mamba"):  # auto's regret: its median over the fastest forced plan's
+        mine = {r["plan"]: r for r in steps["sweep"]["rows"] if r["model"] == model}
+        fastest = min(r["seconds"] for p, r in mine.items() if p != "auto")
+        assert mine["auto"]["regret"] == pytest.approx(mine["auto"]["seconds"] / fastest - 1, abs=0.05)
     sweep = steps["sweep"]["rows"]  # float32 on a CPU: equal to none's, on generations that differ
     assert all(r["same_as_none"] and r["differs_from_none"] == 0 and r["distinct_generations"] >= 2 for r in sweep)
-    assert {(r["model"], r["batch"]) for r in steps["decode"]["rows"]} == {(m, b) for m in ("phi", "phi-mamba")
-                                                                             for b in (1, 4)}
+    decode = [r for r in steps["decode"]["rows"] if "model" in r]
+    assert {(r["model"], r["batch"]) for r in decode} == {(m, b) for m in ("phi", "phi-mamba") for b in (1, 4)}
+    profiles = {r["name"].split(",")[0]: r for r in steps["decode"]["rows"] if "kernels_per_step" in r}
+    assert set(profiles) == {"decode profile: phi", "decode profile: phi-mamba"}
+    assert all(r["kernels_per_step"] > 10 and r["ms_per_step"] > 0 and "aten::" in r["top"] for r in profiles.values())
+    assert "attention" in profiles["decode profile: phi"]["attention"]  # the kernel SDPA chose, by name
+    assert profiles["decode profile: phi-mamba"]["attention"] == "none"  # no attention layer
     summary = {r["number"]: r for r in report["summary"]}
     assert summary["Triton scan == PyTorch scan (every length, float32 and bf16; both layouts)"]["met"] == "yes"
     # a CPU's projection is labelled as the CPU's, never as H100-hours

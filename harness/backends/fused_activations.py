@@ -6,7 +6,7 @@ operations (a power, four products, two sums, a tanh), each a pass over the MLP'
 function in one kernel (transformers' own ``gelu_pytorch_tanh``, its documented faster equivalent, which the
 Phi-Mamba models here use already); on a GPU eight kernels become one per layer and step. The two round apart by
 at most an ulp or two (2.4e-7 in float32), the kind of difference SDPA's kernels make against eager attention,
-so the run records the swap (``BackendInfo.extra["fused"]``, part of the settings hash).
+so the run records the swap (results.json's ``backend.fused``).
 """
 from __future__ import annotations
 

@@ -113,8 +113,6 @@ def _backend_settings(resolved: dict, backend) -> dict:
     out = {**resolved, "dtype": info.dtype, "device_type": torch.device(info.device).type}
     if info.scan:  # Phi-Mamba: the reference scan or mamba-ssm's kernels (and their dot precision) round apart
         out["scan"] = info.scan
-    if info.fused:  # a checkpoint's activations swapped for fused kernels, which round apart
-        out["fused"] = info.fused
     return out
 
 

@@ -200,13 +200,20 @@ def check_vllm(tmp: Path, device: str = "cuda") -> dict:
             "ok": same == len(prompts)}
 
 
+def decode_model(folder, arch: str, size: str, context: int, tok=None) -> str:
+    """A random ``arch`` checkpoint for decode measurements: the released shapes (``real``: Phi-1.5's width and
+    depth, the Phi-Mamba checkpoints' heads) or tiny ones, room for ``context`` tokens."""
+    hidden, layers = (2048, 24) if size == "real" else (128, 4)
+    return str(make_tiny_model(f"{folder}/{arch}", arch, tokenizer=tok or build_tokenizer(), hidden=hidden,
+                               layers=layers, max_positions=context + 64, init_std=0.02, real_heads=size == "real"))
+
+
 def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
                  archs=("phi-mamba", "hybrid-phi-mamba", "phi")) -> list[dict]:
     """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; each
     also replayed from CUDA graphs on a GPU) at 512 / 2k / 8k tokens, each with the
     memory-bandwidth bound: measured copy bandwidth over the bytes a step must read (every weight once, and
     the decoding state)."""
-    hidden, layers = (2048, 24) if size == "real" else (128, 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
     runs = [(a, graphs) for a in archs for graphs in (("off", "on") if device == "cuda" else ("off",))]
@@ -214,9 +221,7 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
         for arch, graphs in runs:
-            path = make_tiny_model(f"{d}/{arch}", arch, tokenizer=tok, hidden=hidden, layers=layers,
-                                   max_positions=max(lengths) + 64, init_std=0.02, real_heads=size == "real")
-            backend = load_backend(str(path), device, dtype, cuda_graphs=graphs)
+            backend = load_backend(decode_model(d, arch, size, max(lengths), tok), device, dtype, cuda_graphs=graphs)
             label = arch + (" (graphs)" if graphs == "on" else "")
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
             for b in batches:

@@ -232,27 +232,32 @@ PLANS = ("auto", "tree-rows", "tree-block", "batch", "none")
 
 
 def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str], new: int,
-               plans: tuple[str, ...] = PLANS) -> list[dict]:
+               plans: tuple[str, ...] = PLANS, repeats: int = 1) -> list[dict]:
     """The all-slot sweep (gold at every slot) through each prefill plan and the default (``auto``, its cost
-    model measured inside the timing, as a run does): seconds, tokens prefilled, speed against ``batch``, and
-    whether its generations are ``none``'s (``same_as_none``: equal, or every divergence a near-tie, where the
+    model measured inside the timing, as a run does), ``repeats`` times in alternating order: median seconds,
+    tokens prefilled, speed against ``batch``, auto's regret (its time over the fastest forced plan's, less one),
+    and whether its generations are ``none``'s (``same_as_none``: equal, or every divergence a near-tie, where the
     dtype rounds by batch shape), with how many generations differ between prompts (an equality of identical
     outputs proves nothing) and from ``none``'s."""
     backend = load_backend(path, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
     backend.generate([GenRequest(p, 2) for p in prompts[:2]])  # first-call costs out of the timings
+    times: dict[str, list[float]] = {plan: [] for plan in plans}
     runs = {}
-    for plan in plans:
-        forget_costs(backend)
-        sync()
-        t = time.perf_counter()
-        gen = backend.generate_all([GenRequest(p, new, prompt_ids=i) for p, i in zip(prompts, ids)],
-                                   batch_size="auto", prefix_reuse=plan)
-        out = [r.token_ids for r in gen.results(len(prompts))]
-        sync()
-        runs[plan] = (time.perf_counter() - t, gen.plan, out)
+    for rep in range(repeats):
+        for plan in plans if rep % 2 == 0 else plans[::-1]:  # alternating: drift lands on every plan alike
+            forget_costs(backend)
+            sync()
+            t = time.perf_counter()
+            gen = backend.generate_all([GenRequest(p, new, prompt_ids=i) for p, i in zip(prompts, ids)],
+                                       batch_size="auto", prefix_reuse=plan)
+            out = [r.token_ids for r in gen.results(len(prompts))]
+            sync()
+            times[plan].append(time.perf_counter() - t)
+            runs[plan] = (sorted(times[plan])[len(times[plan]) // 2], gen.plan, out)
     base = runs["batch"][0]
+    forced = [sec for plan, (sec, _, _) in runs.items() if plan != "auto"]
     ref = runs["none"][2]
     tree_tokens = PrefixTree(ids).tree_tokens
     rows = []
@@ -261,7 +266,10 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
         div = divergences(backend, prompts, ref, out)
         worst = max((abs(d["gap"]) / max(d["spread"], 1e-12) for d in div), default=0.0)
         rows.append({"model": arch, "dtype": dtype, "prompts": len(prompts), "plan": plan, "ran": record.ran,
-                     "seconds": round(sec, 2), "speedup_vs_batch": round(base / sec, 2),
+                     "seconds": round(sec, 2), "runs": len(times[plan]),
+                     "spread": round((max(times[plan]) - min(times[plan])) / sec, 3),
+                     "speedup_vs_batch": round(base / sec, 2),
+                     **({"regret": round(sec / min(forced) - 1, 3)} if plan == "auto" and forced else {}),
                      "prefilled_over_tree": round(record.prefill_tokens / tree_tokens, 2),
                      "distinct_generations": len({tuple(t) for t in out}), "differs_from_none": len(div),
                      "worst_gap_over_spread": round(worst, 4),
