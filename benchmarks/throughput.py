@@ -14,11 +14,11 @@ baseline is the harness's own plan ``none`` (one sample at a time, nothing share
 ``hf`` model cannot load these checkpoints.
 
 ``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
-off, each in a child process (vLLM re-decorates transformers' model classes and sets the thread count in its
-process), with the same thread count as the harness; engine start-up is reported apart from generation. With
-``--repeats N`` the default plan and vLLM run N times each (vLLM's prefix cache emptied before each: a second
-run would otherwise find every prompt cached) and medians are compared, and each system's prefill alone is
-timed as often, so the line under the table says where the difference lies: prompts or new tokens.
+off, each in a child process (``VLLMChild``) with the same thread count as the harness; engine start-up is
+reported apart from generation. The harness's default plan and vLLM then run in turn, ``--repeats`` rounds
+each (medians compared: this machine's speed drifts by minutes, and runs in turn see the same drift), and with
+prefix caching on each one's prefill alone as often, so the line under the table says where a difference lies:
+prompts or new tokens.
 ``transformers.generate`` runs the checkpoint as transformers loads it, so "identical" also checks what the
 harness changes in the forward for speed (harness/backends/fused_activations.py).
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,46 +143,82 @@ def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float]:
     return len(other), float("nan")
 
 
-def run_vllm(model_dir: str, prompts: list[str], max_new: int, caching: bool, repeats: int = 1,
-             prefill_alone: bool = False) -> dict:
-    """vLLM's greedy generations of ``prompts`` in a child process: engine start-up and generation timed apart,
-    generation ``repeats`` times (its prefix cache emptied before each) and, with ``prefill_alone``, as often
-    with one new token a prompt."""
-    from harness.procs import python_result
+class VLLMChild:
+    """vLLM's engine in a child process (vLLM re-decorates transformers' model classes and sets its thread count
+    in its process), driven one generation at a time over its stdin, so its runs can alternate with the
+    harness's: on a machine whose speed drifts by minutes, runs timed in turn see the same drift. Each run
+    empties vLLM's prefix cache first (a second run would otherwise find every prompt cached)."""
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    code = f"""
-import json, time, torch
+    CODE = """
+import json, sys, time, torch
 from harness.backends.base import GenRequest
 from harness.backends.vllm_backend import VLLMBackend
-prompts, stop = json.load(open({f.name!r})), {list(STOP)!r}
+model_dir, caching, prompts, stop = json.loads(sys.stdin.readline())
 t0 = time.perf_counter()
-engine = VLLMBackend({model_dir!r}, device="cpu", dtype="float32", engine_args={{"enable_prefix_caching": {caching}}})
+engine = VLLMBackend(model_dir, device="cpu", dtype="float32", engine_args={"enable_prefix_caching": caching})
 start = time.perf_counter() - t0
 engine.generate([GenRequest("A warm-up prompt that shares nothing.", 4, stop)])
-def timed(new):
-    engine.llm.reset_prefix_cache()  # each repeat computes its prompts anew, as the first did
+print("READY " + json.dumps({"start_s": start, "threads": torch.get_num_threads(), "vllm": engine.settings["vllm"]}),
+      flush=True)
+last = {}
+for line in sys.stdin:
+    new = int(line)
+    engine.llm.reset_prefix_cache()
     t0 = time.perf_counter()
-    results = engine.generate_all([GenRequest(p, new, stop) for p in prompts]).results(len(prompts))
-    return time.perf_counter() - t0, results
-times = []
-for _ in range({repeats}):
-    t, results = timed({max_new})
-    times.append(t)
-prefill = [timed(1)[0] for _ in range({repeats if prefill_alone else 0})]
-texts, ids = [r.text for r in results], [r.token_ids for r in results]
-print("RESULT " + json.dumps({{"start_s": start, "times": times, "prefill_times": prefill, "texts": texts, "ids": ids,
-                               "threads": torch.get_num_threads(), "vllm": engine.settings["vllm"]}}))
+    last[new] = engine.generate_all([GenRequest(p, new, stop) for p in prompts]).results(len(prompts))
+    print(f"TIME {time.perf_counter() - t0}", flush=True)
+print("RESULT " + json.dumps({n: [[r.text for r in rs], [r.token_ids for r in rs]] for n, rs in last.items()}),
+      flush=True)
 """
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    try:
-        out, res = python_result(code, timeout=3600, env=env, cwd=Path(__file__).resolve().parent.parent)
-    finally:
-        os.unlink(f.name)
-    if out is None:
-        raise SystemExit(f"vLLM run failed:\n{(res.stderr or res.stdout)[-3000:]}")
-    return {**out, "generate_s": median(out["times"])}
+
+    def __init__(self, model_dir: str, prompts: list[str], caching: bool):
+        self.caching, self.log = caching, tempfile.TemporaryFile("w+")
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+        self.proc.stdin.write(json.dumps([model_dir, caching, prompts, list(STOP)]) + "\n")
+        self.proc.stdin.flush()
+        self.info = json.loads(self._reply("READY "))
+        self.times: dict[int, list[float]] = {}
+
+    def _reply(self, tag: str) -> str:
+        for line in self.proc.stdout:  # vLLM may print lines of its own
+            if line.startswith(tag):
+                return line[len(tag):]
+        self.log.seek(0)
+        raise SystemExit(f"vLLM run failed:\n{self.log.read()[-3000:]}")
+
+    def run(self, new: int) -> float:
+        self.proc.stdin.write(f"{new}\n")
+        self.proc.stdin.flush()
+        t = float(self._reply("TIME "))
+        self.times.setdefault(new, []).append(t)
+        return t
+
+    def close(self, new: int) -> dict:
+        """Its settings, its runs' times and the last run's texts and tokens with ``new`` tokens a prompt."""
+        self.proc.stdin.close()
+        last = json.loads(self._reply("RESULT "))
+        self.proc.wait()
+        texts, ids = last[str(new)]
+        return {**self.info, "times": self.times[new], "prefill_times": self.times.get(1, []) if new != 1 else [],
+                "generate_s": median(self.times[new]), "texts": texts, "ids": ids}
+
+
+def side_by_side(backend, model_dir: str, prompts: list[str], a, caching: bool, plans: dict, times: dict) -> dict:
+    """vLLM's engine started (apart from the timings), then ``a.repeats`` rounds of the harness's default plan
+    and vLLM in turn, and with prefix caching on, of each one's prefill alone (one new token a prompt)."""
+    engine = VLLMChild(model_dir, prompts, caching)
+    news = (a.max_new_tokens, 1) if caching else (a.max_new_tokens,)
+    for _ in range(a.repeats):
+        for new in news:
+            out = run_harness(backend, prompts, new, "auto")
+            key = "auto" if new == a.max_new_tokens else "auto prefill"
+            times.setdefault(key, []).append(out[1])
+            if key == "auto":
+                plans["auto"] = (out[0], median(times["auto"]), out[2])
+            engine.run(new)
+    return engine.close(a.max_new_tokens)
 
 
 def median(times: list[float]) -> float:
@@ -254,14 +291,16 @@ def main():
               f"{torch.get_num_threads()} threads\n")
         cachings = (False,) if own else (True, False)
         progress = Progress(len(a.plans.split(",")) + (0 if own else 3)
-                            + (len(cachings) if a.backend == "vllm" else 0))
+                            + (len(cachings) - ("auto" in a.plans.split(",")) if a.backend == "vllm" else 0))
         run_harness(backend, prompts[:2], 4, "none")  # warm-up
-        plans, times = {}, {}
+        plans, times, vllm = {}, {}, {}
         for p in a.plans.split(","):
-            plans[p], times[p] = progress(f"the harness, plan {p}", repeated, a.repeats if p == "auto" else 1,
-                                          run_harness, backend, prompts, a.max_new_tokens, p)
-        if a.backend == "vllm" and "auto" in plans:  # the default's prefill alone: one new token a prompt
-            _, times["auto prefill"] = repeated(a.repeats, run_harness, backend, prompts, 1, "auto")
+            if p != "auto" or a.backend != "vllm":
+                plans[p], times[p] = progress(f"the harness, plan {p}", repeated, a.repeats if p == "auto" else 1,
+                                              run_harness, backend, prompts, a.max_new_tokens, p)
+        for caching in cachings if a.backend == "vllm" else ():
+            vllm[caching] = progress(f"vLLM, prefix caching {'on' if caching else 'off'}, in turn with the harness's "
+                                     "default", side_by_side, backend, model_dir, prompts, a, caching, plans, times)
         if own:
             gen, t_gen, _ = plans["none"]
             lme = lmi = t_lme = t_lmi = None
@@ -273,8 +312,6 @@ def main():
                                   a.lm_eval_batch_size)
             lmi, t_lmi = progress("lm-eval's icr model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
                                   a.icr_batch_size, model="icr")
-        vllm = {c: progress(f"vLLM, prefix caching {'on' if c else 'off'}", run_vllm, model_dir, prompts,
-                            a.max_new_tokens, c, a.repeats, c) for c in cachings} if a.backend == "vllm" else {}
         print(file=sys.stderr)
     n = len(prompts)
     bound = prompt_tokens / tree_tokens
@@ -301,8 +338,8 @@ def main():
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
               f"{sum(a == b for a, b in zip(v['texts'], gen))}/{n}  (engine start {v['start_s']:.1f} s apart; "
               f"{v['threads']} threads{spread(v['times'])})")
-        for i, (a, b) in enumerate(zip(v["texts"], gen)):
-            if a != b:
+        for i, (theirs, ours) in enumerate(zip(v["texts"], gen)):
+            if theirs != ours:
                 j, gap = near_tie(backend, prompts[i], v["ids"][i])
                 print(f"  prompt {i} differs from generated token {j} on, where transformers' top two logits are "
                       f"{gap:.1e} apart (float32 kernels that sum in another order can flip a near-tie)")
