@@ -19,8 +19,8 @@ from harness.tiny import make_tiny_model
 @pytest.fixture(scope="module")
 def gpt2_backend(tiny_tokenizer):
     with tempfile.TemporaryDirectory() as d:
-        yield TransformersBackend(str(make_tiny_model(Path(d) / "gpt2", "gpt2", tokenizer=tiny_tokenizer)), device="cpu",
-                                  dtype="float32")
+        path = make_tiny_model(Path(d) / "gpt2", "gpt2", tokenizer=tiny_tokenizer)
+        yield TransformersBackend(str(path), device="cpu", dtype="float32")
 
 
 @torch.inference_mode()

@@ -91,7 +91,7 @@ class BackendInfo:
     family: str | None = None  # the transformers family (harness.backends.families)
     scan: str | None = None  # the Mamba layers' scan path, where its kernels round apart from the reference
     decode: str | None = None  # eager, or the CUDA graphs' description
-    fused: list[str] | None = None  # modules swapped for fused kernels that round apart (harness.backends.fused_activations)
+    fused: list[str] | None = None  # modules swapped for fused kernels (harness.backends.fused_activations)
     parameters: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # what one backend alone reports (vLLM's engine settings)
 

@@ -209,11 +209,12 @@ def decode_model(folder, arch: str, size: str, context: int, tok=None) -> str:
 
 
 def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
-                 archs=("phi-mamba", "hybrid-phi-mamba", "phi")) -> list[dict]:
+                 archs=("phi-mamba", "hybrid-phi-mamba", "phi"), then=None) -> list[dict]:
     """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; each
     also replayed from CUDA graphs on a GPU) at 512 / 2k / 8k tokens, each with the
     memory-bandwidth bound: measured copy bandwidth over the bytes a step must read (every weight once, and
-    the decoding state)."""
+    the decoding state). ``then(arch, backend)``, where given, runs after each model's timings on the backend a
+    run gets by default (graphs on a GPU): its rows are added to the table."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
     runs = [(a, graphs) for a in archs for graphs in (("off", "on") if device == "cuda" else ("off",))]
@@ -240,6 +241,8 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
                                  "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
                                  "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),
                                  "state_mib": round(nbytes / 2**20, 3)})
+            if then is not None and graphs == ("on" if device == "cuda" else "off"):
+                rows += then(arch, backend)
             del backend
             free_memory()
     return rows
