@@ -152,7 +152,7 @@ def sharing_table(cells: dict[str, dict], ks: list[int], device: str, batch: int
             row = {"cell": name, "way": way, "K": k, "samples_per_s": round(r["samples_per_s"], 1),
                    "gain_over_one": round(r["samples_per_s"] / alone, 2), "windows_overlap": round(r["overlap"], 3),
                    "released_together": r["released_together"],
-                   "steps_each": r["steps"], "build_s": round(r["build_s"], 1) if "build_s" in r else None,
+                   "steps_each": r["steps"], "build_s": round(r["build_s"], 3) if "build_s" in r else None,
                    "cpu_cores_needed": round(need, 1), "cores": r["cores"],
                    "plan": "graphs" if r["graphs"] else "packed" if r["packing"] == "on" else "eager"}
             emit(row)
