@@ -31,7 +31,8 @@ log = logging.getLogger("harness")
 
 class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
-    family's state (and so how freely it batches) comes from ``harness.backends.families``."""
+    family's state (and so how freely it batches) comes from ``harness.backends.families``. A model passed in is
+    changed in place: its Python-written tanh GELUs fused (``harness.backends.fused_activations``)."""
 
     name = "transformers"
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
