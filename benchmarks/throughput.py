@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median_high as median  # the upper middle: a run that was timed
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -219,10 +220,6 @@ def side_by_side(backend, model_dir: str, prompts: list[str], a, caching: bool, 
                 plans["auto"] = (out[0], median(times["auto"]), out[2])
             engine.run(new)
     return engine.close(a.max_new_tokens)
-
-
-def median(times: list[float]) -> float:
-    return sorted(times)[len(times) // 2]
 
 
 def spread(times: list[float]) -> str:

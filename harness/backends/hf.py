@@ -55,11 +55,11 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
             if self.family.max_context else None
         self.graphs, self.decode = None, "eager"
         # a family that takes a prepared additive 4D mask gets one built once a forward (harness.backends.additive_mask)
-        self.additive_masks = unsupported(self.model, self.family) is None
+        why = unsupported(self.model, self.family)
+        self.additive_masks = why is None
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
-            why = unsupported(self.model, self.family)
             if why is None:
                 self.graphs = GraphedKVDecode(self.model)
             else:

@@ -9,6 +9,7 @@ CPU, ``--batch-size auto``'s budget) are listed as skipped with the reason."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -255,7 +256,7 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
             out = [r.token_ids for r in gen.results(len(prompts))]
             sync()
             times[plan].append(time.perf_counter() - t)
-            runs[plan] = (sorted(times[plan])[len(times[plan]) // 2], gen.plan, out)
+            runs[plan] = (statistics.median_high(times[plan]), gen.plan, out)
     base = runs["batch"][0]
     forced = [sec for plan, (sec, _, _) in runs.items() if plan != "auto"]
     ref = runs["none"][2]
