@@ -85,8 +85,9 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
         (m, p, 3) for m in ("phi", "phi-mamba") for p in ("auto", "tree-rows", "tree-block", "batch", "none")}
     for model in ("phi", "phi-mamba"):  # auto's regret: its median over the fastest forced plan's
         mine = {r["plan"]: r for r in steps["sweep"]["rows"] if r["model"] == model}
-        fastest = min(r["seconds"] for p, r in mine.items() if p != "auto")
-        assert mine["auto"]["regret"] == pytest.approx(mine["auto"]["seconds"] / fastest - 1, abs=0.05)
+        fastest, auto = min(r["seconds"] for p, r in mine.items() if p != "auto"), mine["auto"]["seconds"]
+        # seconds are rounded to 0.01 in the rows, the regret is not: it lies within what the rounding allows
+        assert (auto - 0.005) / (fastest + 0.005) - 1 <= mine["auto"]["regret"] <= (auto + 0.005) / (fastest - 0.005) - 1
     sweep = steps["sweep"]["rows"]  # float32 on a CPU: equal to none's, on generations that differ
     assert all(r["same_as_none"] and r["differs_from_none"] == 0 and r["distinct_generations"] >= 2 for r in sweep)
     decode = [r for r in steps["decode"]["rows"] if "model" in r]
