@@ -86,6 +86,25 @@ def test_resume_refuses_a_different_config(tiny_phi_dir, phi_backend, tmp_path):
     assert res["counts"]["resumed"] == 4 and res["counts"]["generated"] == 5
 
 
+def test_a_phi_mamba_run_resumes_through_the_cli_or_the_api_alike(tiny_phi_mamba_dir, phi_mamba_backend, tmp_path,
+                                                                   capsys):
+    """The scan path is in the settings hash whether the CLI decides it before loading or a backend passed in
+    reports it: a run started by one resumes through the other (rows from two scans never mix)."""
+    out = tmp_path / "run"
+    assert eval_main(["--model", tiny_phi_mamba_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "4",
+                      "--positions", "first,last", "--limit", "1", "--max-new-tokens", "12", "--device", "cpu",
+                      "--dtype", "float32", "--batch-size", "4", "--output", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "run.json").read_text())["hashed"]["scan"] == "pytorch reference"
+    res = run_eval(run_config(tiny_phi_mamba_dir, out, limit=2), backend=phi_mamba_backend, progress=False)
+    assert res["counts"]["resumed"] == 2 and res["counts"]["generated"] == 2
+    assert eval_main(["--model", tiny_phi_mamba_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "4",
+                      "--positions", "first,last", "--limit", "2", "--max-new-tokens", "12", "--device", "cpu",
+                      "--dtype", "float32", "--batch-size", "4", "--output", str(out), "--no-progress"]) == 0
+    counts = json.loads((out / "results.json").read_text())["counts"]
+    assert counts["resumed"] == 4 and counts["generated"] == 0
+
+
 def test_overlong_prompts_are_counted_per_position_not_truncated(tiny_tokenizer, tmp_path):
     from evals.hotpotqa import HotpotQA, load_rows
     from harness.tiny import make_tiny_model

@@ -16,6 +16,14 @@ from harness.models.phi_mamba import PhiMambaForCausalLM, PhiMambaState
 log = logging.getLogger("harness")
 
 
+def scan_path(scan: str, device: torch.device) -> str:
+    """The scan a model asking for ``scan`` (auto, kernel, torch) runs on ``device``, as results and the settings
+    hash name it: the same answer before the model loads (the CLI's hash) and after (a backend passed in)."""
+    if kernels.require(scan, torch.empty(0, device=device)):
+        return f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
+    return "pytorch reference"
+
+
 class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     name = "phi-mamba"
     # the paper's Phi-Mamba numbers (and the official evaluation) ran in float32; bf16 moved logits by up to
@@ -34,9 +42,7 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         cfg = self.model.config
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
-        on_device = torch.empty(0, device=self.device)
-        self.scan = (f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
-                     if kernels.require(self.model.scan, on_device) else "pytorch reference")
+        self.scan = scan_path(self.model.scan, self.device)
         self.graphs = None
         if graph_decode:
             if self.device.type != "cuda":
@@ -44,6 +50,12 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
             self.graphs = GraphedDecode(self.model)
         log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
                  cfg.attn_layers or "no", self.scan, "CUDA graphs" if self.graphs else "eager")
+
+    @classmethod
+    def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict:
+        """The scan path, hashed before loading: the reference scan and mamba-ssm's kernels round apart, so rows
+        from both never mix in one run. A loaded model's default asks for ``auto``."""
+        return {"scan": scan_path("auto", resolve_device(device))}
 
     def prefill(self, input_ids, attention_mask):
         logits, state = self.model(input_ids, attention_mask, logits_to_keep=1)

@@ -188,10 +188,10 @@ def prepare(cfg: RunConfig, backend=None, dist=None) -> tuple[PreparedRun, Any]:
         backend = _load_model(model, dist)
         identity = model_identity(spec.path, spec.tokenizer)
     selects = tuple(f.name for f in dataclasses.fields(task.Options) if f.metadata.get("selects"))
-    resolved = _backend_settings(cfg.resolved(content_sha256(all_rows), template.sha256, model, selects=selects),
-                                 backend)
+    resolved = cfg.resolved(content_sha256(all_rows), template.sha256, model, selects=selects)
     resolved.update(identity)
-    resolved.update(model.identity())
+    resolved.update(model.identity())  # decided before loading (the CLI's case) ...
+    resolved = _backend_settings(resolved, backend)  # ... and what a backend passed in really runs, the same way
     return PreparedRun(cfg=cfg, model=model, task=task, template=template,
                        rows=rows, instances=instances, prompts=prompts,
                        stop=cfg.stop if cfg.stop is not None else task.stop,
@@ -323,6 +323,15 @@ class EvalRun:
                                           f"{describe_changes(before, now)} (the model was fetched or rewritten as "
                                           "it loaded). Use a new --output, or --overwrite to start over.")
             self.prepared = self.prepared.with_identity(now)
+        # what the loaded backend runs (dtype, device, scan) against what the hash assumed before loading
+        ran = {k: v for k, v in _backend_settings({}, self.backend).items() if k in self.resolved}
+        if ran != {k: self.resolved[k] for k in ran}:
+            before = {k: self.resolved[k] for k in ran}
+            if not fresh:
+                raise ResumeMismatchError(f"{self.cfg.output} holds a run made with other settings: "
+                                          f"{describe_changes(before, ran)} (as the model loaded here). Use a new "
+                                          "--output, or --overwrite to start over.")
+            self.prepared = self.prepared.with_identity(ran)
 
     def _log_backend(self) -> None:
         if self.backend is not None:
