@@ -105,8 +105,10 @@ def resolve(model: str, tokenizer: str | None = None, backend: str = "auto", dev
                          f"runs on the {name} backend")
     dev = resolve_device(device)
     args = dict(engine_args) if isinstance(engine_args, dict) else cls.parse_engine_args(engine_args)
+    # a checkpoint whose own backend defaults to float32 (Phi-Mamba) runs in float32 on any engine (vLLM's too)
+    float32 = cls.float32_default or backend_class(spec.backend).float32_default
     return ResolvedModel(name=model, spec=spec, backend=name, device_arg=device, dtype_arg=dtype, device=dev,
-                         dtype=str(resolve_dtype(dtype, dev, cls.float32_default)).replace("torch.", ""),
+                         dtype=str(resolve_dtype(dtype, dev, float32)).replace("torch.", ""),
                          graph_decode=graphs_used(cuda_graphs, cls, dev), engine_args=args,
                          tokenizer_given=bool(tokenizer))
 
