@@ -1,7 +1,8 @@
 """What the transformers backend changes in a checkpoint's forward for speed, each measured against the forward
 it replaces: the additive 4D mask built once a forward (equal to transformers' boolean mask to the bit), GELU's
-tanh form as one kernel (equal to float32 rounding, recorded in results.json), and a CPU's token budget
-(the tree's rows decode in one batch where memory allows)."""
+tanh form as one kernel (equal to float32 rounding, recorded in results.json), a CPU's long query blocks attending
+in chunks (equal to float32 rounding, recorded too), and a CPU's token budget (the tree's rows decode in one batch
+where memory allows)."""
 import tempfile
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def test_fused_gelu_replaces_the_python_one_and_rounds_within_float32(tiny_phi_d
     backend = TransformersBackend(str(tiny_phi_dir), device="cpu", dtype="float32")
     stock = AutoModelForCausalLM.from_pretrained(str(tiny_phi_dir), dtype=torch.float32).eval()
     layers = stock.config.num_hidden_layers
-    assert backend.fused == [f"NewGELUActivation x{layers} -> gelu(approximate='tanh')"]
+    assert backend.fused[0] == f"NewGELUActivation x{layers} -> gelu(approximate='tanh')"
     assert not any(isinstance(m, NewGELUActivation) for m in backend.model.modules())
     assert sum(isinstance(m, NewGELUActivation) for m in stock.modules()) == layers
     assert backend.describe().to_json()["fused"] == backend.fused
@@ -97,3 +98,52 @@ def test_a_cpu_token_budget_follows_free_memory_between_its_bounds(phi_backend, 
     assert memory.token_budget(phi_backend) == low
     monkeypatch.undo()
     assert memory.available_memory() > 0  # read from this machine (Linux's /proc/meminfo)
+
+
+@torch.inference_mode()
+def _long_paths(backend, gen):
+    """Blocks long enough to attend in chunks: a left-padded two-row prefill, a right-padded block after it, and a
+    run extended after a copied prefix; the last position's logits of each."""
+    ids = torch.randint(5, 900, (2, 800), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :90] = 0
+    logits, state = backend.prefill(ids, mask)
+    out = [logits]
+    block = torch.randint(5, 900, (2, 780), generator=gen)
+    mask = torch.cat([mask, torch.ones_like(block)], 1)
+    mask[0, -5:] = 0
+    out.append(backend.step(state, block, mask))
+    _, alone = backend.prefill(ids[:1, :150], torch.ones_like(ids[:1, :150]))
+    out.append(backend.extend(backend.expand(alone, 1), torch.randint(5, 900, (900,), generator=gen).tolist(), 150))
+    return out
+
+
+@pytest.mark.parametrize("name", ["phi_backend", "llama_backend", "gpt2_backend"])
+def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request):
+    """On a CPU a block of >= MIN_QUERIES queries attends one chunk at a time over the keys each chunk can see:
+    the same logits as one SDPA call to float32 rounding, on a padded prefill, a padded block and an extend."""
+    from torch.profiler import profile
+
+    from harness.backends.chunked_attention import CHUNK, CHUNKED_SDPA, MIN_QUERIES
+
+    backend = request.getfixturevalue(name)
+    model = backend.model
+    assert any("chunks" in f for f in backend.fused), backend.fused  # recorded in results.json
+    out = {}
+    try:
+        for impl in ("sdpa", CHUNKED_SDPA):
+            model.set_attn_implementation(impl)
+            with profile() as prof:
+                out[impl] = _long_paths(backend, torch.Generator().manual_seed(5))
+            calls = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+            layers = model.config.num_hidden_layers
+            blocks = (800, 780, 900)
+            assert calls == (layers * len(blocks) + layers if impl == "sdpa" else  # + the 150-token prefix
+                             layers * sum(-(-q // CHUNK) for q in blocks) + layers), (impl, calls)
+    finally:
+        model.set_attn_implementation(CHUNKED_SDPA)
+    assert min((800, 780, 900)) >= MIN_QUERIES
+    for one, chunked in zip(out["sdpa"], out[CHUNKED_SDPA]):
+        assert len({int(i) for i in one.argmax(-1)}) > 1 or one.shape[0] == 1  # the rows differ
+        torch.testing.assert_close(chunked, one, rtol=1e-5, atol=1e-5)
+        assert torch.equal(chunked.argmax(-1), one.argmax(-1))

@@ -11,6 +11,7 @@ import harness.models.istree  # noqa: F401  registers the trainer's model types 
 from harness import hub
 from harness.backends import fla_models, growing_cache
 from harness.backends.additive_mask import additive_mask
+from harness.backends.chunked_attention import chunk_attention
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresText, resolve_device, resolve_dtype
 from harness.backends.families import (
@@ -32,7 +33,8 @@ log = logging.getLogger("harness")
 class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
     family's state (and so how freely it batches) comes from ``harness.backends.families``. A model passed in is
-    changed in place: its Python-written tanh GELUs fused (``harness.backends.fused_activations``)."""
+    changed in place: its Python-written tanh GELUs fused (``harness.backends.fused_activations``) and, on a CPU,
+    a plain key/value family's attention set to chunk long query blocks (``harness.backends.chunked_attention``)."""
 
     name = "transformers"
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
@@ -57,6 +59,9 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         # a family that takes a prepared additive 4D mask gets one built once a forward (harness.backends.additive_mask)
         why = unsupported(self.model, self.family)
         self.additive_masks = why is None
+        if self.additive_masks:  # a plain key/value cache: long blocks attend in chunks on a CPU
+            chunked = chunk_attention(self.model, self.device)
+            self.fused = self.fused + [chunked] if chunked else self.fused
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
