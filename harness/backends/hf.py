@@ -61,7 +61,8 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         self.additive_masks = why is None
         if self.additive_masks:  # a plain key/value cache: long blocks attend in chunks on a CPU
             chunked = chunk_attention(self.model, self.device)
-            self.fused = self.fused + [chunked] if chunked else self.fused
+            if chunked:
+                self.fused.append(chunked)
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")

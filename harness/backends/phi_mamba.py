@@ -18,8 +18,9 @@ log = logging.getLogger("harness")
 
 def scan_path(scan: str, device: torch.device) -> str:
     """The scan a model asking for ``scan`` (auto, kernel, torch) runs on ``device``, as results and the settings
-    hash name it: the same answer before the model loads (the CLI's hash) and after (a backend passed in)."""
-    if kernels.require(scan, torch.empty(0, device=device)):
+    hash name it: the same answer before the model loads (the CLI's hash) and after (a backend passed in). Asked
+    of the device, not a tensor on it: before loading, no CUDA context is made (a rank's would land on GPU 0)."""
+    if kernels.require(scan, device):
         return f"mamba-ssm triton kernels, float32 dots {kernels.float32_dots()}"
     return "pytorch reference"
 

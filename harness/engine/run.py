@@ -325,8 +325,8 @@ class EvalRun:
             self.prepared = self.prepared.with_identity(now)
         # what the loaded backend runs (dtype, device, scan) against what the hash assumed before loading
         ran = {k: v for k, v in _backend_settings({}, self.backend).items() if k in self.resolved}
-        if ran != {k: self.resolved[k] for k in ran}:
-            before = {k: self.resolved[k] for k in ran}
+        before = {k: self.resolved[k] for k in ran}
+        if ran != before:
             if not fresh:
                 raise ResumeMismatchError(f"{self.cfg.output} holds a run made with other settings: "
                                           f"{describe_changes(before, ran)} (as the model loaded here). Use a new "

@@ -30,9 +30,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def usable_on(t: torch.Tensor) -> bool:
-    """Whether the kernels can run on this tensor's device."""
-    return t.is_cuda or interpreting()
+def usable_on(t: torch.Tensor | torch.device) -> bool:
+    """Whether the kernels can run on this tensor's device (or this device: decided without touching it)."""
+    return (t if isinstance(t, torch.device) else t.device).type == "cuda" or interpreting()
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +75,7 @@ def float32_dots() -> str:
     return knobs.language.fp32_default or "tf32"
 
 
-def require(scan: str, t: torch.Tensor) -> types.SimpleNamespace | None:
+def require(scan: str, t: torch.Tensor | torch.device) -> types.SimpleNamespace | None:
     """The ops for ``scan`` = "auto" (kernels when usable), "kernel" (kernels or an error) or "torch" (never)."""
     if scan == "torch":
         return None
