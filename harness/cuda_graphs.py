@@ -9,7 +9,9 @@ The policy, everywhere: a step the graphs do not cover (too many rows, a block o
 another kind) is answered with None and the caller runs its eager step; a capture that fails or memory that
 runs out turns the graphs off for the rest of the run with one warning, and the run goes on eagerly, never
 wrongly. ``capture=False`` runs the same static-buffer code eagerly: what the CPU tests compare with the plain
-step (capture and replay need CUDA; ``harness.doctor`` compares them on a GPU)."""
+step (capture and replay need CUDA; ``harness.doctor`` compares them on a GPU). A decode's step may be compiled
+(``harness.compiled_steps``) before it is captured; a compiled step that fails or parts from the eager one is
+dropped, not the graphs."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +19,8 @@ import weakref
 from typing import Any, Callable, Hashable
 
 import torch
+
+from harness.compiled_steps import CompiledStep, CompileRefused
 
 log = logging.getLogger("harness")
 
@@ -168,11 +172,13 @@ class StaticDecode:
     views of the buffers."""
 
     logits_dtype: torch.dtype | None = None  # the logits' dtype as returned (None: the model's)
+    step_function: Callable  # the eager step: a function of the model and a graph's static views (subclasses)
 
-    def __init__(self, model, capture: bool = True):
+    def __init__(self, model, capture: bool = True, compile: bool = False):
         self.model, self.capture = model, capture
         self.device = next(model.parameters()).device
         self.cache = GraphCache("decode steps", capture)
+        self.compiled = CompiledStep(type(self).step_function, "decode step") if compile else None
         self.buffers = None
         self.copies_in = 0  # states copied into the buffers (a resident one is not): the tests count them
         self._owner = None  # weak reference to what holds views of the static buffers
@@ -182,7 +188,8 @@ class StaticDecode:
         return self.cache.disabled
 
     def describe(self) -> str:
-        return self.cache.describe()
+        graphs = self.cache.describe()
+        return graphs if self.compiled is None or self.cache.disabled else f"{graphs}, {self.compiled.describe()}"
 
     def __call__(self, state, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
         b = ids.shape[0]
@@ -199,7 +206,7 @@ class StaticDecode:
                 self.copies_in += 1
                 self.copy_in(state, b, past)
             self.fill(state, ids, attention_mask, rows, capacity, past)
-            out = self.cache.replay((rows, capacity), lambda pool: self.new_graph(rows, capacity, pool))
+            out = self.cache.replay((rows, capacity), lambda pool: self._build(rows, capacity, pool))
             # a copy: the next replay overwrites the graph's logits
             return out[:b].to(self.logits_dtype or out.dtype, copy=True)
 
@@ -209,6 +216,16 @@ class StaticDecode:
         self.hold(state, b, past)  # the state becomes (or stays) views of the buffers: the next step copies none
         self._owner = weakref.ref(self.owned(state))
         return logits
+
+    def _build(self, rows: int, capacity: int, pool) -> ReplayedStep:
+        """The graph of (rows, capacity): of the compiled step while it is on and matches the eager step at this
+        graph's first step (or captures), else of the eager step."""
+        if self.compiled is not None and not self.compiled.disabled:
+            try:
+                return self.new_graph(rows, capacity, pool, self.compiled)
+            except (CompileRefused, CaptureFailed) as e:
+                self.compiled.give_up(str(e))
+        return self.new_graph(rows, capacity, pool, None)
 
     def reserve(self, state, rows: int, capacity: int) -> None:
         """Static buffers at least ``rows`` x ``capacity`` that fit ``state``; growing them drops every graph
@@ -260,7 +277,8 @@ class StaticDecode:
     def fill(self, state, ids, attention_mask, rows: int, capacity: int, past: int) -> None:
         raise NotImplementedError
 
-    def new_graph(self, rows: int, capacity: int, pool) -> ReplayedStep:
+    def new_graph(self, rows: int, capacity: int, pool, compiled: CompiledStep | None) -> ReplayedStep:
+        """A graph of ``step_function`` (``compiled``'s where given: its ``first`` checks the warm-up step)."""
         raise NotImplementedError
 
     def hold(self, state, b: int, past: int) -> None:

@@ -100,11 +100,11 @@ def test_decode_graphs_that_fail_mid_run_fall_back_to_eager_tokens(which, failur
     built = []
     real = graphs.new_graph
 
-    def new_graph(rows, capacity, pool):
+    def new_graph(rows, capacity, pool, compiled):
         if len(built) == 1:  # the second graph: a batch that shrank to another bucket
             raise FAILURES[failure]()
         built.append((rows, capacity))
-        return real(rows, capacity, pool)
+        return real(rows, capacity, pool, compiled)
 
     monkeypatch.setattr(graphs, "new_graph", new_graph)
     backend.graphs = graphs
@@ -149,10 +149,12 @@ def test_training_steps_whose_capture_fails_train_eagerly_as_plain_steps_do(fail
 
 
 @pytest.mark.parametrize("mode", [True, False, "yes", None])
-def test_a_graph_mode_that_is_not_auto_on_or_off_is_refused_not_read_as_off(mode):
+def test_a_graph_mode_that_is_not_auto_on_compiled_or_off_is_refused_not_read_as_off(mode):
     """The decode table once passed True/False: both read as "off", so its "(graphs)" rows timed eager steps."""
-    from harness.backends import backend_class, graphs_used
+    from harness.backends import backend_class, graphs_compiled, graphs_used
     cls = backend_class("phi-mamba")
     assert graphs_used("on", cls, "cpu") and not graphs_used("off", cls, "cuda") and graphs_used("auto", cls, "cuda")
-    with pytest.raises(ValueError, match="give one of auto, on, off"):
+    assert graphs_used("compiled", cls, "cuda") and graphs_compiled("compiled", cls, "cuda")
+    assert not graphs_compiled("on", cls, "cuda") and not graphs_compiled("auto", cls, "cuda")
+    with pytest.raises(ValueError, match="give one of auto, on, compiled, off"):
         graphs_used(mode, cls, "cuda")

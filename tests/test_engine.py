@@ -214,3 +214,19 @@ def test_every_flag_is_in_the_settings_hash_or_marked_as_never_changing_a_row():
     elsewhere = {"vllm_arg", "cuda_graphs"}  # the backend's run_identity; cuda_graphs where graphs run
     assert flags - set(hashed) - set(NOT_RESULT_DECIDING) == set(resolved_as) | chooses_rows | elsewhere
     assert all(v in hashed for v in resolved_as.values())
+
+
+def test_graphed_and_compiled_decodes_hash_apart():
+    """Graphs pad a batch to its bucket and a compiled step fuses kernels: rows of eager, graphed and compiled
+    decodes round apart, so each is its own run; a resolved model rebuilt for another device keeps its mode."""
+    from harness.backends.loading import resolve
+    from harness.engine.config import RunConfig
+
+    cfg = RunConfig(task="hotpotqa", model="phi-1.5", device="cpu")
+    hashed = {mode: cfg.resolved("d" * 16, "t" * 16, resolve(cfg.model, device="cpu", cuda_graphs=mode))
+              .get("cuda_graphs") for mode in ("auto", "off", "on", "compiled")}
+    assert hashed == {"auto": None, "off": None, "on": True, "compiled": "compiled"}
+    model = resolve("phi-mamba", device="cpu", cuda_graphs="compiled")
+    assert model.compiled_decode and model.on_device("cpu").graph_mode == "compiled"
+    with pytest.raises(ValueError, match="decode from CUDA graphs"):
+        resolve("phi-1.5", backend="vllm", device="cpu", cuda_graphs="compiled")

@@ -197,6 +197,8 @@ def test_duplicate_ids_are_rejected_by_name(tiny_phi_dir, tmp_path, capsys):
     (["--device", "cuda"], "--device 'cuda': no CUDA GPU"),
     (["--device", "tpu9"], "--device 'tpu9'"),
     (["--batch-size", "0"], "--batch-size '0'"),
+    (["--cuda-graphs", "on"], "--cuda-graphs 'on': CUDA graphs need a CUDA device"),
+    (["--cuda-graphs", "compiled"], "--cuda-graphs 'compiled': CUDA graphs need a CUDA device"),
 ])
 def test_each_bad_flag_is_named_before_anything_is_written(tiny_phi_dir, tmp_path, capsys, flags, needle):
     out = tmp_path / "o"

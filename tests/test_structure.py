@@ -14,7 +14,7 @@ PACKAGES = ("harness", "evals", "retrieval")
 # Groups are module-name prefixes; the longest matching prefix decides.
 LAYERS = [
     ("leaves", ("harness", "harness.files", "harness.hashing", "harness.registry", "harness.hub", "harness.procs",
-                "harness.cache", "harness.cuda_graphs")),
+                "harness.cache", "harness.cuda_graphs", "harness.compiled_steps")),
     ("ops", ("harness.ops",)),
     ("models and the tool", ("harness.models", "retrieval")),
     ("tasks and backends", ("evals", "harness.backends")),

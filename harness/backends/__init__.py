@@ -18,7 +18,7 @@ def backend_class(name: str) -> type:
     return BACKENDS.get(name)
 
 
-GRAPH_MODES = ("auto", "on", "off")
+GRAPH_MODES = ("auto", "on", "compiled", "off")  # compiled: on, each step compiled (harness.compiled_steps)
 
 
 def graphs_used(mode: str, backend: type, device) -> bool:
@@ -27,8 +27,14 @@ def graphs_used(mode: str, backend: type, device) -> bool:
     Any other ``mode`` (a bool, a typo) is refused: read as "off", it silently measured eager steps as graphed."""
     if mode not in GRAPH_MODES:
         raise ValueError(f"cuda_graphs={mode!r}: give one of {', '.join(GRAPH_MODES)}")
-    return mode == "on" or (mode == "auto" and backend.graph_decode_capable and str(device).startswith("cuda"))
+    return mode in ("on", "compiled") or (mode == "auto" and backend.graph_decode_capable
+                                          and str(device).startswith("cuda"))
 
 
-__all__ = ["BACKENDS", "GRAPH_MODES", "backend_class", "graphs_used"]
+def graphs_compiled(mode: str, backend: type, device) -> bool:
+    """Whether the graphed decode step is compiled by inductor first (``--cuda-graphs compiled``)."""
+    return mode == "compiled" and graphs_used(mode, backend, device)
+
+
+__all__ = ["BACKENDS", "GRAPH_MODES", "backend_class", "graphs_compiled", "graphs_used"]
 

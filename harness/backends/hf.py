@@ -40,7 +40,7 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 model=None, tok=None, graph_decode: bool = False):
+                 model=None, tok=None, graph_decode: bool = False, compile_decode: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.path = path
@@ -67,7 +67,7 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
             if why is None:
-                self.graphs = GraphedKVDecode(self.model)
+                self.graphs = GraphedKVDecode(self.model, compile=compile_decode)
             else:
                 self.decode = f"eager ({why})"
                 log.info("%s: decoding eagerly, not from CUDA graphs: %s", self.path, why)

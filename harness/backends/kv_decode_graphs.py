@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from harness.backends.growing_cache import GrowingLayer
+from harness.compiled_steps import CompiledStep
 from harness.cuda_graphs import ReplayedStep, StaticDecode
 
 ATTENTION = ("sdpa", "eager")  # implementations that take an additive 4D mask as it is
@@ -97,24 +98,40 @@ class _StaticBuffers:
             and v.shape[3] == t.values.shape[3] for mine, v, t in zip(self.keys, self.values, like))
 
 
-class _Graph(ReplayedStep):
-    """One (rows, capacity) step over views of the static buffers, captured on CUDA or run eagerly."""
+def kv_step(model, ids, mask, pos, cache) -> torch.Tensor:
+    """One decode step of a transformers model over a static cache: the last position's logits."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1]
 
-    def __init__(self, model, buf: _StaticBuffers, rows: int, capacity: int, capture: bool, pool):
-        self.model = model
+
+class _Graph(ReplayedStep):
+    """One (rows, capacity) step over views of the static buffers, captured on CUDA or run eagerly; the step
+    ``compiled`` where given."""
+
+    def __init__(self, model, buf: _StaticBuffers, rows: int, capacity: int, capture: bool, pool,
+                 compiled: CompiledStep | None = None):
+        self.model, self.step = model, compiled or kv_step
         self.ids, self.pos, self.mask = buf.ids[:rows], buf.pos[:rows], buf.mask[:rows, :, :, :capacity]
         self.cache = Cache(layers=[_WriteAtLayer(k[:rows, :, :capacity], v[:rows, :, :capacity], buf.write_at)
                                    for k, v in zip(buf.keys, buf.values)])
         # Warm-up runs (lazy initialisation, autotuning; on every device, so the CPU tests run this too) write
         # their keys and values at write_at, which this step writes anyway; nothing else of the state changes.
-        self.run()
+        if compiled is not None:
+            compiled.first(self.run_output, self.eager, f"{rows} rows x {capacity} positions")
+        else:
+            self.run()
         if capture:
             self.record(self.ids.device, pool)
 
     def run(self):
-        out = self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
-                         past_key_values=self.cache, use_cache=True)
-        self.output = out.logits[:, -1]
+        self.output = self.step(self.model, self.ids, self.mask, self.pos, self.cache)
+
+    def run_output(self) -> torch.Tensor:
+        self.run()
+        return self.output
+
+    def eager(self) -> torch.Tensor:
+        return kv_step(self.model, self.ids, self.mask, self.pos, self.cache)
 
 
 class GraphedKVDecode(StaticDecode):
@@ -122,9 +139,10 @@ class GraphedKVDecode(StaticDecode):
     place; a cache whose layers are not plain keys and values is not covered (None: the eager step runs it)."""
 
     logits_dtype = torch.float32
+    step_function = staticmethod(kv_step)
 
-    def __init__(self, model, capture: bool = True):
-        super().__init__(model, capture)
+    def __init__(self, model, capture: bool = True, compile: bool = False):
+        super().__init__(model, capture, compile)
         self.dtype = model.dtype
         self._layers: list[GrowingLayer] | None = None  # this step's cache layers (``takes`` reads them)
 
@@ -162,8 +180,8 @@ class GraphedKVDecode(StaticDecode):
         mask[:, past] = 0.0  # a query sees itself (as Phi-Mamba's graphs): no padding row is all masked
         buf.write_at.fill_(past)
 
-    def new_graph(self, rows, capacity, pool):
-        return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool)
+    def new_graph(self, rows, capacity, pool, compiled):
+        return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool, compiled)
 
     def hold(self, state, b, past):
         for layer, k, v in zip(self._layers, self.buffers.keys, self.buffers.values):

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from harness import hub
-from harness.backends import BACKENDS, backend_class, graphs_used
+from harness.backends import BACKENDS, backend_class, graphs_compiled, graphs_used
 from harness.backends.base import Backend, resolve_device, resolve_dtype
 from harness.backends.fla_models import FlaError
 from harness.backends.tokenizer import TokenizerError
@@ -64,6 +64,7 @@ class ResolvedModel:
     device: torch.device
     dtype: str  # float32, bfloat16 or float16
     graph_decode: bool
+    compiled_decode: bool  # the graphed step compiled by inductor first (``--cuda-graphs compiled``)
     engine_args: dict[str, Any]
     tokenizer_given: bool = False
 
@@ -78,7 +79,12 @@ class ResolvedModel:
     def on_device(self, device: str) -> "ResolvedModel":
         """The same model on another device (a rank's GPU)."""
         return resolve(self.name, self.spec.tokenizer if self.tokenizer_given else None, self.backend, device,
-                       self.dtype_arg, "on" if self.graph_decode else "off", self.engine_args, self.spec)
+                       self.dtype_arg, self.graph_mode, self.engine_args, self.spec)
+
+    @property
+    def graph_mode(self) -> str:
+        """``--cuda-graphs`` as this model resolved it: compiled, on or off."""
+        return "compiled" if self.compiled_decode else "on" if self.graph_decode else "off"
 
     def reference(self, backend: str | None = None) -> "ResolvedModel":
         """The audit's reference: float32, no CUDA graphs, by ``backend`` where given (no engine arguments)."""
@@ -99,7 +105,7 @@ def resolve(model: str, tokenizer: str | None = None, backend: str = "auto", dev
     spec = spec or model_spec(model, tokenizer)
     name = backend_name(model, spec, backend)
     cls = backend_class(name)
-    if cuda_graphs == "on" and not cls.graph_decode_capable:
+    if cuda_graphs in ("on", "compiled") and not cls.graph_decode_capable:
         graphed = ", ".join(n for n in BACKENDS.names() if backend_class(n).graph_decode_capable)
         raise ValueError(f"--cuda-graphs applies to the backends that decode from CUDA graphs ({graphed}); {model} "
                          f"runs on the {name} backend")
@@ -109,7 +115,8 @@ def resolve(model: str, tokenizer: str | None = None, backend: str = "auto", dev
     float32 = cls.float32_default or backend_class(spec.backend).float32_default
     return ResolvedModel(name=model, spec=spec, backend=name, device_arg=device, dtype_arg=dtype, device=dev,
                          dtype=str(resolve_dtype(dtype, dev, float32)).replace("torch.", ""),
-                         graph_decode=graphs_used(cuda_graphs, cls, dev), engine_args=args,
+                         graph_decode=graphs_used(cuda_graphs, cls, dev),
+                         compiled_decode=graphs_compiled(cuda_graphs, cls, dev), engine_args=args,
                          tokenizer_given=bool(tokenizer))
 
 
@@ -125,6 +132,8 @@ def _build(m: ResolvedModel) -> Backend:
     if not m.tokenizer_given and spec.tokenizer and Path(spec.path).is_dir():
         log.info("%s has no tokenizer of its own; using %s's (--tokenizer chooses another)", spec.path, spec.tokenizer)
     extra: dict[str, Any] = {"graph_decode": True} if m.graph_decode else {}
+    if m.compiled_decode:
+        extra["compile_decode"] = True
     if m.engine_args:
         extra["engine_args"] = m.engine_args
     hub.require((spec.path, "model"), (spec.tokenizer, "tokenizer"))

@@ -34,7 +34,8 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
     own_checkpoints = True  # goombalab's modules, not a transformers model type
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
-                 model: PhiMambaForCausalLM | None = None, tok=None, graph_decode: bool = False):
+                 model: PhiMambaForCausalLM | None = None, tok=None, graph_decode: bool = False,
+                 compile_decode: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, self.float32_default)
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
@@ -48,9 +49,10 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
-            self.graphs = GraphedDecode(self.model)
+            self.graphs = GraphedDecode(self.model, compile=compile_decode)
+        decode = ("CUDA graphs, compiled" if compile_decode else "CUDA graphs") if self.graphs else "eager"
         log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
-                 cfg.attn_layers or "no", self.scan, "CUDA graphs" if self.graphs else "eager")
+                 cfg.attn_layers or "no", self.scan, decode)
 
     @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict:

@@ -91,7 +91,10 @@ class RunConfig:
     cuda_graphs: str = _f("auto", "replay each decode step from a CUDA graph (one per batch and context "
                                   "bucket; the GPU suite checks it against the eager step): auto, on wherever a "
                                   "backend has graphs (on CUDA: Phi-Mamba, the hybrid and transformers' attention "
-                                  "models; other families decode eagerly, logged); on (also the bare flag); off", choices=list(GRAPH_MODES), nargs="?", const="on")
+                                  "models; other families decode eagerly, logged); on (also the bare flag); compiled: "
+                                  "on, each step compiled by TorchInductor first (fused kernels; checked against the "
+                                  "eager step at each graph's first step, off for the run where they part); off",
+                          choices=list(GRAPH_MODES), nargs="?", const="on")
     audit: int = _f(0, "after the run, generate N of its rows (drawn at random, seeded) again alone, unpadded, "
                        "without prefix reuse or CUDA graphs, in float32, and record in results.json how many agree")
     vllm_arg: list[str] = _f([], "an argument of vLLM's engine as KEY=VALUE, repeatable, with --backend vllm (e.g. "
@@ -149,8 +152,9 @@ class RunConfig:
             bad("--vllm-arg", " ".join(self.vllm_arg), f"applies to --backend {' or '.join(takers)} only")
         if self.cuda_graphs not in GRAPH_MODES:
             bad("--cuda-graphs", self.cuda_graphs, f"use one of {', '.join(GRAPH_MODES)}")
-        if self.cuda_graphs == "on" and self.resolved_device().type != "cuda":
-            bad("--cuda-graphs", "on", "CUDA graphs need a CUDA device; leave the flag out (auto) on this machine")
+        if self.cuda_graphs in ("on", "compiled") and self.resolved_device().type != "cuda":
+            bad("--cuda-graphs", self.cuda_graphs, "CUDA graphs need a CUDA device; leave the flag out (auto) on "
+                "this machine")
         self.resolved_device()
 
     def resolved_device(self):
@@ -187,7 +191,8 @@ class RunConfig:
                 "device_type": dev.type, "seed": self.seed, "stop": self.stop, "retrieval": self.retrieval,
                 "max_tool_calls": self.max_tool_calls, "tool_timeout": float(self.tool_timeout),
                 # graphs pad a batch to its bucket: GEMMs of another shape may round differently
-                **({"cuda_graphs": True} if model.graph_decode else {}),
+                # (and a compiled step fuses kernels, which round in their own order)
+                **({"cuda_graphs": "compiled" if model.compiled_decode else True} if model.graph_decode else {}),
                 "tool_max_chars": self.tool_max_chars}
 
 

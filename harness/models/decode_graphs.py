@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.compiled_steps import CompiledStep
 from harness.cuda_graphs import ReplayedStep, StaticDecode
 from harness.models.phi_mamba import PhiMambaState
 
@@ -66,42 +67,66 @@ def _replaced_by_a_step(state: PhiMambaState) -> list[torch.Tensor]:
     return [v for layer in state.layers if "write_at" not in layer for v in layer.values()] + [state.pos]
 
 
-class _Graph(ReplayedStep):
-    """One (rows, capacity) step over views of the static buffers, captured on CUDA or run eagerly."""
+def mamba_step(model, ids, mask, state: PhiMambaState) -> torch.Tensor:
+    """The model's own step on the static views; the new recurrent state is written back into them (the
+    attention mixer writes its key and value in place), so a graph reads and writes fixed addresses. Returns the
+    last position's logits."""
+    logits, new = model(ids, mask, PhiMambaState([dict(x) for x in state.layers], state.pos))
+    for static, fresh in zip(_replaced_by_a_step(state), _replaced_by_a_step(new)):
+        static.copy_(fresh)
+    return logits[:, -1]
 
-    def __init__(self, model, buffers: _StaticBuffers, rows: int, capacity: int, capture: bool, pool):
-        self.model = model
+
+class _Graph(ReplayedStep):
+    """One (rows, capacity) step over views of the static buffers, captured on CUDA or run eagerly; the step
+    ``compiled`` where given."""
+
+    def __init__(self, model, buffers: _StaticBuffers, rows: int, capacity: int, capture: bool, pool,
+                 compiled: CompiledStep | None = None):
+        self.model, self.step = model, compiled or mamba_step
         self.ids, self.mask = buffers.ids[:rows], buffers.mask[:rows]
         self.state = buffers.view(rows, capacity)
         # The graph is built after this step's inputs were copied in. Warm-up runs (lazy initialisation,
         # autotuning; on every device, so the CPU tests run this too) advance the recurrent state and position:
         # they are put back, also when the capture fails (the state may be resident in these buffers, and the run
         # goes on eagerly from it). Their keys and values go to position write_at, which this step writes anyway.
-        kept = [t.clone() for t in _replaced_by_a_step(self.state)]
+        self._kept = [t.clone() for t in _replaced_by_a_step(self.state)]
         try:
-            self.run()
+            if compiled is not None:
+                compiled.first(self._warm, self._eager, f"{rows} rows x {capacity} positions")
+            else:
+                self._warm()
             if capture:
                 self.record(self.ids.device, pool)
         finally:
-            for t, saved in zip(_replaced_by_a_step(self.state), kept):
-                t.copy_(saved)
+            self._put_back()
 
     def run(self):
-        """The model's own step on the static views; the new recurrent state is written back into them (the
-        attention mixer writes its key and value in place), so the graph reads and writes fixed addresses."""
-        logits, new = self.model(self.ids, self.mask, PhiMambaState([dict(x) for x in self.state.layers],
-                                                                    self.state.pos))
-        for static, fresh in zip(_replaced_by_a_step(self.state), _replaced_by_a_step(new)):
-            static.copy_(fresh)
-        self.output = logits[:, -1]
+        self.output = self.step(self.model, self.ids, self.mask, self.state)
+
+    def _put_back(self):
+        for t, saved in zip(_replaced_by_a_step(self.state), self._kept):
+            t.copy_(saved)
+
+    def _warm(self) -> torch.Tensor:
+        self.run()
+        self._put_back()
+        return self.output
+
+    def _eager(self) -> torch.Tensor:
+        out = mamba_step(self.model, self.ids, self.mask, self.state)
+        self._put_back()
+        return out
 
 
 class GraphedDecode(StaticDecode):
     """``StaticDecode`` over a ``PhiMambaState``, updated in place (for the hybrid, its KV cache becomes views of
     the static cache)."""
 
-    def __init__(self, model, capture: bool = True):
-        super().__init__(model, capture)
+    step_function = staticmethod(mamba_step)
+
+    def __init__(self, model, capture: bool = True, compile: bool = False):
+        super().__init__(model, capture, compile)
         self.attn = list(model.config.attn_layers)
         self.has_capacity = bool(self.attn)
 
@@ -126,8 +151,8 @@ class GraphedDecode(StaticDecode):
             buf.visible[:rows, past] = True  # a query sees itself (as in block_attention_mask): no empty row
             buf.write_at.fill_(past)
 
-    def new_graph(self, rows, capacity, pool):
-        return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool)
+    def new_graph(self, rows, capacity, pool, compiled):
+        return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool, compiled)
 
     def hold(self, state, b, past):
         buf = self.buffers

@@ -9,7 +9,6 @@ a no-op ``torch.cuda.device`` and autotuning reduced to each kernel's first conf
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 import subprocess
@@ -35,9 +34,19 @@ def usable_on(t: torch.Tensor | torch.device) -> bool:
     return (t if isinstance(t, torch.device) else t.device).type == "cuda" or interpreting()
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: dict[str, types.SimpleNamespace | None] = {}  # ``mamba_ssm_ops``'s answer, once a process
+
+
 def mamba_ssm_ops() -> types.SimpleNamespace | None:
-    """mamba-ssm's Triton ops if they import and can run here (a GPU or the interpreter); else None."""
+    """mamba-ssm's Triton ops if they import and can run here (a GPU or the interpreter); else None. Remembered
+    in a plain dict, not ``functools.lru_cache``: a compiled decode step traces this call, and dynamo cannot
+    trust an lru_cache's wrapper."""
+    if "ops" not in _LOADED:
+        _LOADED["ops"] = _load_mamba_ssm_ops()
+    return _LOADED["ops"]
+
+
+def _load_mamba_ssm_ops() -> types.SimpleNamespace | None:
     if not (torch.cuda.is_available() or interpreting()):
         return None
     # float32 means IEEE float32: Triton's tl.dot otherwise rounds float32 inputs to TF32 on NVIDIA GPUs, which
@@ -138,7 +147,7 @@ def enable_cpu_interpreter() -> None:
     if not (interpreting() and os.environ.get("ICR_MAMBA_SSM_SRC")):
         raise RuntimeError("start this process with harness.ops.kernels.interpreter_env(SOURCE_TREE)")
     triton_on_cpu()
-    mamba_ssm_ops.cache_clear()
+    _LOADED.clear()
 
 
 def triton_on_cpu() -> None:

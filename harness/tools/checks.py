@@ -210,42 +210,63 @@ def decode_model(folder, arch: str, size: str, context: int, tok=None) -> str:
 
 def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
                  archs=("phi-mamba", "hybrid-phi-mamba", "phi"), then=None) -> list[dict]:
+    """``decode_rows``'s rows, all of them."""
+    return list(decode_rows(device, size, lengths, steps, batches, archs, then))
+
+
+def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
+                archs=("phi-mamba", "hybrid-phi-mamba", "phi"), then=None):
     """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; each
-    also replayed from CUDA graphs on a GPU) at 512 / 2k / 8k tokens, each with the
-    memory-bandwidth bound: measured copy bandwidth over the bytes a step must read (every weight once, and
-    the decoding state). ``then(arch, backend)``, where given, runs after each model's timings on the backend a
-    run gets by default (graphs on a GPU): its rows are added to the table."""
+    also replayed from CUDA graphs on a GPU, then from graphs of the compiled step, last: its compiling may take
+    what is left of a time limit) at 512 / 2k / 8k tokens, each with the memory-bandwidth bound: measured copy
+    bandwidth over the bytes a step must read (every weight once, and the decoding state). ``then(arch,
+    backend)``, where given, runs after each model's timings on the backend a run gets by default (graphs on a
+    GPU) and on the compiled one: its rows are added to the table. Rows are yielded as measured (a caller killed
+    at a time limit keeps those before)."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
-    runs = [(a, graphs) for a in archs for graphs in (("off", "on") if device == "cuda" else ("off",))]
-    rows = []
+    modes = ("off", "on", "compiled") if device == "cuda" else ("off",)
+    runs = [(a, graphs) for graphs in modes for a in archs]
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
         for arch, graphs in runs:
             backend = load_backend(decode_model(d, arch, size, max(lengths), tok), device, dtype, cuda_graphs=graphs)
-            label = arch + (" (graphs)" if graphs == "on" else "")
+            label = arch + {"on": " (graphs)", "compiled": " (graphs, compiled)"}.get(graphs, "")
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
             for b in batches:
                 for n in lengths:
                     try:
                         sec, nbytes = decode_cost(backend, n, steps, batch=b)
                     except torch.cuda.OutOfMemoryError:
-                        rows.append({"model": label, "batch": b, "context": n,
-                                     "ms_per_step": "out of memory"})
+                        yield {"model": label, "batch": b, "context": n, "ms_per_step": "out of memory"}
                         torch.cuda.empty_cache()
                         continue
                     bound = b * bandwidth / (weights + nbytes)  # a step reads every weight once and every state
-                    off = getattr(getattr(backend, "graphs", None), "disabled", None)
-                    rows.append({"model": f"{arch} (graphs off: {off})" if graphs == "on" and off else label, **({"batch": b} if len(batches) > 1
-                                                                                     else {}), "context": n,
-                                 "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
-                                 "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),
-                                 "state_mib": round(nbytes / 2**20, 3)})
-            if then is not None and graphs == ("on" if device == "cuda" else "off"):
-                rows += then(arch, backend)
+                    off = _graphs_off(backend, graphs)
+                    yield {"model": f"{arch} ({off})" if off else label,
+                           **({"batch": b} if len(batches) > 1 else {}), "context": n,
+                           "ms_per_step": round(1e3 * sec, 3), "tokens_per_s": round(b / sec, 1),
+                           "bound_tokens_per_s": round(bound, 1), "of_bound": round(b / sec / bound, 3),
+                           "state_mib": round(nbytes / 2**20, 3),
+                           **({"compile_s": round(backend.graphs.compiled.seconds, 1)}
+                              if graphs == "compiled" and not off else {})}
+            if then is not None and graphs in (("on", "compiled") if device == "cuda" else ("off",)):
+                yield from then(arch, backend)
             del backend
             free_memory()
-    return rows
+
+
+def _graphs_off(backend, mode: str) -> str | None:
+    """Why a backend asked for graphs (or compiled ones) decoded otherwise: the row says so (None: it did not)."""
+    graphs = getattr(backend, "graphs", None)
+    if mode == "off" or graphs is None:
+        return None if mode == "off" else "graphs off: not built"
+    if graphs.disabled:
+        return f"graphs off: {graphs.disabled}"
+    compiled = getattr(graphs, "compiled", None)
+    if mode == "compiled" and compiled is not None and compiled.disabled:
+        return f"graphs, compiled step off: {compiled.disabled}"
+    return None
 
 
 def free_memory() -> None:

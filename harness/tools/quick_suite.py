@@ -16,8 +16,9 @@ Transformer, Mamba and hybrid at n=16 direct and n=64 retrieval through the trai
 at once on one device (``harness.training.sharing``), the K each supports, and the grid's planned hours with it;
 (d) the all-slot HotpotQA sweep under the planner's ``auto`` and every forced plan on Phi- and Phi-Mamba-shaped
 models, 3 times in alternating order, outputs compared and auto's regret against the fastest forced plan judged;
-(e) decode tokens/s against the memory-bandwidth bound at batch 1 and 64 with a 2k context, and one batch-1 step
-of each profiled (kernels a step, the top ones, the attention kernel)."""
+(e) decode tokens/s against the memory-bandwidth bound at batch 1 and 64 with a 2k context, eager, from graphs
+and from graphs of the inductor-compiled step (``--cuda-graphs compiled``), and one batch-1 step of the graphed
+and compiled ones profiled (kernels a step, the top ones, the attention kernel)."""
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ from harness.files import write_atomic
 from harness.procs import project_env
 from harness.ops.selective_scan import SelectiveScan
 from harness.tiny import build_tokenizer
-from harness.tools.checks import check_cuda_graphs, decode_table, environment
+from harness.tools.checks import check_cuda_graphs, decode_rows, environment
 from harness.tools.fixture_prompts import fixture_prompts
 from harness.tools.gpu_suite import model_path, plan_sweep
 from harness.tools.step_profile import profile_decode, profile_step
@@ -50,12 +51,13 @@ BUDGET_S = 510  # the whole call on an H100, start-up and model building include
 MIN_STEP_S = 20  # a step given less than this is skipped: it could not start its models and measure
 RESERVE_S = 10  # kept back from the last step for the table
 # Steps in the order they decide things, each with its cap in seconds (a GPU's; on a CPU the sizes are tiny).
-STEPS = {"scan": 75, "trainer": 240, "sharing": 100, "sweep": 110, "decode": 130}
+# decode: eager and graphed steps first, then the compiled ones (their first steps compile: ~minutes on a GPU)
+STEPS = {"scan": 75, "trainer": 240, "sharing": 100, "sweep": 110, "decode": 330}
 # what a call runs unless --part names steps: the sweep only when asked (by its own timings no plan reaches 1.3x
 # over ``batch`` for Phi on a GPU; its minutes go to the trainer's graphed cells)
 DEFAULT_STEPS = ["scan", "trainer", "sharing", "decode"]
 GOALS = {"scan_conv_ms": 30.0, "grid_h100_hours": 24.0, "grid_h100_hours_1m": 5.0, "auto_regret": 0.05,
-         "decode_of_bound_b1": 0.5, "decode_of_bound_b64": 0.6}
+         "decode_of_bound_b1": 0.5, "decode_of_bound_b64": 0.7}
 PAPER_RUNS = 81
 
 
@@ -301,8 +303,8 @@ def decode_step(device: str, spec: dict, emit) -> None:
     CUDA graphs, after the graphs' parity with the eager step (a speed of a wrong step decides nothing)."""
     if device == "cuda":
         emit(check_cuda_graphs(device))
-    for row in decode_table(device, spec["size"], (spec["context"],), spec["steps"], tuple(spec["batches"]),
-                            archs=("phi", "phi-mamba"), then=lambda arch, b: [decode_profile(arch, b, spec)]):
+    for row in decode_rows(device, spec["size"], (spec["context"],), spec["steps"], tuple(spec["batches"]),
+                           archs=("phi", "phi-mamba"), then=lambda arch, b: [decode_profile(arch, b, spec)]):
         emit(row)
 
 
