@@ -80,3 +80,18 @@ def test_logits_part_on_a_flipped_token_unless_it_was_a_near_tie():
     flipped = eager.clone()
     flipped[1, 0] += 3.6  # apart by far more than float32 rounding
     assert "apart by" in parted(flipped, eager)
+
+
+def test_the_decode_table_names_a_compiled_step_that_went_off(phi_backend):
+    """A decode-table row measured with the compiled step off says so and why (the timing is the graphs')."""
+    from harness.backends.kv_decode_graphs import GraphedKVDecode
+    from harness.tools.checks import _graphs_off
+
+    phi_backend.graphs = GraphedKVDecode(phi_backend.model, capture=False, compile=True)
+    try:
+        assert _graphs_off(phi_backend, "compiled") is None and _graphs_off(phi_backend, "off") is None
+        phi_backend.graphs.compiled.give_up("logits apart by 3")
+        assert _graphs_off(phi_backend, "compiled") == "graphs, compiled step off: logits apart by 3"
+        assert "compiled step off (logits apart by 3)" in phi_backend.describe().decode
+    finally:
+        phi_backend.graphs = None

@@ -158,3 +158,14 @@ def test_a_graph_mode_that_is_not_auto_on_compiled_or_off_is_refused_not_read_as
     assert not graphs_compiled("on", cls, "cuda") and not graphs_compiled("auto", cls, "cuda")
     with pytest.raises(ValueError, match="give one of auto, on, compiled, off"):
         graphs_used(mode, cls, "cuda")
+
+
+def test_many_rows_attend_over_tighter_capacities_within_the_same_buffers():
+    from harness.cuda_graphs import FINE_ROWS, attended_capacity
+
+    for n in range(1, 9000):
+        bucket, fine = capacity_bucket(n), attended_capacity(n, FINE_ROWS)
+        assert attended_capacity(n, FINE_ROWS - 1) == bucket and n <= fine <= bucket and fine % 64 == 0
+        if n > 1024:
+            assert fine <= 1.0625 * n
+    assert attended_capacity(2049, 64) == 2176 and capacity_bucket(2049) == 2560

@@ -127,3 +127,28 @@ def test_families_the_graphs_do_not_cover_decode_eagerly(tmp_path, tiny_tokenize
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", "mamba", tokenizer=tiny_tokenizer))
     assert "keys and values" in unsupported(model, family_of(model))
+
+
+@pytest.mark.slow
+def test_sixteen_rows_attend_over_tighter_capacities_with_the_eager_tokens(backend):
+    """From 16 rows a graph attends over less than its buffers' capacity (``attended_capacity``): the same
+    tokens, and graphs of capacities the buffers exceed."""
+    from harness.backends.base import GenRequest
+    from harness.cuda_graphs import capacity_bucket
+
+    tok = backend.tokenizer
+    prompts = [f"{QUESTIONS[-1 - i % len(QUESTIONS)]} {i}\n{HEADER * (11 + i % 3)}Question: {QUESTIONS[i % len(QUESTIONS)]} "
+               f"({i * 7})\nAnswer:" for i in range(10)]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    longest = max(len(x) for x in ids)
+    assert 640 < longest <= 698, longest  # decoding stays inside one bucket of 768 while attending over 704
+
+    def reqs():
+        return [GenRequest(p, 6, (), None, prompt_ids=x) for p, x in zip(prompts, ids)]
+
+    eager = _generate(backend, None, reqs(), 10)
+    assert_varied([r.text for r in eager], f"{backend.family.name} generations")
+    graphs = GraphedKVDecode(backend.model, capture=False)
+    assert result_fields(_generate(backend, graphs, reqs(), 10)) == result_fields(eager)
+    assert graphs.buffers.capacity == capacity_bucket(longest + 6) == 768
+    assert {capacity for rows, capacity in graphs.cache.graphs if rows == 16} == {704}

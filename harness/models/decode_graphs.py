@@ -9,9 +9,9 @@ are ``harness.cuda_graphs``'s (``StaticDecode``), shared with transformers' grap
 - rows: buckets 1, 2, 4, ... 64. Rows past the batch are padding (mask 0), which leaves their state untouched
   and their logits unused. A larger batch runs the eager step (the backend's).
 - attention layers (the hybrid): a fixed-capacity KV cache with a device-side write index. Each step writes
-  the new key and value at that index and attends over the bucket's capacity (``capacity_bucket``) through a
+  the new key and value at that index and attends over the graph's capacity (``attended_capacity``) through a
   visibility mask copied from the step's attention mask, so a graph never sees a shape change; past 256
-  positions the capacity is at most 1.25x the filled positions.
+  positions the capacity is at most 1.25x the filled positions (1.0625x past 1,024 from 16 rows).
 - the state is *resident*: it is copied in once, and after each step the caller's state holds views of the
   static buffers, so a step copies only its token and masks (a copy per layer and step would cost the kernel
   launches the graph saves, and copying a KV cache O(context)). An eager step on it (a multi-token tool result)

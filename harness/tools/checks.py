@@ -16,6 +16,7 @@ from harness.backends.base import state_nbytes
 from harness.backends.base import GenRequest
 from harness.backends.generation import left_pad
 from harness.backends.hf import TransformersBackend
+from harness.backends.kv_decode_graphs import GraphedKVDecode
 from harness.backends.loading import load_backend
 from harness.backends.vllm_backend import VLLMBackend, vllm_build
 from harness.ops import kernels
@@ -133,29 +134,37 @@ def check_phi_mamba_kernels(device) -> dict:
 def check_cuda_graphs(device="cuda") -> dict:
     """Decode steps replayed from CUDA graphs against the eager step: Phi-Mamba and the hybrid (a batch of 3:
     bucket 4; the hybrid's KV cache fixed-capacity and resident), and transformers' Phi and Llama through their
-    backend (greedy generations of prompts of different lengths, batch 3, rows leaving the batch)."""
+    backend (greedy generations of prompts of different lengths, batch 3, rows leaving the batch); then the
+    compiled step's graphs (``--cuda-graphs compiled``) of the hybrid and of Phi the same way, the compiled step
+    still on at the end (its first-step check against the eager step did not turn it off)."""
     worst, same = 0.0, True
     for attn in ([], [1]):
         model = _tiny_phi_mamba(attn, device)
         seqs = _probe_prompts()
         eager = _run_paths(model, seqs, 8, "auto", device)
-        graphed = _run_paths(model, seqs, 8, "auto", device, graphs=GraphedDecode(model))
-        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
-        same &= eager[2] == graphed[2]
+        for compiled in ((False, True) if attn else (False,)):
+            graphs = GraphedDecode(model, capture=torch.device(device).type == "cuda", compile=compiled)
+            graphed = _run_paths(model, seqs, 8, "auto", device, graphs=graphs)
+            worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
+            same &= eager[2] == graphed[2] and not (compiled and graphs.compiled.disabled)
     texts = [f"Paragraph {i}: {'the river Karvell runs north ' * (1 + 3 * i)}Question: where is it?" for i in range(3)]
     with tempfile.TemporaryDirectory() as d:
         for arch in ("phi", "llama"):
             path = str(make_tiny_model(f"{d}/{arch}", arch, tokenizer=build_tokenizer(), init_std=0.2))
             runs = {}
-            for graphs in ("off", "on"):
-                backend = load_backend(path, device, "float32", cuda_graphs=graphs)
+            for graphs in ("off", "on", "compiled") if arch == "phi" else ("off", "on"):
+                backend = load_backend(path, device, "float32", cuda_graphs="off")
+                if graphs != "off":  # as --cuda-graphs builds them (on a CPU, capture off: what a test can run)
+                    backend.graphs = GraphedKVDecode(backend.model, capture=torch.device(device).type == "cuda",
+                                                     compile=graphs == "compiled")
                 reqs = [GenRequest(t, 8 + 4 * i) for i, t in enumerate(texts)]
                 runs[graphs] = [r.token_ids for r in backend.generate(reqs, batch_size=3, prefix_reuse="none")]
-                if graphs == "on" and (backend.graphs is None or backend.graphs.disabled or not backend.graphs.cache.graphs):
-                    same = False  # the graphs never ran: nothing was compared
-            same &= runs["on"] == runs["off"] and len({tuple(r) for r in runs["off"]}) > 1
-    return {"name": "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama)", "max_diff": worst,
-            "same_tokens": same, "ok": worst < TOL and same}
+                ran = backend.graphs is not None and not backend.graphs.disabled and backend.graphs.cache.graphs
+                if graphs != "off" and not (ran and (graphs == "on" or not backend.graphs.compiled.disabled)):
+                    same = False  # the graphs (or the compiled step) never ran: nothing was compared
+            same &= all(r == runs["off"] for r in runs.values()) and len({tuple(r) for r in runs["off"]}) > 1
+    return {"name": "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama; compiled: hybrid, phi)",
+            "max_diff": worst, "same_tokens": same, "ok": worst < TOL and same}
 
 
 def memory_bandwidth(device) -> float:
