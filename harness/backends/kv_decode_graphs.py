@@ -10,8 +10,9 @@ and run:
   block of several tokens (a tool result) or a cache the graphs do not cover runs the eager step.
 - every layer's keys and values live in static buffers of a fixed capacity (``capacity_bucket``). A step writes
   its key and value at a device-side index (``_WriteAtLayer``) and attends over the graph's capacity
-  (``attended_capacity``: the bucket, or tighter from 16 rows) through an additive 4D mask copied from the step's attention mask: transformers returns a 4D mask as it is, so no
-  step takes a data-dependent branch or a host sync a graph could not capture.
+  (``attended_capacity``: the bucket, or tighter from 16 rows) through an additive 4D mask copied from the
+  step's attention mask: transformers returns a 4D mask as it is, so no step takes a data-dependent branch or
+  a host sync a graph could not capture.
 - the cache is *resident*: after a step, the caller's cache layers (``GrowingLayer``) hold views of the static
   buffers, so the next step copies only its token, position and mask. An eager step on that cache (a tool
   result) writes its keys and values into those views in place; a ``select`` of rows or a cache that outgrew

@@ -131,40 +131,40 @@ def check_phi_mamba_kernels(device) -> dict:
             "same_tokens": same_tokens, "kernel_calls": launched, "ok": ok}
 
 
-def check_cuda_graphs(device="cuda") -> dict:
+def check_cuda_graphs(device="cuda", compiled: bool = False) -> dict:
     """Decode steps replayed from CUDA graphs against the eager step: Phi-Mamba and the hybrid (a batch of 3:
     bucket 4; the hybrid's KV cache fixed-capacity and resident), and transformers' Phi and Llama through their
-    backend (greedy generations of prompts of different lengths, batch 3, rows leaving the batch); then the
-    compiled step's graphs (``--cuda-graphs compiled``) of the hybrid and of Phi the same way, the compiled step
-    still on at the end (its first-step check against the eager step did not turn it off)."""
-    worst, same = 0.0, True
-    for attn in ([], [1]):
+    backend (greedy generations of prompts of different lengths, batch 3, rows leaving the batch). ``compiled``:
+    the compiled step's graphs (``--cuda-graphs compiled``) of the hybrid and of Phi instead, the compiled step
+    still on at the end (its first-step check against the eager step did not turn it off). On a CPU the graphs'
+    code runs with capture off (what a test can run)."""
+    worst, same, capture = 0.0, True, torch.device(device).type == "cuda"
+    for attn in ([1],) if compiled else ([], [1]):
         model = _tiny_phi_mamba(attn, device)
         seqs = _probe_prompts()
         eager = _run_paths(model, seqs, 8, "auto", device)
-        for compiled in ((False, True) if attn else (False,)):
-            graphs = GraphedDecode(model, capture=torch.device(device).type == "cuda", compile=compiled)
-            graphed = _run_paths(model, seqs, 8, "auto", device, graphs=graphs)
-            worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
-            same &= eager[2] == graphed[2] and not (compiled and graphs.compiled.disabled)
+        graphs = GraphedDecode(model, capture=capture, compile=compiled)
+        graphed = _run_paths(model, seqs, 8, "auto", device, graphs=graphs)
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(eager[1], graphed[1])))
+        same &= eager[2] == graphed[2] and not (compiled and graphs.compiled.disabled)
     texts = [f"Paragraph {i}: {'the river Karvell runs north ' * (1 + 3 * i)}Question: where is it?" for i in range(3)]
     with tempfile.TemporaryDirectory() as d:
-        for arch in ("phi", "llama"):
+        for arch in ("phi",) if compiled else ("phi", "llama"):
             path = str(make_tiny_model(f"{d}/{arch}", arch, tokenizer=build_tokenizer(), init_std=0.2))
             runs = {}
-            for graphs in ("off", "on", "compiled") if arch == "phi" else ("off", "on"):
+            for graphs in ("off", "on"):
                 backend = load_backend(path, device, "float32", cuda_graphs="off")
-                if graphs != "off":  # as --cuda-graphs builds them (on a CPU, capture off: what a test can run)
-                    backend.graphs = GraphedKVDecode(backend.model, capture=torch.device(device).type == "cuda",
-                                                     compile=graphs == "compiled")
+                if graphs == "on":  # as --cuda-graphs builds them
+                    backend.graphs = GraphedKVDecode(backend.model, capture=capture, compile=compiled)
                 reqs = [GenRequest(t, 8 + 4 * i) for i, t in enumerate(texts)]
                 runs[graphs] = [r.token_ids for r in backend.generate(reqs, batch_size=3, prefix_reuse="none")]
                 ran = backend.graphs is not None and not backend.graphs.disabled and backend.graphs.cache.graphs
-                if graphs != "off" and not (ran and (graphs == "on" or not backend.graphs.compiled.disabled)):
+                if graphs == "on" and not (ran and (not compiled or not backend.graphs.compiled.disabled)):
                     same = False  # the graphs (or the compiled step) never ran: nothing was compared
-            same &= all(r == runs["off"] for r in runs.values()) and len({tuple(r) for r in runs["off"]}) > 1
-    return {"name": "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama; compiled: hybrid, phi)",
-            "max_diff": worst, "same_tokens": same, "ok": worst < TOL and same}
+            same &= runs["on"] == runs["off"] and len({tuple(r) for r in runs["off"]}) > 1
+    what = "the compiled step's CUDA graphs == eager (hybrid, phi)" if compiled else \
+        "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama)"
+    return {"name": what, "max_diff": worst, "same_tokens": same, "ok": worst < TOL and same}
 
 
 def memory_bandwidth(device) -> float:
@@ -224,17 +224,18 @@ def decode_table(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, 
 
 
 def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, batches=(1,),
-                archs=("phi-mamba", "hybrid-phi-mamba", "phi"), then=None):
+                archs=("phi-mamba", "hybrid-phi-mamba", "phi"), then=None, modes=None):
     """Decode ms/token and state memory of ``archs`` (Phi-Mamba and the hybrid against Phi's KV cache; each
     also replayed from CUDA graphs on a GPU, then from graphs of the compiled step, last: its compiling may take
     what is left of a time limit) at 512 / 2k / 8k tokens, each with the memory-bandwidth bound: measured copy
     bandwidth over the bytes a step must read (every weight once, and the decoding state). ``then(arch,
     backend)``, where given, runs after each model's timings on the backend a run gets by default (graphs on a
     GPU) and on the compiled one: its rows are added to the table. Rows are yielded as measured (a caller killed
-    at a time limit keeps those before)."""
+    at a time limit keeps those before). ``modes``: the ``--cuda-graphs`` settings to time (default: all three on
+    a GPU, off on a CPU)."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
-    modes = ("off", "on", "compiled") if device == "cuda" else ("off",)
+    modes = modes or (("off", "on", "compiled") if device == "cuda" else ("off",))
     runs = [(a, graphs) for graphs in modes for a in archs]
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()

@@ -300,16 +300,21 @@ def sweep_step(device: str, spec: dict, emit) -> None:
 
 def decode_step(device: str, spec: dict, emit) -> None:
     """Decode tokens/s of Phi (transformers) and Phi-Mamba against the memory-bandwidth bound, eager and from
-    CUDA graphs, after the graphs' parity with the eager step (a speed of a wrong step decides nothing)."""
-    if device == "cuda":
-        try:
-            emit(check_cuda_graphs(device))
-        except Exception as e:  # the check's failure is a row; the timings after it still run
-            emit({"name": "decode from CUDA graphs == eager", "same_tokens": False, "ok": False,
-                  "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
-    for row in decode_rows(device, spec["size"], (spec["context"],), spec["steps"], tuple(spec["batches"]),
-                           archs=("phi", "phi-mamba"), then=lambda arch, b: [decode_profile(arch, b, spec)]):
-        emit(row)
+    CUDA graphs, after the graphs' parity with the eager step (a speed of a wrong step decides nothing); then the
+    compiled step's parity and speed, last: its first steps compile, and a cut-off leaves the rows before."""
+    cuda = device == "cuda"
+    for compiled in (False, True) if cuda else (False,):
+        if cuda:
+            try:
+                emit(check_cuda_graphs(device, compiled))
+            except Exception as e:  # the check's failure is a row; the timings after it still run
+                emit({"name": f"CUDA graphs == eager{' (compiled step)' if compiled else ''}", "same_tokens": False,
+                      "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+        modes = ("compiled",) if compiled else ("off", "on") if cuda else ("off",)
+        for row in decode_rows(device, spec["size"], (spec["context"],), spec["steps"], tuple(spec["batches"]),
+                               archs=("phi", "phi-mamba"), then=lambda arch, b: [decode_profile(arch, b, spec)],
+                               modes=modes):
+            emit(row)
 
 
 def decode_profile(arch: str, backend, spec: dict) -> dict:
@@ -505,10 +510,9 @@ def summary(report: dict) -> list[dict]:
         goal(f"Phi decode at batch {b}: share of the bandwidth bound"
              + (f" ({best['model'].removeprefix('phi').strip(' ()') or 'eager'})" if best else ""),
              best["of_bound"] if best else None, GOALS[key])
-    parity = [r for r in steps.get("decode", {}).get("rows", []) if "same_tokens" in r]
-    if parity:
-        rows.append({"number": parity[0]["name"], "value": parity[0]["same_tokens"], "goal": "True",
-                     "met": "yes" if parity[0]["ok"] else "no"})
+    for parity in (r for r in steps.get("decode", {}).get("rows", []) if "same_tokens" in r):
+        rows.append({"number": parity["name"], "value": parity["same_tokens"], "goal": "True",
+                     "met": "yes" if parity["ok"] else "no"})
     return rows
 
 
