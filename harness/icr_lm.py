@@ -28,7 +28,7 @@ except ImportError as e:
                       'pip install "icr-harness[lm-eval]"') from e
 
 from harness.backends.base import GenRequest
-from harness.backends.loading import load_backend
+from harness.backends.loading import load_backend, resolve
 
 log = logging.getLogger("harness")
 
@@ -55,12 +55,25 @@ class ICRLM(TemplateLM):
         self.pretrained = pretrained
 
     @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
-        """``--model_args`` first; lm-eval's own ``--batch_size`` / ``--device`` where those leave them."""
+    def check_args(cls, arg_dict: dict) -> None:
+        """Raise ValueError for an argument ``icr`` does not take or a model it cannot resolve (a missing folder,
+        an unknown name, a backend that cannot run it), before anything loads."""
         known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         unknown = sorted(set(arg_dict) - set(known))
         if unknown:
             raise ValueError(f"--model_args: icr takes no {', '.join(unknown)}; it takes {', '.join(known)}")
+        if "pretrained" not in arg_dict:
+            raise ValueError("--model_args: icr needs pretrained=MODEL (a registered name, a hub id or a folder)")
+        try:
+            resolve(str(arg_dict["pretrained"]), arg_dict.get("tokenizer"), str(arg_dict.get("backend", "auto")),
+                    str(arg_dict.get("device", "auto")), str(arg_dict.get("dtype", "auto")))
+        except KeyError as e:  # the registries' unknown name (a backend)
+            raise ValueError(f"--model_args: {e.args[0] if e.args else e}") from None
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """``--model_args`` first; lm-eval's own ``--batch_size`` / ``--device`` where those leave them."""
+        cls.check_args(arg_dict)
         extra = {k: v for k, v in (additional_config or {}).items()
                  if k in ("batch_size", "device") and v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)

@@ -9,6 +9,7 @@ point), so this registers ``icr`` and hands its arguments to lm-eval's command l
 optional extra: without it this prints an error line."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 
@@ -31,11 +32,31 @@ def main(argv: list[str] | None = None) -> int:
     register()
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
     try:
+        _check_icr_args(sys.argv[1:])  # a bad model argument fails before lm-eval indexes its thousands of tasks
         cli_evaluate()
     except (ValueError, OSError) as e:  # a model that does not load, a bad model argument, a sampling task
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_icr_args(args: list[str]) -> None:
+    """``--model icr``'s ``--model_args`` (as lm-eval reads them: KEY=VALUE pairs, comma-separated or apart)
+    checked as the model will take them; a JSON form is left to lm-eval."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--model", "-M")
+    ap.add_argument("--model_args", "-a", nargs="+", default=[])
+    given, _ = ap.parse_known_args(args)
+    if given.model != "icr" or not given.model_args or any(a.lstrip().startswith("{") for a in given.model_args):
+        return
+    from lm_eval.utils import simple_parse_args_string  # lazy: lm-eval is an optional extra
+
+    from harness.icr_lm import ICRLM
+
+    merged: dict = {}
+    for pairs in given.model_args:
+        merged.update(simple_parse_args_string(pairs))
+    ICRLM.check_args(merged)
 
 
 if __name__ == "__main__":

@@ -133,13 +133,17 @@ def test_lm_eval_command_line_runs_icr_as_its_hf_model(tiny_llama_dir, tmp_path)
 @pytest.mark.slow
 def test_lm_eval_command_line_bad_model_args_are_one_error_line(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     """The command line's own main (the whole command runs as a process in the test above): a bad model argument
-    is one error line and exit code 2, never a traceback."""
+    is one error line and exit code 2, never a traceback, and it comes before lm-eval indexes its tasks (15 s
+    each here before)."""
     from harness.lm_eval import main
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
-    for model_args, says in ((f"pretrained={tiny_llama_dir},dytpe=float32", "icr takes no dytpe"),
-                             (f"pretrained={tmp_path / 'missing'}", "does not exist")):
-        code = main(["--model", "icr", "--model_args", model_args, "--tasks", "icr_tiny_qa", "--include_path",
+    for model_args, says in (([f"pretrained={tiny_llama_dir},dytpe=float32"], "icr takes no dytpe"),
+                             ([f"pretrained={tiny_llama_dir}", "dytpe=float32"], "icr takes no dytpe"),
+                             ([f"pretrained={tmp_path / 'missing'}"], "does not exist"),
+                             (["dtype=float32"], "icr needs pretrained=MODEL"),
+                             ([f"pretrained={tiny_llama_dir},backend=nope"], "unknown backend 'nope'")):
+        code = main(["--model", "icr", "--model_args", *model_args, "--tasks", "icr_tiny_qa", "--include_path",
                      str(_tasks(tmp_path))])
         err = capsys.readouterr().err
         assert code == 2 and says in err.strip().splitlines()[-1] and err.strip().splitlines()[-1].startswith(
