@@ -47,7 +47,7 @@ def _check_icr_args(args: list[str]) -> None:
     ap.add_argument("--model", "-M")
     ap.add_argument("--model_args", "-a", nargs="+", default=[])
     given, _ = ap.parse_known_args(args)
-    if given.model != "icr" or not given.model_args or any(a.lstrip().startswith("{") for a in given.model_args):
+    if given.model != "icr" or any(a.lstrip().startswith("{") for a in given.model_args):
         return
     from lm_eval.utils import simple_parse_args_string  # lazy: lm-eval is an optional extra
 
