@@ -51,7 +51,7 @@ def _check_icr_args(args: list[str]) -> None:
         return
     from lm_eval.utils import simple_parse_args_string  # lazy: lm-eval is an optional extra
 
-    from harness.icr_lm import ICRLM
+    from harness.icr_lm import ICRLM  # lazy: it imports lm-eval (an optional extra)
 
     merged: dict = {}
     for pairs in given.model_args:
