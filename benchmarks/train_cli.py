@@ -1,6 +1,6 @@
 """The trainer as users run it: ``python -m harness.train``'s marginal step with the parallel scan against the
 step-by-step one, and the planner's projected step beside it, side by side in one run; or packed rows against
-padded ones.
+padded ones, through the CLI and then step by step on the same batches.
 
     python benchmarks/train_cli.py                       # CPU: 0.5M Mamba, n=32 retrieval, batch 8, 2 threads
     python benchmarks/train_cli.py --batch 64 --threads 0  # on a GPU
@@ -12,7 +12,12 @@ reference) the real CLI trains the cell twice in fresh directories, for ``--step
 marginal step is the difference of their ``steps_seconds`` (result.json: the loop without its evaluations and
 saves) over B - A, so start-up, warm-up and the final evaluation cancel. The projection is
 ``harness.training.grid.measure_cell`` (what ``--plan`` and ``benchmarks/train_throughput.py`` use) on the same
-cell, in a fresh process. Both scans train to the same losses (checked)."""
+cell, in a fresh process. Both scans train to the same losses (checked).
+
+With ``--compare packing`` the CLI's marginal steps carry the runs' inline data generation and differ by which
+batches the last steps drew; the step table after them times the trainer's ``optimizer_step`` on the same
+``--batches`` batches, padded and packed (two copies of one model, each batch stepped by both in alternating
+order, ``--repeats`` rounds), and checks the two copies' losses equal batch by batch."""
 from __future__ import annotations
 
 import json
@@ -20,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from harness.procs import project_env
@@ -78,6 +84,55 @@ def compare_packing(a, cell: list[str], short: int, long: int) -> None:
     print(f"| packed (--packing on; {rows['on'][0]['share']:.0%} of the padded tokens) | {on:.3f} |")
     print(f"\npacked vs padded through the CLI: {off / on:.2f}x")
     print(f"packed and padded trained to the same losses, step by step: {same}")
+    compare_packing_steps(a)
+
+
+def compare_packing_steps(a) -> None:
+    """Padded and packed ``optimizer_step`` on the same batches, side by side (module docstring)."""
+    import contextlib
+
+    import torch
+
+    from harness.models.packing import pack, wide_rows
+    from harness.training.config import TrainConfig
+    from harness.training.data import PAD, TrainingBatches, TrainTask
+    from harness.training.step import new_model, new_optimizer, optimizer_step
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = TrainConfig(arch=a.arch, size=a.size, nodes=a.nodes, setup=a.setup, report_to="none",
+                      precision="fp32").resolved()
+    task = TrainTask(cfg)
+    source = TrainingBatches(task, a.batch, cfg.seed, 0)
+    batches = [b for k in range(a.batches) for b in source.pool(k)]
+    pad, wide, cpu = task.vocab.index(PAD), wide_rows(cfg.arch, "cpu"), torch.device("cpu")
+    packed = [pack(ids, mask, pad, wide) for ids, mask in batches]
+    runs = {}
+    for name in ("padded", "packed"):
+        torch.manual_seed(cfg.seed)
+        model = new_model(cfg, task)
+        runs[name] = {"model": model, "opt": new_optimizer(cfg, model, cpu), "seconds": [], "losses": []}
+    for r in range(a.repeats):
+        for (ids, mask), p in zip(batches, packed):
+            for name in ("padded", "packed") if r % 2 == 0 else ("packed", "padded"):
+                run = runs[name]
+                t = time.perf_counter()
+                loss = optimizer_step(run["model"], run["opt"], *((ids, mask) if name == "padded" else (p.ids, p.mask)),
+                                      contextlib.nullcontext(), packed=None if name == "padded" else p)
+                run["seconds"].append(time.perf_counter() - t)
+                run["losses"].append(loss.item())
+    share = sum(p.ids.numel() for p in packed) / sum(ids.numel() for ids, _ in batches)
+    step = {k: statistics.median(v["seconds"]) for k, v in runs.items()}
+    total = {k: sum(v["seconds"]) for k, v in runs.items()}
+    apart = max(abs(x - y) / abs(y) for x, y in zip(runs["packed"]["losses"], runs["padded"]["losses"]))
+    print(f"\nthe trainer's optimizer_step on the same {len(batches)} batches, {a.repeats} round(s) in alternating "
+          f"order ({share:.0%} of the padded tokens packed)\n")
+    print("| rows | median step (s) | all steps (s) |\n|---|---|---|")
+    for k in ("padded", "packed"):
+        print(f"| {k} | {step[k]:.3f} | {total[k]:.2f} |")
+    print(f"\npacked vs padded, step by step: {total['padded'] / total['packed']:.2f}x (all steps)")
+    print(f"packed and padded copies of one model, same losses batch by batch: {apart < 1e-5} (at most "
+          f"{apart:.1e} apart over {len(runs['packed']['losses'])} steps)")
 
 
 def main():
@@ -89,7 +144,9 @@ def main():
     ap.add_argument("--steps", default="2,8", help="the two runs' optimizer steps, A,B (B > A)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run (0: torch's default)")
     ap.add_argument("--size", default="0.5M")
-    ap.add_argument("--repeats", type=int, default=3, help="with --compare packing: pairs of runs (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="with --compare packing: pairs of runs (median), and "
+                                                            "rounds of the step table")
+    ap.add_argument("--batches", type=int, default=8, help="with --compare packing: the step table's batches")
     ap.add_argument("--compare", choices=["scan", "packing"], default="scan",
                     help="scan: the parallel scan against the step-by-step one; packing: packed rows against "
                          "padded ones (--packing on / off), both on the parallel scan")

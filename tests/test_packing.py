@@ -79,6 +79,48 @@ def test_the_hybrids_attention_mask_confines_each_query_to_its_sample():
     assert torch.equal(mask, same & causal)
 
 
+class _AttentionCalls(torch.overrides.TorchFunctionMode):
+    """Records each SDPA call's query length and whether it took a mask (the real kernel runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.calls.append((args[0].shape[0], args[0].shape[2], kwargs.get("attn_mask") is not None,
+                               bool(kwargs.get("is_causal"))))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "hybrid"])
+def test_packed_attention_runs_causally_on_each_sample_alone(arch):
+    """Packed rows' attention is one causal, maskless call a sample (its own length), not a dense block mask
+    over whole rows; without the spans (``packed_rows(starts)`` alone) the mask path gives the same logits."""
+    from harness.models.packing import packed_rows
+
+    task, ids, mask = _batch(8, 6)
+    p = pack(ids, mask, task.vocab.index(PAD))
+    cfg = TrainConfig(arch=arch, size="smoke", nodes=8, setup="retrieval", report_to="none").resolved()
+    torch.manual_seed(0)
+    model = new_model(cfg, task)
+    layers = 1 if arch == "hybrid" else model.config.num_hidden_layers
+    with torch.no_grad(), _AttentionCalls() as spans_mode:
+        by_sample = logits_of(model, p.ids, p)
+    lengths = sorted(n for _, _, n in p.where)
+    assert len(set(lengths)) > 2 and len(spans_mode.calls) == layers * len(p.where)
+    assert sorted(t for _, t, _, _ in spans_mode.calls) == sorted(lengths * layers)
+    assert all(b == 1 and not masked and causal for b, _, masked, causal in spans_mode.calls)
+    with torch.no_grad(), _AttentionCalls() as mask_mode, packed_rows(p.starts):
+        by_mask = model(input_ids=p.ids, position_ids=p.positions, use_cache=False).logits
+    assert len(mask_mode.calls) == layers and all(masked for *_, masked, _ in mask_mode.calls)
+    real = torch.zeros_like(p.mask, dtype=torch.bool)  # every sample's tokens (a row's padded tail differs: no
+    for row, at, n in p.where:  # loss reads it)
+        real[row, at:at + n] = True
+    assert torch.allclose(by_sample[real], by_mask[real], atol=1e-5)
+
+
 def _batch(nodes: int, rows: int, setup: str = "retrieval"):
     cfg = TrainConfig(arch="mamba", size="smoke", nodes=nodes, setup=setup, report_to="none").resolved()
     task = TrainTask(cfg)
@@ -138,8 +180,9 @@ def test_auto_packs_cells_whose_batches_vary_in_length_and_not_the_others():
     on, share = packing_setting(retrieval, TrainTask(retrieval), 8)
     assert on == "on" and share <= 0.9
     assert packing_setting(direct, TrainTask(direct), 8)[0] == "off"
-    transformer = TrainConfig(**{**vars(retrieval), "arch": "transformer"})  # a dense mask: not faster, measured
-    assert packing_setting(transformer, TrainTask(transformer), 8) == ("off", None)
+    transformer = TrainConfig(**{**vars(retrieval), "arch": "transformer"})  # each sample's own attention
+    assert packing_setting(transformer, TrainTask(transformer), 8)[0] == "on"
+    assert packing_setting(transformer, TrainTask(transformer), 8, device_type="cuda") == ("off", None)
     assert packing_setting(TrainConfig(**{**vars(retrieval), "packing": "off"}), TrainTask(retrieval), 8) == (
         "off", None)
 

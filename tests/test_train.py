@@ -356,8 +356,13 @@ def test_smoke_grid_cells_and_plan(tmp_path):
     assert all(Path(c.output).parent == tmp_path for c in cells)
     # a flag given on the command line wins over the grid's default
     assert {c.lr for c in grid_cells("smoke", TrainConfig(lr=1e-3), tmp_path)} == {1e-3}
-    table = plan_grid("smoke", TrainConfig(), tmp_path, measure_batch=2, steps=1, progress=False, jobs=2)
+    table = plan_grid("smoke", TrainConfig(), tmp_path, measure_batch=2, steps=1, progress=False, jobs=2,
+                      passes=2, live_samples=4)
     assert table.count("smoke-n4") == 9 and "2 at a time" in table and "of wall time" in table
+    # its parts: how steps were timed, serial hours, the live evaluation timed on a retrieval cell, the data
+    assert "median of 2 pass(es) over 1 batches" in table and "- serial: " in table
+    assert "- live evaluation of the 3 retrieval cells: " in table and "timed on 4 test samples" in table
+    assert "- data generation: inline" in table and "1M samples" not in table  # smoke runs are shorter
     assert not list(tmp_path.iterdir())  # planning trains and writes nothing
 
 

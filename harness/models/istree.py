@@ -41,7 +41,7 @@ from transformers.models.mamba.modeling_mamba import MambaMixer, MambaModel
 
 from harness.ops.causal_conv import causal_conv
 from harness.models.masks import block_attention_mask, register_causal_sdpa
-from harness.models.packing import current_starts
+from harness.models.packing import current_spans, current_starts
 from harness.ops.selective_scan import SCANS, ScanChoice, choose_scan, run_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
@@ -179,7 +179,7 @@ class HybridConfig(PretrainedConfig):
         cfg = LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.attn_ffn,
                           num_hidden_layers=1, num_attention_heads=self.attn_heads, num_key_value_heads=self.attn_heads,
                           max_position_embeddings=self.max_position_embeddings, rms_norm_eps=RMS_NORM_EPS,
-                          attn_implementation="sdpa")
+                          attn_implementation=register_causal_sdpa())  # SDPA; packed rows: each sample alone
         return cfg
 
 
@@ -213,8 +213,9 @@ class HybridForCausalLM(PreTrainedModel):
         past = kv.get_seq_length() if kv is not None else 0
         starts = current_starts() if past == 0 else None
         # no mask, no cache, not packed (the trainer's padded rows: padding only after each sample, never a
-        # target): SDPA's causal kernels, not a dense [b, 1, l, l] mask that keeps flash attention off
-        causal_only = attention_mask is None and past == 0 and starts is None
+        # target): SDPA's causal kernels, not a dense [b, 1, l, l] mask that keeps flash attention off; packed
+        # rows with their spans known: each sample's own causal attention (``masks.per_sample_attention``)
+        causal_only = attention_mask is None and past == 0 and (starts is None or current_spans() is not None)
         if attention_mask is None:
             attention_mask = torch.ones(b, past + l, dtype=torch.long, device=input_ids.device)
         if position_ids is None:

@@ -8,6 +8,8 @@ import functools
 
 import torch
 
+from harness.models.packing import current_spans
+
 # The Transformer's attention (``build_model``): transformers' SDPA attention under a mask function that, inside
 # ``causal_rows``, leaves the mask to SDPA's causal flag. transformers decides that itself by reading the data
 # (packed-sequence detection, ``padding_mask.all()``), which it cannot do while a CUDA graph is captured: there it
@@ -32,21 +34,45 @@ def causal_rows():
 @functools.cache
 def register_causal_sdpa() -> str:
     """``CAUSAL_SDPA`` registered with transformers' attention and mask interfaces (public: custom attention);
-    outside ``causal_rows`` it is transformers' own SDPA attention and mask. Returns the name."""
+    outside ``causal_rows`` and packed rows it is transformers' own SDPA attention and mask. Returns the name."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa_mask, sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def mask(*args, **kwargs):
-        if _CAUSAL_ROWS.get() and kwargs.get("attention_mask") is None:
+        if (_CAUSAL_ROWS.get() and kwargs.get("attention_mask") is None) or current_spans() is not None:
             return None
         return sdpa_mask(*args, **kwargs)
 
-    AttentionInterface.register(CAUSAL_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        spans = current_spans()
+        if spans is None or query.shape[2] != key.shape[2]:
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+        return per_sample_attention(lambda q, k, v: sdpa(module, q, k, v, None, **{**kwargs, "is_causal": True})[0],
+                                    query, key, value, spans)
+
+    AttentionInterface.register(CAUSAL_SDPA, attention)
     AttentionMaskInterface.register(CAUSAL_SDPA, mask)
     return CAUSAL_SDPA
+
+
+def per_sample_attention(causal, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, None]:
+    """Attention over packed rows, each sample (``spans``: row, offset, length) attending causally to itself
+    alone: ``causal(q, k, v)`` ([1, heads, n, d] each, giving [1, n, heads, d]) once a sample. A dense
+    block-diagonal mask would compute every row's whole square (SDPA cannot skip masked blocks, and a mask keeps
+    it off its causal kernels: a packed Transformer step ran 0.95x the padded one on a CPU); a sample alone is
+    the lower half of its own square. Positions outside every span (a row's padded tail) give zeros, which reach
+    no loss. Written by hand: varlen attention (``torch.nn.attention.varlen``) is CUDA's flash kernel only."""
+    b, _, t, _ = query.shape
+    out = query.new_zeros(b, t, query.shape[1], value.shape[-1])
+    for row, at, n in spans:
+        if n:
+            out[row, at:at + n] = causal(query[row:row + 1, :, at:at + n], key[row:row + 1, :, at:at + n],
+                                         value[row:row + 1, :, at:at + n])[0]
+    return out, None
 
 
 def block_attention_mask(attention_mask: torch.Tensor, q_len: int, starts: torch.Tensor | None = None

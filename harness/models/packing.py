@@ -3,11 +3,10 @@
 A right-padded IsTree retrieval batch at n=64 pads every sample to the batch's longest (2,535 tokens where
 samples average ~1,731); packed, the same samples fill about 1/1.46 of the rows. The models see each sample as
 they would alone: the Mamba scan and causal convolution restart their states at each sample's first token
-(``starts``, read by the mixers through ``packed_rows``), attention is confined to each sample (transformers
-builds a block-diagonal causal mask from position ids that restart, its packed-sequence path; the hybrid's own
-attention layer masks by sample), and positions restart per sample. The loss is the padded batch's: the same
-targets under the same mask, averaged over the same count (a sample's first token is never a target, so no
-target crosses from one sample into the next; ``pack`` checks it).
+(``starts``, read by the mixers through ``packed_rows``), each sample attends causally to itself alone
+(``masks.per_sample_attention``, from the samples' spans), and positions restart per sample. The loss is the
+padded batch's: the same targets under the same mask, averaged over the same count (a sample's first token is
+never a target, so no target crosses from one sample into the next; ``pack`` checks it).
 
 Rows are filled first-fit in decreasing length (a sample never splits), to the batch's longest sample, or
 (``wide``) to the multiple of it that computes the fewest tokens: for a model whose cost grows with its tokens
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 _STARTS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("packed_starts", default=None)
+_SPANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("packed_spans", default=None)
 
 
 @dataclass
@@ -115,15 +115,23 @@ def wide_rows(arch: str, device_type: str) -> bool:
 
 
 @contextlib.contextmanager
-def packed_rows(starts: torch.Tensor | None):
-    """Within it, the models' Mamba mixers restart their states where ``starts`` is 1 (None: not packed)."""
-    token = _STARTS.set(starts)
+def packed_rows(starts: torch.Tensor | None, spans: list[tuple[int, int, int]] | None = None):
+    """Within it, the models' Mamba mixers restart their states where ``starts`` is 1 (None: not packed), and
+    ``spans`` (``Packed.where``: each sample's row, offset and length, on the host) lets attention run causally
+    on each sample alone (``masks.register_causal_sdpa``) instead of under a dense block mask."""
+    token, spans_token = _STARTS.set(starts), _SPANS.set(spans)
     try:
         yield
     finally:
         _STARTS.reset(token)
+        _SPANS.reset(spans_token)
 
 
 def current_starts() -> torch.Tensor | None:
     """The packed rows' ``starts`` a forward pass runs under (``packed_rows``), or None."""
     return _STARTS.get()
+
+
+def current_spans() -> list[tuple[int, int, int]] | None:
+    """The packed rows' sample spans a forward pass runs under (``packed_rows``), or None."""
+    return _SPANS.get()

@@ -69,8 +69,9 @@ def sizes(cuda: bool) -> dict:
                          "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64}},
                 # each paper size measured (smallest, largest, then the middle): small models' steps are bound by
                 # kernel launches, so step time does not scale with parameters
+                # each cell: 2 warm-up steps, then 2 passes over 5 batches (the spread between passes: the noise)
                 "trainer": {"sizes": ["0.5M", "2M", "1M"], "cells": [(16, "direct"), (64, "retrieval")], "batch": 64,
-                            "steps": 4, "graph_steps": 8,
+                            "steps": 5, "passes": 2, "graph_steps": 8,
                             "graph_cells": [("transformer", 16, "direct"), ("mamba", 16, "direct"),
                                             ("hybrid", 16, "direct"), ("transformer", 64, "retrieval"),
                                             ("hybrid", 64, "retrieval")],
@@ -186,7 +187,7 @@ def trainer_step(device: str, spec: dict, emit) -> None:
                     cell = TrainConfig(arch=arch, size=size, nodes=nodes, setup=setup, report_to="none",
                                        cuda_graphs=plan, packing=plan).resolved()
                     m = measure_cell(cell, dev, spec["batch"], spec["steps"], draws=spec["draws"],
-                                     busy=plan == "off")
+                                     busy=plan == "off", passes=spec.get("passes", 1))
                     if plan == "off":
                         row.update(padded_tokens=round(m["tokens"]), step_s=round(m["step_s"], 4),
                                    spread=round(m["spread"], 2), samples_per_s=round(spec["batch"] / m["step_s"], 1),

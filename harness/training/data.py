@@ -133,12 +133,12 @@ def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False,
                     device_type: str = "cpu") -> tuple[str, float | None]:
     """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell (``wide``:
     as ``pack`` lays them out with wide rows) on ``device_type``."""
-    # auto packs on a CPU only. A Transformer's attention over packed rows takes a dense block mask, which keeps
-    # SDPA off its causal kernels: at n=32 retrieval, batch 8, on a CPU its packed step ran 0.95x the padded one.
+    # auto packs on a CPU only. There each sample attends causally to itself alone (``masks.per_sample_attention``;
+    # a dense block mask ran a Transformer's packed step at 0.95x the padded one, n=32 retrieval, batch 8).
     # On a GPU the Triton scan walks each row's length in turn, so fewer rows of the same width save little, and
     # the packed step ran 0.85-0.88x the padded one for the 0.5M Mamba at n=64 retrieval, batch 64, on an H100 (the
-    # hybrid: 0.45-0.72x, its attention on a dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
-    if cfg.packing == "off" or (cfg.packing == "auto" and (cfg.arch == "transformer" or device_type != "cpu")):
+    # hybrid: 0.45-0.72x, its attention then on a dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
+    if cfg.packing == "off" or (cfg.packing == "auto" and device_type != "cpu"):
         return "off", None
     share = packing_share(task, batch, cfg.seed, wide=wide)
     return ("on" if cfg.packing == "on" or share <= PACKING_GAIN else "off"), round(share, 4)

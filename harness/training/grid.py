@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -340,28 +341,38 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
 
 
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32,
-                 busy: bool = False) -> dict:
+                 busy: bool = False, passes: int = 1) -> dict:
     """Seconds per optimizer step (the trainer's own ``optimizer_step``: its model, scan, precision, loss and
     optimizer) and per sample of data generation, and the forward-only seconds of one batch (for evaluations).
 
     Steps cost what their padded length costs, and a cell's lengths vary widely (IsTree retrieval: 2x between
     batches), so a few steps on whatever batches come first misstate the mean by as much. ``draws`` batches are
     drawn as the trainer draws them (``TrainingBatches``: the run's seed, bucketing and batch), and the ``steps``
-    timed steps (after two warm-up steps) run on the batches at evenly spaced quantiles of padded length: their mean is
-    a stratified estimate of the run's mean step. ``busy`` (CUDA): the same steps again under the profiler, their
-    kernels' time a step (``busy_s``: the GPU's busy time, what a step without launch gaps would take)."""
+    timed steps (after two warm-up steps) run on the batches at evenly spaced quantiles of padded length: their
+    mean is a stratified estimate of the run's mean step. ``passes`` times over those batches: ``step_s`` is the
+    median of the passes' means and ``spread`` their range over it, the measurement's noise (one pass: the range
+    of its steps, lengths included). ``busy`` (CUDA): the same steps again under the profiler, their kernels'
+    time a step (``busy_s``: the GPU's busy time, what a step without launch gaps would take)."""
     cs = cell_steps(cell, device, batch, max(draws, steps))
     drawn = cs.drawn
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
     middle = drawn[len(drawn) // 2]
-    times = []
-    for b in [middle, middle, *picked]:  # two warm-up steps, then the timed ones
-        t0 = time.perf_counter()
+    for b in (middle, middle):  # two warm-up steps
         cs.step(b)
-        times.append(time.perf_counter() - t0)
+    means, timed = [], []
+    for _ in range(max(1, passes)):
+        times = []
+        for b in picked:
+            t0 = time.perf_counter()
+            cs.step(b)
+            times.append(time.perf_counter() - t0)
+        means.append(sum(times) / steps)
+        timed += times
     t1 = time.perf_counter()
     cs.forward(middle)
-    timed = times[2:]
+    forward_s = time.perf_counter() - t1
+    step_s = statistics.median(means)
+    spread = (max(means) - min(means) if len(means) > 1 else max(timed) - min(timed)) / step_s
     busy_s = None
     if busy and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile  # lazy: the profiler is only for this
@@ -371,10 +382,9 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
                 cs.step(b)
         kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         busy_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
-    return {"step_s": sum(timed) / steps, "spread": (max(timed) - min(timed)) / (sum(timed) / steps),
-            "busy_s": busy_s,
+    return {"step_s": step_s, "spread": spread, "passes": len(means), "timed_steps": len(timed), "busy_s": busy_s,
             "graphs": cs.graphs, "packing": cs.packing, "gen_s_per_sample": cs.gen_s_per_sample,
-            "forward_s": time.perf_counter() - t1,
+            "forward_s": forward_s,
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
             "padded_lengths": [int(b[0].shape[1]) for b in picked]}
 
@@ -404,15 +414,22 @@ def measure_live_eval(cell: TrainConfig, device: torch.device, samples: int | No
             "tool_calls_per_sample": sum(len(r["tool_calls"]) for r in rows) / count}
 
 
-def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | None = None, steps: int = 3,
-              progress: bool = True, jobs: int | None = None, cells_per_gpu: int = 1) -> str:
-    """A table of every cell's projected hours on this machine, from measured steps, and the grid's wall time
-    as ``run_grid`` would run it (``jobs`` cells at once, each with its share of the CPU threads, longest
-    first); nothing is trained.
+PLAN_STEPS, PLAN_PASSES = 5, 3  # a planned cell: 2 warm-up steps, then 3 passes over 5 batches of its lengths
+ONE_MILLION = 1_000_000  # the paper's stated minimum of samples a run
+
+
+def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | None = None, steps: int = PLAN_STEPS,
+              progress: bool = True, jobs: int | None = None, cells_per_gpu: int = 1, passes: int = PLAN_PASSES,
+              live_samples: int | None = None) -> str:
+    """A table of every cell's projected hours on this machine, from steps measured as each run takes them (its
+    graphs and packing as the run decides), then the projection's parts: serial hours, GPU-busy hours (CUDA),
+    the grid as ``run_grid`` would run it (``jobs`` cells at once, longest first), the live evaluations, whether
+    data generation keeps up, and the same at 1M samples a run; nothing is trained.
 
     A step is measured at ``measure_batch`` samples (default: the cell's batch) and scaled linearly to the
-    cell's batch; evaluations are projected from one forward pass; data generation counts where it runs inline
-    (no DataLoader workers: the CPU default); the live greedy evaluation at the end is not included."""
+    cell's batch; teacher-forced evaluations are projected from one forward pass; data generation counts where
+    it runs inline (no DataLoader workers: the CPU default); the live evaluation is timed on one retrieval cell
+    (``live_samples`` test samples, default one evaluation batch; 0: not timed) and scaled to every retrieval cell."""
     import pandas as pd
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -421,35 +438,92 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
         raise ConfigError(f"--cells-per-gpu {cells_per_gpu}: use 1 or more")
     jobs = default_jobs(len(cells), cells_per_gpu) if jobs is None else jobs
     threads, before = cell_threads(base, jobs), torch.get_num_threads()
-    inline_data = (base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)) == 0
-    rows = []
+    workers = base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)
     log.info("plan %s: measuring %d training steps of each of %d cells on %s (the bar's ETA is the projection's); "
-             "nothing is trained or kept", name, steps, len(cells), "CPU" if device.type == "cpu" else device_name(device))
+             "nothing is trained or kept", name, 2 + steps * passes, len(cells),
+             "CPU" if device.type == "cpu" else device_name(device))
     torch.set_num_threads(threads)  # measured as each cell will run
     try:
-        for cell in tqdm(cells, desc=f"plan {name}", disable=not progress):
-            batch = measure_batch or cell.batch_size
-            m = measure_cell(cell, device, batch, steps)
-            scale = cell.batch_size / batch
-            n_steps = cell.samples // cell.batch_size
-            n_evals = max(1, cell.samples // cell.eval_every)
-            train_h = n_steps * m["step_s"] * scale / 3600
-            eval_h = n_evals * cell.eval_samples / batch * m["forward_s"] / 3600
-            data_h = cell.samples * m["gen_s_per_sample"] / 3600
-            rows.append({"cell": cell.name, "padded tokens/sample": round(m["tokens"]),
-                         "step ms": 1000 * m["step_s"] * scale, "data share": data_h / (train_h + data_h),
-                         "train h": train_h, "eval h": eval_h, "data h (1 worker)": data_h,
-                         "cell h": train_h + eval_h + (data_h if inline_data else 0.0)})
+        rows = [_plan_row(cell, device, measure_batch or cell.batch_size, steps, passes, workers)
+                for cell in tqdm(cells, desc=f"plan {name}", disable=not progress)]
+        retrieval = [c for c in cells if c.setup == "retrieval"]
+        live = (measure_live_eval(max(retrieval, key=lambda c: (c.nodes, cell_parameters(c.arch, c.size, c.nodes))),
+                                  device, live_samples) if retrieval and live_samples != 0 else None)
     finally:
         torch.set_num_threads(before)
     df = pd.DataFrame(rows)
-    wall = _makespan(list(df["cell h"]), jobs)
-    table = df.to_markdown(index=False, floatfmt=".3g")
-    where = "CPU" if device.type == "cpu" else device_name(device)
-    return (f"{table}\n\ngrid '{name}' on {where}: {len(cells)} cells, {jobs} at a time with {threads} thread(s) "
-            f"each: about {_duration(wall)} of wall time ({_duration(df['cell h'].sum())} of cell time: training, "
-            f"teacher-forced evaluation{', inline data generation' if inline_data else ''}; the live greedy "
-            "evaluation at the end of each cell is not included)")
+    table = df.drop(columns=["busy h", "spread", "data cores"]).to_markdown(index=False, floatfmt=".3g")
+    return f"{table}\n\n" + plan_parts(name, cells, df, jobs, threads, device, workers, cells_per_gpu, live,
+                                        steps, passes)
+
+
+def _plan_row(cell: TrainConfig, device: torch.device, batch: int, steps: int, passes: int, workers: int) -> dict:
+    """One cell's line of the plan: its step as its run takes it, and its hours (training, teacher-forced
+    evaluations, data generation where inline, GPU-busy where CUDA)."""
+    m = measure_cell(cell, device, batch, steps, passes=passes, busy=device.type == "cuda")
+    scale = cell.batch_size / batch
+    n_steps = cell.samples // cell.batch_size
+    n_evals = max(1, cell.samples // cell.eval_every)
+    train_h = n_steps * m["step_s"] * scale / 3600
+    eval_h = n_evals * cell.eval_samples / batch * m["forward_s"] / 3600
+    data_h = cell.samples * m["gen_s_per_sample"] / 3600
+    busy = m["busy_s"] / m["step_s"] if m["busy_s"] is not None else None  # the share of a step the GPU is busy
+    return {"cell": cell.name, "padded tokens/sample": round(m["tokens"]), "ran": _ran(m),
+            "step ms": 1000 * m["step_s"] * scale, "spread": m["spread"], "data share": data_h / (train_h + data_h),
+            "train h": train_h, "eval h": eval_h, "data h (1 worker)": data_h,
+            "cell h": train_h + eval_h + (data_h if workers == 0 else 0.0),
+            "busy h": (train_h + eval_h) * busy if busy is not None else None,
+            "data cores": cell.batch_size / (m["step_s"] * scale) * m["gen_s_per_sample"]}
+
+
+def _ran(m: dict) -> str:
+    return "graphs" if m["graphs"] else "packed" if m["packing"] == "on" else "eager"
+
+
+def plan_parts(name: str, cells: list[TrainConfig], df, jobs: int, threads: int, device: torch.device, workers: int,
+               cells_per_gpu: int, live: dict | None, steps: int, passes: int) -> str:
+    """The projection's parts under the plan's table, each saying how it was had."""
+    where = "this CPU" if device.type == "cpu" else device_name(device)
+    samples = sorted({c.samples for c in cells})
+    wall, serial = _makespan(list(df["cell h"]), jobs), df["cell h"].sum()
+    ran = df["ran"].value_counts()
+    lines = [f"grid '{name}' on {where}: {len(cells)} cells of {'/'.join(f'{n:,}' for n in samples)} samples; each "
+             f"step the median of {passes} pass(es) over {steps} batches at the quantiles of its lengths, after 2 "
+             f"warm-up steps (largest spread between passes: {df['spread'].max():.0%}); steps as each run takes "
+             f"them: {', '.join(f'{ran[k]} {k}' for k in ran.index)}",
+             f"- serial: {_duration(serial)} (cells one at a time: training, teacher-forced evaluation"
+             f"{', inline data generation' if workers == 0 else ''})"]
+    if df["busy h"].notna().all():
+        lines.append(f"- GPU-busy: {_duration(df['busy h'].sum())} (the steps' kernel time: every launch gap removed)")
+    shared = (f"; {cells_per_gpu} cells a GPU taken at their speed alone, an upper bound on the gain "
+              f"(benchmarks/train_throughput.py --side-by-side {cells_per_gpu} measures it)"
+              if device.type == "cuda" and cells_per_gpu > 1 else "")
+    lines.append(f"- as the grid runs: about {_duration(wall)} of wall time ({jobs} at a time with {threads} "
+                 f"thread(s) each, longest first{shared})")
+    live_h = 0.0
+    if live is not None:
+        retrieval = [c for c in cells if c.setup == "retrieval"]
+        live_h = live["s_per_sample"] * sum(c.eval_samples for c in retrieval) / 3600
+        lines.append(f"- live evaluation of the {len(retrieval)} retrieval cells: {_duration(live_h)} serial (timed "
+                     f"on {live['samples']} test samples of the longest retrieval cell, untrained: "
+                     f"{live['tokens_per_sample']:.0f} tokens and {live['tool_calls_per_sample']:.0f} tool calls a "
+                     f"sample, scaled to {', '.join(sorted({f'{c.eval_samples:,}' for c in retrieval}))} samples a "
+                     "cell; a trained model's traces differ; the direct and CoT cells' live evaluations not timed)")
+    worst = df.loc[df["data cores"].idxmax()]
+    if workers:
+        binds = int((df["data cores"] > workers).sum())
+        lines.append(f"- data generation: {'keeps up in every cell' if not binds else f'binds in {binds} cells'} "
+                     f"({workers} workers a cell; most needed: {worst['data cores']:.2f} cores, {worst['cell']})")
+    else:
+        lines.append(f"- data generation: inline (no workers), in the hours above: {df['data share'].mean():.0%} "
+                     f"of a cell's training on average")
+    if any(c.samples > ONE_MILLION for c in cells):
+        share = {c.name: min(1.0, ONE_MILLION / c.samples) for c in cells}
+        at_1m = [h * share[c] for c, h in zip(df["cell"], df["cell h"])]
+        lines.append(f"- at 1M samples a run (the paper's stated minimum): serial {_duration(sum(at_1m))}, as the "
+                     f"grid runs {_duration(_makespan(at_1m, jobs))}"
+                     + (f", live evaluation {_duration(live_h)} (the same test samples)" if live is not None else ""))
+    return "\n".join(lines)
 
 
 def _makespan(hours: list[float], jobs: int) -> float:

@@ -78,7 +78,7 @@ def logits_of(model, ids: torch.Tensor, packed: Packed | None = None) -> torch.T
     if packed is None:
         with causal_rows():  # right-padded rows, no mask: SDPA's causal kernels (``masks.causal_rows``)
             return model(input_ids=ids).logits
-    with packed_rows(packed.starts):
+    with packed_rows(packed.starts, packed.where):
         config = getattr(getattr(model, "module", model), "config", None)  # a data-parallel wrapper's model
         if getattr(config, "model_type", "") == "mamba":  # no positions: the scan is its own order
             return model(input_ids=ids).logits
