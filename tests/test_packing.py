@@ -121,6 +121,27 @@ def test_packed_attention_runs_causally_on_each_sample_alone(arch):
     assert torch.allclose(by_sample[real], by_mask[real], atol=1e-5)
 
 
+def test_the_row_contexts_leave_a_compiled_forward_as_transformers_runs_it():
+    """The packed and causal-row contexts are context variables, which dynamo cannot trace: a compiled forward
+    (the decode graphs' ``--cuda-graphs compiled``) of the IsTree Transformer traces whole and gives the eager
+    logits, inside those contexts too."""
+    from harness.models.masks import causal_rows
+    from harness.models.packing import packed_rows
+
+    cfg = TrainConfig(arch="transformer", size="smoke", nodes=4, setup="direct", report_to="none").resolved()
+    torch.manual_seed(0)
+    model = new_model(cfg, TrainTask(cfg)).eval()
+    ids = torch.randint(0, 20, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0  # a left-padded row: the mask matters
+    forward = lambda i, m: model(input_ids=i, attention_mask=m).logits  # noqa: E731
+    eager = forward(ids, mask)
+    compiled = torch.compile(forward, fullgraph=True, backend="eager", dynamic=False)
+    with torch.no_grad(), causal_rows(), packed_rows(torch.zeros(2, 9), [(0, 0, 9)]):
+        inside = compiled(ids, mask)
+    assert not torch.equal(eager[0], eager[1]) and torch.allclose(inside, eager, atol=1e-6)
+
+
 def _batch(nodes: int, rows: int, setup: str = "retrieval"):
     cfg = TrainConfig(arch="mamba", size="smoke", nodes=nodes, setup=setup, report_to="none").resolved()
     task = TrainTask(cfg)

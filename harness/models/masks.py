@@ -31,6 +31,12 @@ def causal_rows():
         _CAUSAL_ROWS.reset(token)
 
 
+def in_causal_rows() -> bool:
+    """Whether a forward runs inside ``causal_rows``; False while dynamo traces (a compiled decode step is never
+    the trainer's rows, and dynamo cannot trace a context variable)."""
+    return not torch.compiler.is_compiling() and _CAUSAL_ROWS.get()
+
+
 @functools.cache
 def register_causal_sdpa() -> str:
     """``CAUSAL_SDPA`` registered with transformers' attention and mask interfaces (public: custom attention);
@@ -42,7 +48,7 @@ def register_causal_sdpa() -> str:
     sdpa_mask, sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def mask(*args, **kwargs):
-        if (_CAUSAL_ROWS.get() and kwargs.get("attention_mask") is None) or current_spans() is not None:
+        if (in_causal_rows() and kwargs.get("attention_mask") is None) or current_spans() is not None:
             return None
         return sdpa_mask(*args, **kwargs)
 

@@ -128,10 +128,12 @@ def packed_rows(starts: torch.Tensor | None, spans: list[tuple[int, int, int]] |
 
 
 def current_starts() -> torch.Tensor | None:
-    """The packed rows' ``starts`` a forward pass runs under (``packed_rows``), or None."""
-    return _STARTS.get()
+    """The packed rows' ``starts`` a forward pass runs under (``packed_rows``), or None. None while dynamo
+    traces (a compiled decode step is never packed rows, and dynamo cannot trace a context variable)."""
+    return None if torch.compiler.is_compiling() else _STARTS.get()
 
 
 def current_spans() -> list[tuple[int, int, int]] | None:
-    """The packed rows' sample spans a forward pass runs under (``packed_rows``), or None."""
-    return _SPANS.get()
+    """The packed rows' sample spans a forward pass runs under (``packed_rows``), or None (and while dynamo
+    traces, as ``current_starts``)."""
+    return None if torch.compiler.is_compiling() else _SPANS.get()

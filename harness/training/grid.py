@@ -439,9 +439,10 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
     jobs = default_jobs(len(cells), cells_per_gpu) if jobs is None else jobs
     threads, before = cell_threads(base, jobs), torch.get_num_threads()
     workers = base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)
-    log.info("plan %s: measuring %d training steps of each of %d cells on %s (the bar's ETA is the projection's); "
+    log.info("plan %s: measuring %d training steps of each of %d cells on %s%s (the bar's ETA is the projection's); "
              "nothing is trained or kept", name, 2 + steps * passes, len(cells),
-             "CPU" if device.type == "cpu" else device_name(device))
+             "CPU" if device.type == "cpu" else device_name(device),
+             "" if live_samples == 0 else ", then one retrieval cell's live evaluation")
     torch.set_num_threads(threads)  # measured as each cell will run
     try:
         rows = [_plan_row(cell, device, measure_batch or cell.batch_size, steps, passes, workers)
@@ -452,7 +453,8 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
     finally:
         torch.set_num_threads(before)
     df = pd.DataFrame(rows)
-    table = df.drop(columns=["busy h", "spread", "data cores"]).to_markdown(index=False, floatfmt=".3g")
+    hidden = ["data cores", *(["busy h"] if df["busy h"].isna().all() else [])]
+    table = df.drop(columns=hidden).to_markdown(index=False, floatfmt=".3g")
     return f"{table}\n\n" + plan_parts(name, cells, df, jobs, threads, device, workers, cells_per_gpu, live,
                                         steps, passes)
 
