@@ -20,19 +20,29 @@ and run:
   over, the previous owner's views are replaced by copies, so no cache is overwritten behind its back.
 
 Greedy output equals eager decoding: the extra capacity is masked with the dtype's minimum, so it adds exact
-zeros to every softmax. ``capture=False`` runs the same static-buffer code eagerly (what the CPU tests compare
+zeros to every softmax. ``attention="filled"`` attends over the filled positions only (``FILLED_SDPA``: the Triton
+split-KV kernel of ``harness.ops.decode_attention``, stopping at the device-side write index), checked against the
+capacity's SDPA at each graph's first step and off for the run, with the reason, where they part. ``capture=False`` runs the same static-buffer code eagerly (what the CPU tests compare
 with the eager step, per family); capture and replay need CUDA (``harness.doctor`` compares them on a GPU).
 A family whose step cannot be captured falls back to eager decoding with a warning, never to a wrong answer."""
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from harness.backends.growing_cache import GrowingLayer
-from harness.compiled_steps import CompiledStep
+from harness.compiled_steps import CompiledStep, parted
 from harness.cuda_graphs import ReplayedStep, StaticDecode
+from harness.ops.decode_attention import attention_op
+
+log = logging.getLogger("harness")
 
 ATTENTION = ("sdpa", "eager")  # implementations that take an additive 4D mask as it is
+FILLED_SDPA = "icr_filled_sdpa"
+DECODE_ATTENTION = ("capacity", "filled")  # a graphed step's attention: SDPA over the capacity, or the filled part
 
 
 def unsupported(model, family) -> str | None:
@@ -60,6 +70,36 @@ def masked_attention(model) -> str | None:
         except (ValueError, ImportError, AttributeError):
             continue
     return None
+
+
+def filled_sdpa(module, query, key, value, attention_mask, decode_last=None, **kwargs):
+    """transformers' SDPA attention, except a graphed step's single query given ``decode_last`` (the write index,
+    on the device): attention over positions ``0..decode_last`` of the static buffers, under the same additive
+    mask (``harness.ops.decode_attention``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+
+    if (decode_last is None or query.shape[2] != 1 or attention_mask is None or attention_mask.dim() != 4
+            or kwargs.get("dropout") or any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks"))):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    scale = kwargs.get("scaling")
+    out = attention_op(query, key, value, attention_mask, decode_last,
+                       float(query.shape[-1] ** -0.5 if scale is None else scale))
+    return out.transpose(1, 2), None
+
+
+@functools.cache
+def register_filled_sdpa() -> str:
+    """``FILLED_SDPA`` in transformers' attention and mask interfaces (its masks are SDPA's)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(FILLED_SDPA, filled_sdpa)
+    AttentionMaskInterface.register(FILLED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return FILLED_SDPA
+
+
+class FilledRefused(RuntimeError):
+    """The filled positions' attention parted from the capacity's at a graph's first step."""
 
 
 class _WriteAtLayer(DynamicLayer):
@@ -99,9 +139,12 @@ class _StaticBuffers:
             and v.shape[3] == t.values.shape[3] for mine, v, t in zip(self.keys, self.values, like))
 
 
-def kv_step(model, ids, mask, pos, cache) -> torch.Tensor:
-    """One decode step of a transformers model over a static cache: the last position's logits."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+def kv_step(model, ids, mask, pos, cache, last=None) -> torch.Tensor:
+    """One decode step of a transformers model over a static cache: the last position's logits. ``last``: the
+    write index, given to ``filled_sdpa`` (None: attention over the capacity)."""
+    extra = {} if last is None else {"decode_last": last}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                **extra)
     return out.logits[:, -1]
 
 
@@ -110,8 +153,9 @@ class _Graph(ReplayedStep):
     ``compiled`` where given."""
 
     def __init__(self, model, buf: _StaticBuffers, rows: int, capacity: int, capture: bool, pool,
-                 compiled: CompiledStep | None = None):
+                 compiled: CompiledStep | None = None, filled: bool = False):
         self.model, self.step = model, compiled or kv_step
+        self.last = buf.write_at if filled else None
         self.ids, self.pos, self.mask = buf.ids[:rows], buf.pos[:rows], buf.mask[:rows, :, :, :capacity]
         self.cache = Cache(layers=[_WriteAtLayer(k[:rows, :, :capacity], v[:rows, :, :capacity], buf.write_at)
                                    for k, v in zip(buf.keys, buf.values)])
@@ -121,14 +165,19 @@ class _Graph(ReplayedStep):
             compiled.first(self.replay, self.eager, f"{rows} rows x {capacity} positions")  # not captured yet: runs
         else:
             self.run()
+        if filled:  # the filled positions' attention against the capacity's, on the same inputs
+            why = parted(self.output, kv_step(self.model, self.ids, self.mask, self.pos, self.cache))
+            if why:
+                raise FilledRefused(f"it parted from SDPA over the capacity at {rows} rows x {capacity} "
+                                    f"positions ({why})")
         if capture:
             self.record(self.ids.device, pool)
 
     def run(self):
-        self.output = self.step(self.model, self.ids, self.mask, self.pos, self.cache)
+        self.output = self.step(self.model, self.ids, self.mask, self.pos, self.cache, self.last)
 
     def eager(self) -> torch.Tensor:
-        return kv_step(self.model, self.ids, self.mask, self.pos, self.cache)
+        return kv_step(self.model, self.ids, self.mask, self.pos, self.cache, self.last)
 
 
 class GraphedKVDecode(StaticDecode):
@@ -138,10 +187,27 @@ class GraphedKVDecode(StaticDecode):
     logits_dtype = torch.float32
     step_function = staticmethod(kv_step)
 
-    def __init__(self, model, capture: bool = True, compile: bool = False):
+    def __init__(self, model, capture: bool = True, compile: bool = False, attention: str = "capacity"):
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"attention={attention!r}: give one of {', '.join(DECODE_ATTENTION)}")
         super().__init__(model, capture, compile)
         self.dtype = model.dtype
         self._layers: list[GrowingLayer] | None = None  # this step's cache layers (``takes`` reads them)
+        # the filled positions' attention replaces SDPA (every other call runs SDPA as before); None: off, or why
+        self.filled: str | None = None
+        self.filled_off: str | None = None
+        if attention == "filled":
+            if masked_attention(model) == "sdpa":
+                model.set_attn_implementation(register_filled_sdpa())
+                self.filled = "attention over the filled positions (split-KV)"
+            else:
+                self.filled_off = "the model cannot take SDPA"
+
+    def describe(self) -> str:
+        what = super().describe()
+        if self.filled:
+            return f"{what}, {self.filled}"
+        return f"{what}, attention over the capacity ({self.filled_off})" if self.filled_off else what
 
     def takes(self, state):
         # read once a step (every hook below uses them): the layer walk is Python on the decode's hot path
@@ -178,6 +244,13 @@ class GraphedKVDecode(StaticDecode):
         buf.write_at.fill_(past)
 
     def new_graph(self, rows, capacity, pool, compiled):
+        if self.filled:
+            try:
+                return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool, compiled, filled=True)
+            except FilledRefused as e:
+                log.warning("decode steps: the filled positions' attention is off for the rest of this run: %s; "
+                            "the graphs attend over their capacity", e)
+                self.filled, self.filled_off = None, str(e)
         return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool, compiled)
 
     def hold(self, state, b, past):

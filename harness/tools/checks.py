@@ -16,10 +16,11 @@ from harness.backends.base import state_nbytes
 from harness.backends.base import GenRequest
 from harness.backends.generation import left_pad
 from harness.backends.hf import TransformersBackend
-from harness.backends.kv_decode_graphs import GraphedKVDecode
+from harness.backends.kv_decode_graphs import GraphedKVDecode, unsupported
 from harness.backends.loading import load_backend
 from harness.backends.vllm_backend import VLLMBackend, vllm_build
 from harness.ops import kernels
+from harness.ops.decode_attention import attention_op
 from harness.models.decode_graphs import GraphedDecode
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM
 from harness.tiny import build_tokenizer, make_tiny_model
@@ -131,15 +132,17 @@ def check_phi_mamba_kernels(device) -> dict:
             "same_tokens": same_tokens, "kernel_calls": launched, "ok": ok}
 
 
-def check_cuda_graphs(device="cuda", compiled: bool = False) -> dict:
+def check_cuda_graphs(device="cuda", compiled: bool = False, attention: str = "capacity") -> dict:
     """Decode steps replayed from CUDA graphs against the eager step: Phi-Mamba and the hybrid (a batch of 3:
     bucket 4; the hybrid's KV cache fixed-capacity and resident), and transformers' Phi and Llama through their
     backend (greedy generations of prompts of different lengths, batch 3, rows leaving the batch). ``compiled``:
     the compiled step's graphs (``--cuda-graphs compiled``) of the hybrid and of Phi instead, the compiled step
-    still on at the end (its first-step check against the eager step did not turn it off). On a CPU the graphs'
-    code runs with capture off (what a test can run)."""
+    still on at the end (its first-step check against the eager step did not turn it off). ``attention="filled"``:
+    Phi's and Llama's graphs attending over the filled positions only (``harness.ops.decode_attention``), still on
+    at the end. On a CPU the graphs' code runs with capture off (what a test can run)."""
     worst, same, capture = 0.0, True, torch.device(device).type == "cuda"
-    for attn in ([1],) if compiled else ([], [1]):
+    filled = attention == "filled"
+    for attn in () if filled else ([1],) if compiled else ([], [1]):
         model = _tiny_phi_mamba(attn, device)
         seqs = _probe_prompts()
         eager = _run_paths(model, seqs, 8, "auto", device)
@@ -155,16 +158,40 @@ def check_cuda_graphs(device="cuda", compiled: bool = False) -> dict:
             for graphs in ("off", "on"):
                 backend = load_backend(path, device, "float32", cuda_graphs="off")
                 if graphs == "on":  # as --cuda-graphs builds them
-                    backend.graphs = GraphedKVDecode(backend.model, capture=capture, compile=compiled)
+                    backend.graphs = GraphedKVDecode(backend.model, capture=capture, compile=compiled,
+                                                     attention=attention)
                 reqs = [GenRequest(t, 8 + 4 * i) for i, t in enumerate(texts)]
                 runs[graphs] = [r.token_ids for r in backend.generate(reqs, batch_size=3, prefix_reuse="none")]
-                ran = backend.graphs is not None and not backend.graphs.disabled and backend.graphs.cache.graphs
-                if graphs == "on" and not (ran and (not compiled or not backend.graphs.compiled.disabled)):
-                    same = False  # the graphs (or the compiled step) never ran: nothing was compared
+                g = backend.graphs
+                ran = g is not None and not g.disabled and g.cache.graphs
+                if graphs == "on" and not (ran and (not compiled or not g.compiled.disabled)
+                                           and (not filled or g.filled)):
+                    same = False  # the graphs (or the compiled step, the filled attention) never ran
             same &= runs["on"] == runs["off"] and len({tuple(r) for r in runs["off"]}) > 1
+    if filled:  # the kernel alone at a real shape (Phi-1.5's heads, 2k filled of a 2,560 capacity, 5 splits)
+        worst = max(worst, filled_kernel_diff(device))
     what = "the compiled step's CUDA graphs == eager (hybrid, phi)" if compiled else \
+        "decode from CUDA graphs over the filled positions == eager (phi, llama)" if filled else \
         "decode from CUDA graphs == eager (phi-mamba, hybrid, phi, llama)"
     return {"name": what, "max_diff": worst, "same_tokens": same, "ok": worst < TOL and same}
+
+
+def filled_kernel_diff(device, heads: int = 32, dim: int = 64, capacity: int = 2560, last: int = 2047) -> float:
+    """The filled positions' attention (``harness.ops.decode_attention``: the Triton kernel on a GPU) against SDPA
+    over the whole capacity under the additive mask, float32, 4 rows (one left-padded): the largest difference
+    relative to the output's largest value. Positions past ``last`` hold NaN: read, they would show."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(4, heads, 1, dim, generator=g).to(device)
+    k, v = (torch.randn(4, heads, capacity, dim, generator=g).to(device) for _ in range(2))
+    mask = torch.zeros(4, 1, 1, capacity, device=device)
+    mask[0, ..., :100] = torch.finfo(torch.float32).min
+    mask[..., last + 1:] = torch.finfo(torch.float32).min
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    k[..., last + 1:, :] = float("nan")
+    v[..., last + 1:, :] = float("nan")
+    got = attention_op(q, k, v, mask, torch.tensor([last], device=device), dim ** -0.5)
+    diff = ((got - want).abs().max() / want.abs().max()).item()
+    return diff if diff == diff else float("inf")  # NaN: a position past the filled part was read
 
 
 def memory_bandwidth(device) -> float:
@@ -232,7 +259,8 @@ def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, b
     backend)``, where given, runs after each model's timings on the backend a run gets by default (graphs on a
     GPU) and on the compiled one: its rows are added to the table. Rows are yielded as measured (a caller killed
     at a time limit keeps those before). ``modes``: the ``--cuda-graphs`` settings to time (default: all three on
-    a GPU, off on a CPU)."""
+    a GPU, off on a CPU), and ``filled``: graphs whose attention reads the filled positions only (the
+    transformers models'; a model without such graphs gets no row)."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     bandwidth = memory_bandwidth(device)
     modes = modes or (("off", "on", "compiled") if device == "cuda" else ("off",))
@@ -240,8 +268,16 @@ def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, b
     with tempfile.TemporaryDirectory() as d:
         tok = build_tokenizer()
         for arch, graphs in runs:
-            backend = load_backend(decode_model(d, arch, size, max(lengths), tok), device, dtype, cuda_graphs=graphs)
-            label = arch + {"on": " (graphs)", "compiled": " (graphs, compiled)"}.get(graphs, "")
+            backend = load_backend(decode_model(d, arch, size, max(lengths), tok), device, dtype,
+                                   cuda_graphs="off" if graphs == "filled" else graphs)
+            if graphs == "filled":
+                if not graph_decode_capable_kv(backend):  # Phi-Mamba's graphs are its own: no row
+                    del backend
+                    free_memory()
+                    continue
+                backend.graphs = GraphedKVDecode(backend.model, capture=device == "cuda", attention="filled")
+            label = arch + {"on": " (graphs)", "compiled": " (graphs, compiled)",
+                            "filled": " (graphs, filled attention)"}.get(graphs, "")
             weights = sum(p.numel() * p.element_size() for p in backend.model.parameters())
             for b in batches:
                 for n in lengths:
@@ -260,10 +296,16 @@ def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, b
                            "state_mib": round(nbytes / 2**20, 3),
                            **({"compile_s": round(backend.graphs.compiled.seconds, 1)}
                               if graphs == "compiled" and not off else {})}
-            if then is not None and graphs in (("on", "compiled") if device == "cuda" else ("off",)):
+            if then is not None and graphs in (("on", "filled", "compiled") if device == "cuda" else ("off",)):
                 yield from then(arch, backend)
             del backend
             free_memory()
+
+
+def graph_decode_capable_kv(backend) -> bool:
+    """Whether the backend decodes a transformers attention model that ``GraphedKVDecode`` covers."""
+    family = getattr(backend, "family", None)
+    return family is not None and unsupported(backend.model, family) is None
 
 
 def _graphs_off(backend, mode: str) -> str | None:
@@ -273,6 +315,8 @@ def _graphs_off(backend, mode: str) -> str | None:
         return None if mode == "off" else "graphs off: not built"
     if graphs.disabled:
         return f"graphs off: {graphs.disabled}"
+    if mode == "filled" and not graphs.filled:
+        return f"graphs, filled attention off: {graphs.filled_off}"
     compiled = getattr(graphs, "compiled", None)
     if mode == "compiled" and compiled is not None and compiled.disabled:
         return f"graphs, compiled step off: {compiled.disabled}"

@@ -301,17 +301,21 @@ def sweep_step(device: str, spec: dict, emit) -> None:
 
 def decode_step(device: str, spec: dict, emit) -> None:
     """Decode tokens/s of Phi (transformers) and Phi-Mamba against the memory-bandwidth bound, eager and from
-    CUDA graphs, after the graphs' parity with the eager step (a speed of a wrong step decides nothing); then the
-    compiled step's parity and speed, last: its first steps compile, and a cut-off leaves the rows before."""
+    CUDA graphs (Phi's also attending over the filled positions only), after the graphs' parity with the eager
+    step (a speed of a wrong step decides nothing); then the compiled step's parity and speed, last: its first
+    steps compile, and a cut-off leaves the rows before."""
     cuda = device == "cuda"
     for compiled in (False, True) if cuda else (False,):
-        if cuda:
+        checks = [("compiled step", dict(compiled=True))] if compiled else \
+            [("", {}), ("filled positions", dict(attention="filled"))]
+        for what, how in checks if cuda else ():
             try:
-                emit(check_cuda_graphs(device, compiled))
+                emit(check_cuda_graphs(device, **how))
             except Exception as e:  # the check's failure is a row; the timings after it still run
-                emit({"name": f"CUDA graphs == eager{' (compiled step)' if compiled else ''}", "same_tokens": False,
+                emit({"name": f"CUDA graphs == eager{f' ({what})' if what else ''}", "same_tokens": False,
                       "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
-        modes = ("compiled",) if compiled else ("off", "on") if cuda else ("off",)
+        # the filled positions' attention (graphs reading the cache's filled part only) beside the capacity's
+        modes = ("compiled",) if compiled else ("off", "on", "filled") if cuda else ("off",)
         for row in decode_rows(device, spec["size"], (spec["context"],), spec["steps"], tuple(spec["batches"]),
                                archs=("phi", "phi-mamba"), then=lambda arch, b: [decode_profile(arch, b, spec)],
                                modes=modes):
