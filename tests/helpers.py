@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 from typing import Callable, Sequence
 
 import torch
@@ -396,3 +397,11 @@ def bf16_errors_against_float64(scan, reference, ratio: float = 1.3) -> dict:
     err_ours = {k: rel(a, t) for k, a, t in zip(names, ours, truth)}
     err_ref = {k: rel(a, t) for k, a, t in zip(names, ref, truth)}
     return {k: (err_ours[k], err_ref[k]) for k in names if err_ours[k] > ratio * err_ref[k] + 1e-6}
+
+
+def ctrl_c_reaches() -> None:
+    """``preexec_fn`` of a child a test interrupts: SIGINT back to its default, as a terminal's Ctrl-C finds it. A
+    command started in the background of a non-interactive shell (a CI step's ``cmd &``) inherits SIGINT ignored,
+    and its children with it: the interrupted run would never stop, and the test would fail on the harness's
+    behalf."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -17,7 +17,7 @@ from harness.cache import FileHashCache
 from harness.engine.identity import model_identity
 from harness.engine.runlog import ResumeMismatchError, RunDirError
 from harness.eval import main as eval_main
-from tests.helpers import EachBatch, run_config
+from tests.helpers import EachBatch, ctrl_c_reaches, run_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -274,7 +274,7 @@ def test_an_interrupted_eval_says_what_it_kept_and_resumes(tiny_phi_dir, tmp_pat
            "--max-new-tokens", "64", "--batch-size", "1", "--no-prefix-reuse", "--device", "cpu", "--output", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=ctrl_c_reaches)
     samples = out / "samples.jsonl"
     deadline = time.time() + 120
     while not (samples.exists() and samples.read_text().count("\n") >= 2) and time.time() < deadline:

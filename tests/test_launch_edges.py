@@ -12,6 +12,7 @@ import pytest
 
 from harness.procs import exit_description
 from harness.train import main as train_main
+from tests.helpers import ctrl_c_reaches
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--arch", "mamba", "--size", "smoke", "--nodes", "4", "--setup", "direct", "--samples", "32",
@@ -60,7 +61,8 @@ def test_grid_options_given_to_a_single_run(tmp_path, capsys, flag):
 def test_an_interrupted_projection_says_nothing_was_kept(tmp_path):
     out = tmp_path / "grid"
     proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--grid", "smoke", "--plan", "--output", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_reaches)
     seen, t0 = "", time.monotonic()
     while "measuring" not in seen and time.monotonic() - t0 < 120:  # it says up front what it measures
         line = proc.stderr.readline()

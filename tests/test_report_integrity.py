@@ -13,7 +13,7 @@ import pytest
 
 from harness.engine import run_eval
 from harness.report import main as report_main
-from tests.helpers import run_config
+from tests.helpers import ctrl_c_reaches, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def test_a_disk_that_fills_mid_report_leaves_the_old_report(made, tmp_path):
 def test_ctrl_c_during_a_report_leaves_the_old_report(made, tmp_path):
     run, report = _copy(made, tmp_path)
     before = _files(report)
-    proc = _child_report([str(run), "--out", str(report)])
+    proc = _child_report([str(run), "--out", str(report)], preexec=ctrl_c_reaches)
     deadline = time.time() + 120
     while not list(report.glob(".staging-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
