@@ -22,9 +22,10 @@ and run:
 Greedy output equals eager decoding: the extra capacity is masked with the dtype's minimum, so it adds exact
 zeros to every softmax. ``attention="filled"`` attends over the filled positions only (``FILLED_SDPA``: the Triton
 split-KV kernel of ``harness.ops.decode_attention``, stopping at the device-side write index), checked against the
-capacity's SDPA at each graph's first step and off for the run, with the reason, where they part. ``capture=False`` runs the same static-buffer code eagerly (what the CPU tests compare
-with the eager step, per family); capture and replay need CUDA (``harness.doctor`` compares them on a GPU).
-A family whose step cannot be captured falls back to eager decoding with a warning, never to a wrong answer."""
+capacity's SDPA at each graph's first step and off for the run, with the reason, where they part. ``capture=False``
+runs the same static-buffer code eagerly (what the CPU tests compare with the eager step, per family); capture and
+replay need CUDA (``harness.doctor`` compares them on a GPU). A family whose step cannot be captured falls back to
+eager decoding with a warning, never to a wrong answer."""
 from __future__ import annotations
 
 import functools

@@ -46,7 +46,8 @@ def triton_usable(t: torch.Tensor) -> bool:
 def filled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """``reference_attention``'s result through the Triton kernels, with no host read: shapes as there."""
-    from harness.ops.decode_attention_triton import split_kv_attention  # noqa: PLC0415 (lazy: triton is an optional install)
+    # lazy: triton is an optional install
+    from harness.ops.decode_attention_triton import split_kv_attention  # noqa: PLC0415
 
     return split_kv_attention(q, k, v, mask, last, scale, BLOCK_N, CHUNK)
 
