@@ -194,20 +194,19 @@ class GraphedKVDecode(StaticDecode):
         super().__init__(model, capture, compile)
         self.dtype = model.dtype
         self._layers: list[GrowingLayer] | None = None  # this step's cache layers (``takes`` reads them)
-        # the filled positions' attention replaces SDPA (every other call runs SDPA as before); None: off, or why
-        self.filled: str | None = None
-        self.filled_off: str | None = None
+        # the filled positions' attention replaces SDPA (every other call runs SDPA as before); filled_off: why not
+        self.filled, self.filled_off = False, None
         if attention == "filled":
             if masked_attention(model) == "sdpa":
                 model.set_attn_implementation(register_filled_sdpa())
-                self.filled = "attention over the filled positions (split-KV)"
+                self.filled = True
             else:
                 self.filled_off = "the model cannot take SDPA"
 
     def describe(self) -> str:
         what = super().describe()
         if self.filled:
-            return f"{what}, {self.filled}"
+            return f"{what}, attention over the filled positions (split-KV)"
         return f"{what}, attention over the capacity ({self.filled_off})" if self.filled_off else what
 
     def takes(self, state):
@@ -251,7 +250,7 @@ class GraphedKVDecode(StaticDecode):
             except FilledRefused as e:
                 log.warning("decode steps: the filled positions' attention is off for the rest of this run: %s; "
                             "the graphs attend over their capacity", e)
-                self.filled, self.filled_off = None, str(e)
+                self.filled, self.filled_off = False, str(e)
         return _Graph(self.model, self.buffers, rows, capacity, self.capture, pool, compiled)
 
     def hold(self, state, b, past):

@@ -14,9 +14,11 @@ Written here because SDPA takes no device-side length, FlexAttention's block mas
 what the Triton kernels are tested against in Triton's CPU interpreter (``tests/test_decode_attention.py``)."""
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from harness.ops.kernels import interpreting
+from harness.ops.kernels import usable_on
 
 BLOCK_N = 64  # positions a program reads at a time
 CHUNK = 512  # positions a program of the first kernel covers (the split)
@@ -32,15 +34,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         enable_gqa=k.shape[1] != q.shape[1])
 
 
+_TRITON = importlib.util.find_spec("triton") is not None  # an optional install
+
+
 def triton_usable(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on this tensor: a CUDA tensor, or Triton's CPU interpreter."""
-    if not (t.device.type == "cuda" or interpreting()):
-        return False
-    try:
-        import triton  # noqa: F401, PLC0415 (an optional install)
-    except ImportError:
-        return False
-    return True
+    """Whether the Triton kernels can run on this tensor: Triton installed, and a CUDA tensor or its CPU
+    interpreter (``kernels.usable_on``)."""
+    return _TRITON and usable_on(t)
 
 
 def filled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,

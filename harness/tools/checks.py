@@ -16,7 +16,7 @@ from harness.backends.base import state_nbytes
 from harness.backends.base import GenRequest
 from harness.backends.generation import left_pad
 from harness.backends.hf import TransformersBackend
-from harness.backends.kv_decode_graphs import GraphedKVDecode, unsupported
+from harness.backends.kv_decode_graphs import GraphedKVDecode
 from harness.backends.loading import load_backend
 from harness.backends.vllm_backend import VLLMBackend, vllm_build
 from harness.ops import kernels
@@ -271,7 +271,9 @@ def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, b
             backend = load_backend(decode_model(d, arch, size, max(lengths), tok), device, dtype,
                                    cuda_graphs="off" if graphs == "filled" else graphs)
             if graphs == "filled":
-                if not graph_decode_capable_kv(backend):  # Phi-Mamba's graphs are its own: no row
+                # GraphedKVDecode covers the transformers backend's plain key/value families (the backend set
+                # additive_masks from the same check); Phi-Mamba's graphs are its own: no row
+                if not getattr(backend, "additive_masks", False):
                     del backend
                     free_memory()
                     continue
@@ -300,12 +302,6 @@ def decode_rows(device, size: str, lengths=(512, 2048, 8192), steps: int = 16, b
                 yield from then(arch, backend)
             del backend
             free_memory()
-
-
-def graph_decode_capable_kv(backend) -> bool:
-    """Whether the backend decodes a transformers attention model that ``GraphedKVDecode`` covers."""
-    family = getattr(backend, "family", None)
-    return family is not None and unsupported(backend.model, family) is None
 
 
 def _graphs_off(backend, mode: str) -> str | None:
