@@ -253,11 +253,14 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
     """What the cells will take on this machine as it is now, from a short measurement rather than a constant
     (the old constant held on a quiet machine and read 4 minutes for 18 on a loaded one): each architecture's
     optimizer step at the longest length, timed here on one thread as a cell trains (so other load counts),
-    scaled to each cell's length and steps, plus its evaluations as forward passes and, per cell, twice this
-    process's own start-up (imports included: a cell's process imports as much again, and its live evaluation
-    sets up the engine; measured on 2 loaded cores, a cell's overhead was 2-2.5x). Returns the seconds and what
-    was measured, in words."""
+    scaled to each cell's length and steps, plus its evaluations as forward passes and the processes' start-up,
+    in units of this process's own (imports included). On a CPU the cells fork from one server that imports as
+    much once, and each cell's own overhead (its model, its live evaluation's engine) was a quarter of it on 2
+    loaded cores; a fresh interpreter a cell (CUDA) imports again: twice it a cell, measured the same way.
+    Returns the seconds and what was measured, in words."""
     startup = max(1.0, time.perf_counter() - process_started())
+    forked = torch.cuda.device_count() == 0  # how train_in_processes starts them (harness.procs.child_context)
+    per_cell = (0.25 if forked else 2.0) * startup
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -272,11 +275,13 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
     for c in cells:
         step, forward = per_token[c.arch]
         evals = (c.samples // c.eval_every + 2) * -(-c.eval_samples // c.eval_batch_size)  # + the live one
-        total += (c.samples // c.batch_size) * step * (c.length + 6) + evals * forward * (c.length + 6) + 2 * startup
+        total += (c.samples // c.batch_size) * step * (c.length + 6) + evals * forward * (c.length + 6) + per_cell
     how = ", ".join(f"a {arch} step at L={longest[arch].length} takes {1000 * step * (longest[arch].length + 6):.0f} ms"
                     for arch, (step, _) in per_token.items())
-    return total / max(1, min(jobs, len(cells))), (f"measured just now on one thread: {how}; a cell's process "
-                                                    f"starts in about {2 * startup:.0f} s")
+    started = (f"the cells' process server starts in about {startup:.0f} s, a cell in about {per_cell:.1f} s"
+               if forked else f"a cell's process starts in about {per_cell:.0f} s")
+    return (total / max(1, min(jobs, len(cells))) + (startup if forked else 0.0),
+            f"measured just now on one thread: {how}; {started}")
 
 
 def _duration(seconds: float) -> str:

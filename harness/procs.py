@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -19,23 +21,59 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Called first thing in a child: the kernel sends it SIGKILL when its parent dies, however the parent dies
-    (Linux ``PR_SET_PDEATHSIG``; a thread watching the parent's pid elsewhere). The signal follows the *thread*
-    that started the child, so start children from one long-lived thread."""
-    if sys.platform.startswith("linux"):
+    """Called first thing in a child: it dies (SIGKILL) when ``parent_pid``, the process that asked for it, dies,
+    however that process dies. A direct child: Linux's ``PR_SET_PDEATHSIG`` (the signal follows the *thread* that
+    started the child, so start children from one long-lived thread). A fork server's child, or where the kernel
+    offers no such signal: a thread here waits on ``parent_pid`` (the server outlives that process while its
+    children hold it open, so its own death would not come)."""
+    direct = os.getppid() == parent_pid and sys.platform.startswith("linux")
+    if direct:
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
-            pass
-    else:  # best effort where the kernel offers no parent-death signal
-        def watch():
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            os._exit(0)
-
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+            direct = False
+    if not direct:
+        threading.Thread(target=_die_after, args=(parent_pid,), daemon=True).start()
+    if os.getppid() != parent_pid and not _alive(parent_pid):  # it died before the signal was armed
         os._exit(0)
+
+
+def _die_after(pid: int) -> None:
+    """Wait for ``pid`` to end (a pidfd where the kernel has them: woken at its death; else polled), then die as
+    ``PR_SET_PDEATHSIG`` would kill this process."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        while _alive(pid):
+            time.sleep(0.5)
+    else:
+        select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def child_context(*, cuda: bool, preload: tuple[str, ...] = ()):
+    """How this project starts Python children (grid cells, cells side by side, data workers); ``cuda``: whether
+    the children use CUDA. Without it: a fork server that imported ``preload`` once forks each child, which starts
+    in a fraction of a second instead of a fresh interpreter's 6-7 CPU-seconds of torch and transformers imports
+    (most of a tiny CPU cell's life; a demo trains nine). With it: a fresh interpreter each (spawn): a child forked
+    after CUDA was touched cannot use it, and each GPU cell chooses the device it sees in the environment it starts
+    with; an hours-long GPU cell does not notice its start-up. A fork server's children inherit its environment as
+    it was when its first child started (``multiprocessing``'s rule)."""
+    if cuda or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
 
 
 @contextlib.contextmanager

@@ -146,6 +146,16 @@ def test_grid_cells_die_with_the_grid(tmp_path, sig):
         RunLock(cell.parent).acquire().release()
 
 
+def test_cpu_cells_fork_from_a_server_and_gpu_cells_start_fresh():
+    """Without CUDA a cell forks from a server that imported the trainer once (the grids above run that way and
+    their cells die with the grid, SIGKILL included); with CUDA a cell is a fresh interpreter (spawn): a child
+    forked after CUDA was touched cannot use it, and each GPU cell's visible device is set before it starts."""
+    from harness.procs import child_context
+
+    assert child_context(cuda=True).get_start_method() == "spawn"
+    assert child_context(cuda=False, preload=("harness.training.grid",)).get_start_method() == "forkserver"
+
+
 def test_a_non_finite_loss_stops_with_an_error_and_keeps_the_best_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     args = [*SMALL, "--report-to", "none", "--output", str(out), "--samples", "640", "--eval-every", "32",

@@ -13,7 +13,6 @@ import functools
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import statistics
@@ -33,7 +32,7 @@ from harness.files import write_atomic
 from harness.models.istree import build_model, trainable_parameters
 from harness.models.packing import pack, wide_rows
 from harness.reports.plotting import pyplot, save
-from harness.procs import die_with_parent, exit_description
+from harness.procs import child_context, die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
 from harness.training.data import PAD, TrainingBatches, TrainTask, packing_setting
 from harness.training.launch import run_on_scheduler
@@ -159,9 +158,9 @@ def train_in_processes(name: str, cells: list[TrainConfig], jobs: int, threads: 
     The progress bar counts the work done in every cell (the steps in its ``train_log.jsonl``), each cell
     weighted by ``cost`` (default: its steps), so its ETA moves while long cells train; ``expected_s``, an up-front
     estimate of the whole, steadies the first ETA (``eta_seconds``)."""
-    ctx = multiprocessing.get_context("spawn")
-    pending, running, results, failed = list(cells), {}, [], []
     gpus = torch.cuda.device_count()
+    ctx = child_context(cuda=gpus > 0, preload=(__name__,))
+    pending, running, results, failed = list(cells), {}, [], []
     free = list(range(jobs))  # slot k trains on GPU k mod the GPUs (several cells share one when jobs > GPUs)
     weight = {c.output: (cost or (lambda c: c.samples // c.batch_size))(c) for c in cells}
     total = sum(weight.values()) or 1.0

@@ -17,7 +17,6 @@ report states how much they overlapped."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import queue
 import random
@@ -25,6 +24,7 @@ import time
 
 import torch
 
+from harness.procs import child_context
 from harness.training.config import TrainConfig
 from harness.training.grid import cell_steps
 
@@ -71,7 +71,7 @@ def _window(step, end: float) -> tuple[float, int]:
 def shared_rate(spec: dict, k: int, device: str, batch: int, window_s: float) -> dict:
     """K copies of the cell ``spec`` (TrainConfig fields) trained at once for ``window_s`` seconds after one
     barrier: their summed samples/s, how much their windows overlapped, and the CPU they and their data need."""
-    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    ctx = child_context(cuda=torch.device(device).type == "cuda", preload=(__name__,))  # as the grid starts cells
     barrier, results = ctx.Barrier(k), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(spec, device, batch, window_s, barrier, results), daemon=True)
              for _ in range(k)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -36,6 +35,7 @@ import torch
 from evals.synthetic import loss_mask
 from harness.cache import FileHashCache
 from harness.hashing import json_digest
+from harness.procs import child_context
 
 log = logging.getLogger("harness")
 
@@ -227,7 +227,7 @@ def _pool(workers: int):
     if workers <= 1:
         return contextlib.nullcontext()
 
-    return multiprocessing.get_context("spawn").Pool(workers)
+    return child_context(cuda=False, preload=(__name__,)).Pool(workers)  # they draw samples: no CUDA
 
 
 def _draw_shard(job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
