@@ -31,8 +31,6 @@ from harness.reports.paired import paired
 from harness.reports.plotting import pyplot, save
 from harness.training.config import USER_ERRORS, TrainConfig
 from harness.procs import process_started
-from harness.training.grid import measure_cell, train_in_processes
-from harness.training.trainer import finished_result
 
 ARCHS = ("transformer", "hybrid", "mamba")
 LENGTHS = (4, 8, 16)
@@ -220,6 +218,9 @@ def main(argv=None) -> int:
         if value is not None and value < 1:
             print(f"error: {flag} {value}: use 1 or more", file=sys.stderr)
             return 2
+    from harness.training.grid import train_in_processes  # lazy: start-up time (--help loads no model code)
+    from harness.training.trainer import finished_result  # lazy, as above
+
     t0 = time.perf_counter()
     try:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the cells' processes: no kernel-fallback notices
@@ -258,6 +259,8 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
     much once, and each cell's own overhead (its model, its live evaluation's engine) was a quarter of it on 2
     loaded cores; a fresh interpreter a cell (CUDA) imports again: twice it a cell, measured the same way.
     Returns the seconds and what was measured, in words."""
+    from harness.training.grid import measure_cell  # lazy: start-up time (--help loads no model code)
+
     startup = max(1.0, time.perf_counter() - process_started())
     forked = torch.cuda.device_count() == 0  # how train_in_processes starts them (harness.procs.child_context)
     per_cell = (0.25 if forked else 2.0) * startup

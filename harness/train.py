@@ -24,8 +24,7 @@ from pathlib import Path
 from evals import task_class, task_names
 from evals.synthetic import SyntheticTask
 from harness.engine.config import ConfigError, _f, task_arg_pairs, word_negative_flags
-from harness.models.istree import SCANNED_ARCHS
-from harness.ops.selective_scan import scan_choice_problem, scan_override
+from harness.ops.selective_scan import SCANNED_ARCHS, scan_choice_problem, scan_override
 from harness.procs import stop_on_sigterm
 from harness.training.config import LAUNCHERS, USER_ERRORS, TrainConfig
 

@@ -242,3 +242,39 @@ def test_test_files_share_code_only_through_helpers():
                     and node.module != f"tests.{f.stem}":
                 crossing.append(f"{f.name}:{node.lineno} {ast.unparse(node)}")
     assert crossing == []
+
+
+HELP_LOADS = """
+import contextlib, io, json, runpy, sys
+
+def model_code():
+    return sorted(m for m in sys.modules if ".modeling_" in m or m == "harness.models.istree")
+
+loaded = {}
+for prog in sys.argv[1:]:
+    sys.argv = [prog, "--help"]
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_module(prog, run_name="__main__", alter_sys=True)
+    loaded[prog] = model_code()
+import harness.models.istree  # what the check sees once model code is loaded: it can fail
+loaded["control"] = model_code()
+print("LOADED " + json.dumps(loaded))
+"""
+
+
+def test_the_first_commands_help_loads_no_model_code():
+    """The lazy imports' reason (docs/layout.md): ``--help`` of the commands a user starts with answers without
+    torch's and transformers' model modules (``python -m harness.train --help`` took 7-8 s, importing the IsTree
+    models for one constant). The diagnostics (``harness.doctor``) load theirs."""
+    import json
+    import subprocess
+    import sys
+
+    progs = ["harness.eval", "harness.train", "harness.demo", "harness.report", "harness.tiny"]
+    res = subprocess.run([sys.executable, "-c", HELP_LOADS, *progs], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("LOADED ")), None)
+    assert line, res.stderr[-3000:]
+    loaded = json.loads(line.removeprefix("LOADED "))
+    assert "harness.models.istree" in loaded.pop("control")
+    assert loaded == {p: [] for p in progs}

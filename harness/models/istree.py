@@ -45,7 +45,6 @@ from harness.models.packing import current_spans, current_starts
 from harness.ops.selective_scan import SCANS, ScanChoice, choose_scan, run_scan
 
 ARCHS = ("transformer", "mamba", "hybrid")
-SCANNED_ARCHS = ("mamba", "hybrid")  # the architectures with a selective scan (``--scan`` applies to them only)
 SIZES = {
     # name: transformer (d, ffn, layers, heads), mamba (d, layers), hybrid (d, mamba layers, attention FFN)
     "0.5M": {"transformer": (64, 256, 8, 4), "mamba": (64, 16), "hybrid": (64, 13, 256)},

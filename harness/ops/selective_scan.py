@@ -320,6 +320,7 @@ def _step_sizes(dt, delta_bias, delta_softplus):
 
 
 SCANS = ("auto", "torch", "triton", "sequential")
+SCANNED_ARCHS = ("mamba", "hybrid")  # the IsTree architectures with a selective scan (``--scan`` applies to them)
 SCAN_HELP = ("the trainer's Mamba scan: auto (the Triton kernels on a GPU where they pass their check, else the "
              "PyTorch scan), torch, triton, or sequential (the step-by-step reference: slow, for comparisons)")
 

@@ -11,8 +11,7 @@ from evals import istree, task_class
 from evals.base import OptionError, make_options
 from harness.engine.config import ConfigError, _f
 from harness.engine.runlog import RunDirError
-from harness.models.istree import SCANNED_ARCHS
-from harness.ops.selective_scan import SCAN_HELP, SCANS, scan_choice_problem, scan_override
+from harness.ops.selective_scan import SCAN_HELP, SCANNED_ARCHS, SCANS, scan_choice_problem, scan_override
 from harness.training.state import TrainingError
 
 DEFAULT_LR = {"transformer": 1e-3, "mamba": 3e-4, "hybrid": 3e-4}
