@@ -11,6 +11,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from harness.procs import pid_alive
+
 
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write to a temporary file beside ``path``, fsync, then rename over it: a kill leaves old or new, never half."""
@@ -54,22 +56,10 @@ def remove_stale_temps(directory: Path) -> list[Path]:
     gone = []
     for tmp in directory.glob(".*.tmp"):
         pid = tmp.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
             gone.append(tmp)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def printable(text: str) -> str:
@@ -91,7 +81,7 @@ class StagedFiles:
         self.dest.mkdir(parents=True, exist_ok=True)
         for stale in self.dest.glob(".staging-*"):  # left by a process killed before it could clean up
             pid = stale.name.split("-")[1]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
         self.dir = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=self.dest))
         self.names: list[str] = []

@@ -34,7 +34,7 @@ def die_with_parent(parent_pid: int) -> None:
             direct = False
     if not direct:
         threading.Thread(target=_die_after, args=(parent_pid,), daemon=True).start()
-    if os.getppid() != parent_pid and not _alive(parent_pid):  # it died before the signal was armed
+    if os.getppid() != parent_pid and not pid_alive(parent_pid):  # it died before the signal was armed
         os._exit(0)
 
 
@@ -44,14 +44,15 @@ def _die_after(pid: int) -> None:
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
-        while _alive(pid):
+        while pid_alive(pid):
             time.sleep(0.5)
     else:
         select.select([fd], [], [])
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -29,7 +29,7 @@ CASES = {
     "tool_timeouts.py": (["--rows", "3", "--timeout", "0.2"], "every row got [timeout]: True"),
     # packed against padded rows (the scan comparison's path is the same CLI runs, on another flag)
     "train_cli.py": (["--compare", "packing", "--nodes", "8", "--batch", "4", "--steps", "1,2", "--size", "smoke",
-                      "--repeats", "1", "--batches", "3"], "same losses batch by batch: True"),
+                      "--repeats", "1", "--batches", "3", "--threads", "1"], "same losses batch by batch: True"),
     # its --side-by-side table is harness.training.sharing's (tests/test_sharing.py, the quick suite's part (c))
     "train_throughput.py": (["--sizes", "0.5M", "--nodes", "4", "--setups", "direct,retrieval", "--measure-batch",
                              "2", "--steps", "1"], "paper grid (18 runs of 5M samples"),
