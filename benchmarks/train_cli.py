@@ -58,6 +58,14 @@ def projection(cell: list[str], batch: int, steps: int) -> float:
     return json.loads(res.stdout.strip().splitlines()[-1])["step_s"]
 
 
+def ratio(num: float, den: float, unit: str = "x") -> str:
+    """``num / den`` of two measured steps, or why there is none: a marginal step at or below zero means the
+    runs' noise exceeded the difference of their step counts (tiny runs, a loaded machine)."""
+    if num <= 0 or den <= 0:
+        return "not measured (a marginal step came out at or below zero: noise; use more --steps or --repeats)"
+    return f"{num / den:.2f}{unit}"
+
+
 def compare_packing(a, cell: list[str], short: int, long: int) -> None:
     """Packed against padded rows through the CLI: marginal steps side by side (the median of ``--repeats``
     pairs of runs, the order alternating), losses step by step."""
@@ -82,7 +90,7 @@ def compare_packing(a, cell: list[str], short: int, long: int) -> None:
     print("| rows | seconds per step |\n|---|---|")
     print(f"| padded (--packing off) | {off:.3f} |")
     print(f"| packed (--packing on; {rows['on'][0]['share']:.0%} of the padded tokens) | {on:.3f} |")
-    print(f"\npacked vs padded through the CLI: {off / on:.2f}x")
+    print(f"\npacked vs padded through the CLI: {ratio(off, on)}")
     print(f"packed and padded trained to the same losses, step by step: {same}")
     compare_packing_steps(a)
 
@@ -175,8 +183,8 @@ def main():
     print(f"| harness.train, parallel scan ({par['ran']}) | {par['marginal']:.3f} |")
     print(f"| harness.train, sequential scan | {seq['marginal']:.3f} |")
     print(f"| planner's projection (measure_cell) | {projected:.3f} |")
-    print(f"\nparallel vs sequential through the CLI: {seq['marginal'] / par['marginal']:.2f}x")
-    print(f"projection / CLI: {projected / par['marginal']:.2f} (the goal: 0.85 ... 1.15)")
+    print(f"\nparallel vs sequential through the CLI: {ratio(seq['marginal'], par['marginal'])}")
+    print(f"projection / CLI: {ratio(projected, par['marginal'], '')} (the goal: 0.85 ... 1.15)")
     print(f"both scans trained to the same losses: {same}")
 
 
