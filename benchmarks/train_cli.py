@@ -101,7 +101,7 @@ def compare_packing_steps(a) -> None:
 
     import torch
 
-    from harness.models.packing import pack, wide_rows
+    from harness.models.packing import one_row_on, pack
     from harness.training.config import TrainConfig
     from harness.training.data import PAD, TrainingBatches, TrainTask
     from harness.training.step import new_model, new_optimizer, optimizer_step
@@ -113,8 +113,8 @@ def compare_packing_steps(a) -> None:
     task = TrainTask(cfg)
     source = TrainingBatches(task, a.batch, cfg.seed, 0)
     batches = [b for k in range(a.batches) for b in source.pool(k)]
-    pad, wide, cpu = task.vocab.index(PAD), wide_rows(cfg.arch, "cpu"), torch.device("cpu")
-    packed = [pack(ids, mask, pad, wide) for ids, mask in batches]
+    pad, one_row, cpu = task.vocab.index(PAD), one_row_on("cpu"), torch.device("cpu")
+    packed = [pack(ids, mask, pad, one_row) for ids, mask in batches]
     runs = {}
     for name in ("padded", "packed"):
         torch.manual_seed(cfg.seed)

@@ -161,17 +161,23 @@ def test_pack_lays_samples_end_to_end_in_fewer_rows():
                                                                                 torch.arange(n))
         assert p.starts[row, at] == 1 and p.starts[row, at + 1:at + n].sum() == 0
     assert p.mask.sum() == mask.sum() and p.starts.sum() == len(lengths)
+    one_row = pack(ids, mask, pad, one_row=True)  # on a CPU: one row, no padding at all
+    assert one_row.ids.shape == (1, sum(lengths)) and one_row.mask.sum() == mask.sum()
+    assert torch.equal(one_row.ids[0], torch.cat([ids[i, :n] for i, n in enumerate(lengths)]))
     spread = torch.zeros_like(mask)
     spread[:, 0] = 1
     with pytest.raises(ValueError, match="first token is a loss target"):
         pack(ids, spread, pad)
 
 
-@pytest.mark.parametrize("arch,scan", [("transformer", "auto"), ("mamba", "torch"), ("mamba", "sequential"),
-                                       ("hybrid", "torch")])
-def test_packed_rows_give_the_padded_batchs_per_sample_losses_and_gradients(arch, scan):
+@pytest.mark.parametrize("arch,scan,one_row", [("transformer", "auto", False), ("mamba", "torch", False),
+                                            ("mamba", "sequential", False), ("hybrid", "torch", False),
+                                            ("transformer", "auto", True), ("mamba", "torch", True),
+                                            ("mamba", "sequential", True), ("hybrid", "torch", True)])
+def test_packed_rows_give_the_padded_batchs_per_sample_losses_and_gradients(arch, scan, one_row):
     task, ids, mask = _batch(8, 6)
-    p = pack(ids, mask, task.vocab.index(PAD))
+    p = pack(ids, mask, task.vocab.index(PAD), one_row)
+    assert (p.ids.shape[0] == 1) == one_row
     cfg = TrainConfig(arch=arch, size="smoke", nodes=8, setup="retrieval", scan=scan, report_to="none").resolved()
     torch.manual_seed(0)
     model = new_model(cfg, task)
@@ -206,6 +212,28 @@ def test_auto_packs_cells_whose_batches_vary_in_length_and_not_the_others():
     assert packing_setting(transformer, TrainTask(transformer), 8, device_type="cuda") == ("off", None)
     assert packing_setting(TrainConfig(**{**vars(retrieval), "packing": "off"}), TrainTask(retrieval), 8) == (
         "off", None)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "hybrid"])
+def test_the_trainers_model_keeps_its_own_attention_after_set_up(arch, tmp_path, monkeypatch):
+    """A run measures the model's decoding state through the eval engine before it trains, and the engine
+    prepares a model for inference in place (on a CPU a Transformer's attention chunks long blocks under
+    transformers' masks): the model the run trained must still attend per sample on packed rows (a spy around
+    the real function)."""
+    from harness.models import masks
+    from harness.training.trainer import Trainer
+
+    cfg = TrainConfig(arch=arch, size="smoke", nodes=8, setup="retrieval", samples=16, batch_size=8, eval_samples=8,
+                      live_eval=False, report_to="none", packing="on", output=str(tmp_path)).resolved()
+    trainer = Trainer(cfg, progress=False)
+    trainer.run(overwrite=False)
+    model = trainer.acc.unwrap_model(trainer.model)
+    task, ids, mask = _batch(8, 6)
+    p = pack(ids, mask, task.vocab.index(PAD), one_row=True)
+    calls, real = [], masks.per_sample_attention
+    monkeypatch.setattr(masks, "per_sample_attention", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    logits_of(model, p.ids, p)
+    assert calls and all(spans == p.where for spans in calls)
 
 
 @pytest.mark.parametrize("arch", ["transformer", "mamba", "hybrid"])

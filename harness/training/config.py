@@ -86,8 +86,8 @@ class TrainConfig:
     packing: str = _f("auto", "packed rows: a batch's samples laid end to end (the scan and convolution restart at "
                               "each sample, attention confined to it, positions restarting), so no padding is "
                               "computed; the same samples, loss and normalisation as padded rows. auto (default): "
-                              "on where a Mamba or hybrid cell's batches compute at least 10%% fewer tokens packed "
-                              "(a Transformer's packed attention takes a dense mask: slower); on; off",
+                              "on a CPU, on where a cell's batches compute at least 10%% fewer tokens packed (there "
+                              "a batch's samples go into one row), off on a GPU (slower there); on; off",
                       choices=["auto", "on", "off"])
     workers: int | None = _f(None, "data-generation worker processes (default: 4 on CUDA, 0 on CPU)")
     bucket: int = _f(1, "length bucketing: draw this many batches, sort by length, train on them in random order "

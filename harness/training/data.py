@@ -9,7 +9,7 @@ import torch
 from evals import get_task, task_class
 from evals.base import word_level_tokenizer
 from evals.synthetic import PAD, loss_mask
-from harness.models.packing import packed_tokens
+from harness.models.packing import one_row_on, packed_tokens
 from harness.backends.generation import pad_batch
 from harness.hashing import digest
 from harness.training.config import TrainConfig
@@ -116,7 +116,7 @@ def _batch_seed(seed: int, process: int, batch: int) -> int:
 PACKING_GAIN = 0.9  # auto packs a cell whose batches compute at most this share of their padded tokens packed
 
 
-def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8, wide: bool = False) -> float:
+def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8, one_row: bool = False) -> float:
     """Tokens a packed step computes over the padded step's, on the cell's first ``draws`` batches (the run's
     seed: what ``--packing auto`` decides by, the same answer on every resume)."""
     source = TrainingBatches(task, batch, seed, 0)
@@ -124,15 +124,14 @@ def packing_share(task: TrainTask, batch: int, seed: int, draws: int = 8, wide: 
     packed = padded = 0
     for k in range(draws):
         for ids, _ in source.pool(k):
-            p, q = packed_tokens(ids, pad, wide)
+            p, q = packed_tokens(ids, pad, one_row)
             packed, padded = packed + p, padded + q
     return packed / padded
 
 
-def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False,
-                    device_type: str = "cpu") -> tuple[str, float | None]:
-    """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell (``wide``:
-    as ``pack`` lays them out with wide rows) on ``device_type``."""
+def packing_setting(cfg, task: TrainTask, batch: int, device_type: str = "cpu") -> tuple[str, float | None]:
+    """(``on`` or ``off``, the packed share of tokens where measured) for ``--packing`` of this cell on
+    ``device_type``, its batches laid out as ``pack`` lays them out there (``one_row_on``)."""
     # auto packs on a CPU only. There each sample attends causally to itself alone (``masks.per_sample_attention``;
     # a dense block mask ran a Transformer's packed step at 0.95x the padded one, n=32 retrieval, batch 8).
     # On a GPU the Triton scan walks each row's length in turn, so fewer rows of the same width save little, and
@@ -140,6 +139,6 @@ def packing_setting(cfg, task: TrainTask, batch: int, wide: bool = False,
     # hybrid: 0.45-0.72x, its attention then on a dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
     if cfg.packing == "off" or (cfg.packing == "auto" and device_type != "cpu"):
         return "off", None
-    share = packing_share(task, batch, cfg.seed, wide=wide)
+    share = packing_share(task, batch, cfg.seed, one_row=one_row_on(device_type))
     return ("on" if cfg.packing == "on" or share <= PACKING_GAIN else "off"), round(share, 4)
 

@@ -30,7 +30,7 @@ from evals import istree
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
 from harness.models.istree import build_model, trainable_parameters
-from harness.models.packing import pack, wide_rows
+from harness.models.packing import one_row_on, pack
 from harness.reports.plotting import pyplot, save
 from harness.procs import child_context, die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
@@ -309,8 +309,8 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
     drawn, gen_s = data
     # graphs replay only shapes seen before (the first MAX_SHAPES): a cell whose batches pad to varying lengths
     # trains eagerly under auto (its check finds no repeat), so it is timed eagerly
-    wide = wide_rows(cell.arch, device.type)
-    packing, _ = packing_setting(cell, task, batch, wide, device.type)  # the run's own decision: what it trains
+    one_row = one_row_on(device.type)
+    packing, _ = packing_setting(cell, task, batch, device.type)  # the run's own decision: what it trains
     pad = task.vocab.index(PAD)
     graphs = graphs and packing == "off" and len({b[0].shape for b in drawn}) <= MAX_SHAPES
     sync = torch.cuda.synchronize if device.type == "cuda" and synchronize else (lambda: None)
@@ -323,7 +323,7 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
 
     def step(b) -> None:
         ids, mask = b
-        packed = pack(ids, mask, pad, wide).to(device) if packing == "on" else None
+        packed = pack(ids, mask, pad, one_row).to(device) if packing == "on" else None
         ids, mask = (packed.ids, packed.mask) if packed is not None else (ids.to(device), mask.to(device))
         if graphed is not None:
             graphed(ids, mask)

@@ -15,6 +15,7 @@ more by live greedy generation through the eval engine on the test split (the re
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -33,7 +34,7 @@ from harness.engine.run import run_eval
 from harness.engine.runlog import ResumeMismatchError, RunDirError, RunLock
 from harness.files import write_json
 from harness.models.istree import scans_ran, trainable_parameters
-from harness.models.packing import pack, wide_rows
+from harness.models.packing import one_row_on, pack
 from harness.reports.plotting import pyplot, save
 from harness.training.config import ADDED_SETTINGS, PAPER_DEFAULTS, RESULT_DECIDING, TrainConfig, graphs_setting
 from harness.training.step import (lr_at, masked_loss, new_model, new_optimizer, optimizer_step, rate_on_device,
@@ -155,13 +156,11 @@ class Trainer:
             raise ConfigError(f"--cuda-graphs on replays steps on one CUDA device (this run: {acc.num_processes} "
                               f"process(es) on {acc.device}); use --cuda-graphs off")
         self.task = TrainTask(cfg)
-        self.wide_rows = wide_rows(cfg.arch, acc.device.type)
-        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process, self.wide_rows,
-                                                          acc.device.type)
+        self.one_row = one_row_on(acc.device.type)
+        self.packing, self.packed_share = packing_setting(cfg, self.task, self.per_process, acc.device.type)
         if cfg.packing == "auto" and started.get("packing") in ("on", "off") and started["packing"] != self.packing:
             self.packing, self.packed_share = packing_setting(
-                dataclasses.replace(cfg, packing=started["packing"]), self.task, self.per_process, self.wide_rows,
-                acc.device.type)
+                dataclasses.replace(cfg, packing=started["packing"]), self.task, self.per_process, acc.device.type)
         if self.packing == "on" and self.graphs_setting != "off":
             # packed batches change shape from step to step: graphs would replay few of them
             (log.warning if self.graphs_setting == "on" else log.info)(
@@ -301,7 +300,7 @@ class Trainer:
             for step in range(st.step, self.steps):
                 t_data = time.perf_counter()
                 ids, mask = next(batches)
-                packed = pack(ids, mask, self.vocab[PAD], self.wide_rows).to(acc.device, non_blocking=True) \
+                packed = pack(ids, mask, self.vocab[PAD], self.one_row).to(acc.device, non_blocking=True) \
                     if self.packing == "on" else None
                 ids, mask = (packed.ids, packed.mask) if packed is not None else (
                     ids.to(acc.device, non_blocking=True), mask.to(acc.device, non_blocking=True))
@@ -439,15 +438,15 @@ class Trainer:
 
 def model_state_bytes(model, task: TrainTask, tokens: int) -> int:
     """Bytes of decoding state (KV cache, conv and SSM state) the model holds after ``tokens`` tokens: the
-    quantity the paper's argument is about, measured as the eval engine measures it."""
-    was_training = model.training
-    dev = next(model.parameters()).device
-    backend = TransformersBackend("", model=model, tok=task.tokenizer(), device=str(dev),
-                                  dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
-    try:
-        return backend.state_bytes(tokens)
-    finally:
-        model.train(was_training)
+    quantity the paper's argument is about, measured as the eval engine measures it, on a copy: the engine
+    prepares a model for inference in place (its attention function, fused activations, eval mode), and the
+    model measured here is the one about to train (on the engine's attention a packed Transformer step ran 4x
+    slower, under a dense mask)."""
+    clone = copy.deepcopy(model)
+    dev = next(clone.parameters()).device
+    backend = TransformersBackend("", model=clone, tok=task.tokenizer(), device=str(dev),
+                                  dtype="float32" if next(clone.parameters()).dtype == torch.float32 else "bfloat16")
+    return backend.state_bytes(tokens)
 
 
 def _only(by_condition: dict) -> dict:
