@@ -422,7 +422,9 @@ class Trainer:
                   "curve": st.curve,
                   # which Mamba scan trained it (and whether the Triton scan was checked in that dtype first)
                   "scans": scans_ran(self.model),
-                  "packed_rows": {"ran": self.packing, "packed_share": self.packed_share},  # --packing is "packing"
+                  "packed_rows": {"ran": self.packing, "packed_share": self.packed_share,  # --packing is "packing"
+                                  **({"layout": "one row a batch" if self.one_row else "rows of the batch's width"}
+                                     if self.packing == "on" else {})},
                   "train_step": self.graphed.describe() if self.graphed is not None else (
                       f"eager ({self.graphs_check['why']})" if self.graphs_check else "eager"),
                   **({"graphs_check": self.graphs_check} if self.graphs_check is not None else {})}
