@@ -30,7 +30,7 @@ from harness.reports.runs import load_run
 from harness.reports.paired import paired
 from harness.reports.plotting import pyplot, save
 from harness.training.config import USER_ERRORS, TrainConfig
-from harness.procs import process_started
+from harness.procs import forks, process_started
 
 ARCHS = ("transformer", "hybrid", "mamba")
 LENGTHS = (4, 8, 16)
@@ -262,7 +262,7 @@ def estimate_seconds(cells: list[TrainConfig], jobs: int) -> tuple[float, str]:
     from harness.training.grid import measure_cell  # lazy: start-up time (--help loads no model code)
 
     startup = max(1.0, time.perf_counter() - process_started())
-    forked = torch.cuda.device_count() == 0  # how train_in_processes starts them (harness.procs.child_context)
+    forked = forks(cuda=torch.cuda.device_count() > 0)  # as train_in_processes starts them
     per_cell = (0.25 if forked else 2.0) * startup
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -62,6 +62,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def forks(*, cuda: bool) -> bool:
+    """Whether ``child_context(cuda=cuda)`` forks children from a server (else: a fresh interpreter each)."""
+    return not cuda and "forkserver" in multiprocessing.get_all_start_methods()
+
+
 def child_context(*, cuda: bool, preload: tuple[str, ...] = ()):
     """How this project starts Python children (grid cells, cells side by side, data workers); ``cuda``: whether
     the children use CUDA. Without it: a fork server that imported ``preload`` once forks each child, which starts
@@ -70,7 +75,7 @@ def child_context(*, cuda: bool, preload: tuple[str, ...] = ()):
     after CUDA was touched cannot use it, and each GPU cell chooses the device it sees in the environment it starts
     with; an hours-long GPU cell does not notice its start-up. A fork server's children inherit its environment as
     it was when its first child started (``multiprocessing``'s rule)."""
-    if cuda or "forkserver" not in multiprocessing.get_all_start_methods():
+    if not forks(cuda=cuda):
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
