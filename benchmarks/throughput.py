@@ -124,8 +124,10 @@ def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf", stop=STOP):
                 spent[0] += time.perf_counter() - t
 
         lm.generate_until = timed
-        res = lm_eval.simple_evaluate(model=lm, tasks=["icr_hotpotqa_bench"], task_manager=TaskManager(include_path=d),
-                                      log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+        # only this task is indexed: lm-eval's own task index (thousands of YAML files) takes ~10 s to build
+        tasks = TaskManager(include_path=d, include_defaults=False)
+        res = lm_eval.simple_evaluate(model=lm, tasks=["icr_hotpotqa_bench"], task_manager=tasks, log_samples=True,
+                                      bootstrap_iters=0, verbosity="ERROR")
         elapsed = spent[0]
     samples = sorted(res["samples"]["icr_hotpotqa_bench"], key=lambda s: s["doc_id"])
     return [s["resps"][0][0] for s in samples], elapsed

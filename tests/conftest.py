@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def warm_python():
+    """This worker's warm interpreter (tests/helpers.py says why): ``warm_python.run(argv, env, cwd, timeout)``
+    runs ``python *argv`` forked from it where ``env`` is ``warm_python.env``, else in a fresh interpreter."""
+    from pathlib import Path
+
+    from tests.helpers import WarmPython
+
+    root = str(Path(__file__).resolve().parent.parent)
+    warm = WarmPython({**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     from harness.tiny import build_tokenizer
 

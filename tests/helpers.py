@@ -405,3 +405,115 @@ def ctrl_c_reaches() -> None:
     and its children with it: the interrupted run would never stop, and the test would fail on the harness's
     behalf."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# A warm interpreter: scripts run in processes forked from one that has already imported torch and transformers.
+# A fresh interpreter spends ~7 s of CPU on those imports before a tiny benchmark does anything (measured here:
+# three quarters of a toy benchmark run), so thirteen benchmark runs paid ~90 s of CI for imports alone. Each run
+# is still its own process (its pid, exit status, output, kill), forked from a server that never computed (one
+# thread, no OpenMP pool), with the server's environment: a run that needs another environment starts fresh.
+_WARM_SERVER = r"""
+import json, os, runpy, sys, traceback
+import torch, transformers
+from transformers import PreTrainedModel  # the model classes' machinery: most of an import's time
+import harness.backends.hf, harness.engine.run, harness.tiny
+threads = len(os.listdir("/proc/self/task"))
+print(json.dumps({"ready": threads == 1, "threads": threads}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("exit"):
+        break
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(req["cwd"])
+            for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["out"], os.O_WRONLY | os.O_CREAT),
+                                    (2, req["err"], os.O_WRONLY | os.O_CREAT)):
+                os.dup2(os.open(path, flags, 0o644), fd)
+            sys.stdin = open(os.devnull)
+            module = req["argv"][1] if req["argv"][0] == "-m" else None  # python -m M ... or python script ...
+            sys.argv = req["argv"][1:] if module else req["argv"]
+            sys.path[0] = req["cwd"] if module else os.path.dirname(os.path.abspath(req["argv"][0]))
+            try:
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(req["argv"][0], run_name="__main__")
+                code = 0
+            except SystemExit as e:  # as the interpreter treats it
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+"""
+
+
+class WarmPython:
+    """``run(argv)`` as ``python *argv`` would (``[script, ...]`` or ``["-m", module, ...]``), in ``cwd``, in a
+    process forked from a warm server started with ``env`` (one run at a time)."""
+
+    def __init__(self, env: dict):
+        import subprocess
+        import sys
+
+        self.env = dict(env)
+        self.proc = subprocess.Popen([sys.executable, "-c", _WARM_SERVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=self.env)
+        self.ready = self._read(600)["ready"]
+
+    def _read(self, timeout: float) -> dict:
+        import json
+        import select
+
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise TimeoutError
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm server ended (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, argv: list[str], env: dict, cwd, timeout: float):
+        """``python *argv`` with ``env`` in ``cwd``: from the warm server where ``env`` is the one it was started
+        with, else in a fresh interpreter. A ``subprocess.CompletedProcess`` either way."""
+        import json
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        if not self.ready or env != self.env:
+            return subprocess.run([sys.executable, *argv], env=env, cwd=cwd, capture_output=True, text=True,
+                                  timeout=timeout)
+        with tempfile.TemporaryDirectory() as d:
+            out, err = os.path.join(d, "out"), os.path.join(d, "err")
+            self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "out": out, "err": err}) + "\n")
+            self.proc.stdin.flush()
+            pid = self._read(60)["pid"]
+            try:
+                code = self._read(timeout)["status"]
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                code = self._read(60)["status"]
+            with open(out) as o, open(err) as e:
+                return subprocess.CompletedProcess(argv, code, o.read(), e.read())
+
+    def close(self) -> None:
+        """Asked to end, not sent an end of input: a process the test's own process forked meanwhile may hold the
+        pipe's other end open (the end of input would never come)."""
+        import subprocess
+
+        try:
+            self.proc.stdin.write('{"exit": true}\n')
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()

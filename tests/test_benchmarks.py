@@ -42,11 +42,9 @@ def test_every_benchmark_is_covered():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
-def test_benchmark_runs(script):
+def test_benchmark_runs(script, warm_python):
     args, expect = CASES[script]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = warm_python.run([str(ROOT / "benchmarks" / script), *args], env=warm_python.env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert expect in res.stdout and "False" not in res.stdout, res.stdout[-2000:]
     if script == "throughput.py":  # it says where it is before its table

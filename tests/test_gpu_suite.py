@@ -14,11 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
+def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path, warm_python):
     out = tmp_path / "suite"
-    res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--out", str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    res = warm_python.run(["-m", "harness.doctor", "--suite", "gpu", "--out", str(out)], env=env, cwd=REPO,
+                          timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["size"] == "tiny" and report["device"] == "cpu"
@@ -43,15 +43,15 @@ def test_the_gpu_suite_runs_on_cpu_and_writes_its_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, capsys):
+def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, capsys, warm_python):
     """Every step (Triton scan in the interpreter, trainer steps and the grid's hours, the sweep, decode) with
     numbers; then a budget too small for all of it: steps are stopped at their limit or skipped with the reason,
     and the call ends within the budget."""
     out = tmp_path / "quick"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "harness.doctor", "--suite", "gpu", "--quick", "--out", str(out),
-                          "--part", "scan,trainer,sharing,sweep,decode"],  # the sweep runs only when named
-                         cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    res = warm_python.run(["-m", "harness.doctor", "--suite", "gpu", "--quick", "--out", str(out),
+                           "--part", "scan,trainer,sharing,sweep,decode"],  # the sweep runs only when named
+                          env=env, cwd=REPO, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     steps = report["steps"]

@@ -239,14 +239,15 @@ def test_recurrent_stepper_blocks_and_padding_are_exact(arch):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One tiny run per architecture: CoT at n=6, a few hundred steps on the CPU."""
+    """One tiny run per architecture: CoT at n=6, a hundred steps on the CPU (its loss falls to 0.33-0.39 of the
+    first step's)."""
     from harness.training.config import TrainConfig
     from harness.training.trainer import train_one
 
     root = tmp_path_factory.mktemp("train")
     out = {}
     for arch in ARCHS:
-        cfg = TrainConfig(arch=arch, size="smoke", nodes=6, setup="cot", samples=200 * 16, batch_size=16,
+        cfg = TrainConfig(arch=arch, size="smoke", nodes=6, setup="cot", samples=100 * 16, batch_size=16,
                           warmup=320, lr=3e-3, eval_every=800, eval_samples=40, eval_batch_size=40,
                           report_to="none", output=str(root / arch)).resolved()
         out[arch] = (cfg, train_one(cfg, progress=False))
@@ -255,9 +256,9 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_few_hundred_steps_reduce_the_loss(trained, arch):
+def test_a_hundred_steps_reduce_the_loss(trained, arch):
     cfg, res = trained[arch]
-    assert res["steps"] == 200
+    assert res["steps"] == 100
     assert res["final_loss"] < 0.6 * res["first_loss"], res
     assert res["trainable_parameters"] == trainable_parameters(build_model(arch, "smoke", 6 + 17))
     log = [json.loads(l) for l in open(f"{cfg.output}/train_log.jsonl")]

@@ -459,7 +459,7 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     """From a venv (the script run by its python, from another folder than the checkout): the vLLM environment
     sees the venv's own packages and the project, installs nothing again, and the documented evaluation (with an
     audit) and benchmark run; vLLM's INFO lines stay out of the output."""
-    res = user_venv(["python", "-c", "import icr_venv_probe, vllm, pandas, harness, evals, transformers, torch; "
+    res = user_venv(["python", "-c", "import icr_venv_probe, pandas, harness, evals, transformers, torch; "
                      "print(icr_venv_probe.WHERE, transformers.__version__)"], cwd=tmp_path)
     assert res.returncode == 0 and "the user venv only 5.19" in res.stdout, res.stdout + res.stderr[-3000:]
     assert "installing" not in res.stderr and "making" not in res.stderr  # the vLLM environment was reused
