@@ -6,9 +6,15 @@ blocks all real) but replaces each row's next-token logits with a one-hot on the
 model writes next, so the tool loop can be driven exactly as a model imitating the exemplars would drive it."""
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
+import select
 import signal
+import subprocess
+import sys
+import tempfile
 from typing import Callable, Sequence
 
 import torch
@@ -461,18 +467,12 @@ class WarmPython:
     process forked from a warm server started with ``env`` (one run at a time)."""
 
     def __init__(self, env: dict):
-        import subprocess
-        import sys
-
         self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, "-c", _WARM_SERVER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=self.env)
         self.ready = self._read(600)["ready"]
 
     def _read(self, timeout: float) -> dict:
-        import json
-        import select
-
         if not select.select([self.proc.stdout], [], [], timeout)[0]:
             raise TimeoutError
         line = self.proc.stdout.readline()
@@ -483,12 +483,6 @@ class WarmPython:
     def run(self, argv: list[str], env: dict, cwd, timeout: float):
         """``python *argv`` with ``env`` in ``cwd``: from the warm server where ``env`` is the one it was started
         with, else in a fresh interpreter. A ``subprocess.CompletedProcess`` either way."""
-        import json
-        import os
-        import subprocess
-        import sys
-        import tempfile
-
         if not self.ready or env != self.env:
             return subprocess.run([sys.executable, *argv], env=env, cwd=cwd, capture_output=True, text=True,
                                   timeout=timeout)
@@ -508,8 +502,6 @@ class WarmPython:
     def close(self) -> None:
         """Asked to end, not sent an end of input: a process the test's own process forked meanwhile may hold the
         pipe's other end open (the end of input would never come)."""
-        import subprocess
-
         try:
             self.proc.stdin.write('{"exit": true}\n')
             self.proc.stdin.flush()
