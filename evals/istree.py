@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from evals.base import Instance, OptionError, TextInstance, ToolSpec, word_level_tokenizer
 from evals.registry import register_task
 from evals.synthetic import SyntheticTask
-from retrieval.search import shared_searcher
+from retrieval.search import InProcessSearcher
 from retrieval.tool import parse_call
 
 SPECIAL = ["[", "]", ",", "-", "[PAD]", "[EOS]", "[TRUE]", "[FALSE]", "[SPACE]", "[NEWLINE]", "[UNK]", "[BOS]",
@@ -241,14 +241,18 @@ def sample_tokens(g: Graph, setup: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- tool
 class IsTreeTool:
-    """The retrieval tool for IsTree: each query becomes one ``re`` search (edge list or trace so far)."""
+    """The retrieval tool for IsTree: each query becomes one ``re`` search (edge list or trace so far). The model
+    writes a query, never a pattern: ``compile_query`` builds one of three patterns over whole-number words (a
+    scan with no nested repetition; the next-edge one is at worst quadratic in the edge list's length), so the
+    search runs in this process (``InProcessSearcher``) and no time limit applies; a row calls every ~7 tokens."""
 
     call_end = END
+    waits = False  # called in turn by the decode loop (harness.backends.base.Tool)
 
-    def __init__(self, edges_text: str, max_calls: int = 10_000, timeout: float = 1.0):
+    def __init__(self, edges_text: str, max_calls: int = 10_000):
         self.edges_text = " ".join(edges_text.split())
         self.max_calls = max_calls
-        self.searcher = shared_searcher(timeout)
+        self.searcher = InProcessSearcher()
         self.log: list[dict] = []
 
     @staticmethod
@@ -381,10 +385,10 @@ class IsTree(SyntheticTask):
         return out
 
     def make_tool(self, instance: Instance, spec: ToolSpec):
-        """The setup decides whether the tool is live (the model was trained with it); the flags set its limits."""
+        """The setup decides whether the tool is live (the model was trained with it); --max-tool-calls caps it."""
         if self.setup != "retrieval":
             return None
-        limits = {"timeout": spec.timeout, **({"max_calls": spec.max_calls} if spec.max_calls is not None else {})}
+        limits = {"max_calls": spec.max_calls} if spec.max_calls is not None else {}
         return IsTreeTool(instance.text.replace(BOS, "").replace(EOS, ""), **limits)
 
     def score(self, instance: Instance, generation: str, answer_phrase: str | None = None) -> dict:

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from evals.fixture import FIXTURE_PATH
-from harness.backends.base import GenRequest
+from harness.backends.base import GenRequest, StepModel
 from harness.backends.step import StepBackend
 from retrieval import RetrievalTool
 from retrieval.tool import RESULT_CLOSE
@@ -107,6 +107,9 @@ class ScriptedBackend(StepBackend):
 
     def prefix_exact(self):
         return self.inner.prefix_exact()
+
+    def feeds_token_by_token(self, widths):
+        return self.inner.feeds_token_by_token(widths)
 
     # stepper ---------------------------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask):
@@ -248,8 +251,10 @@ QUESTIONS = ["Which river runs through the old town?", "Who wrote it?",
 HEADER = "Answer each question in one short sentence.\n\nQuestion: What colour is the sky?\nAnswer: Blue.\n\n"
 
 
-class RecomputeReference:
+class RecomputeReference(StepModel):
     """A stepper with no cache and no padding: each row's whole sequence runs alone at every step."""
+
+    name = "recompute"
 
     def __init__(self, model):
         self.model = model

@@ -16,6 +16,8 @@ CASES = {
                           "decode-state memory"),
     "html_report.py": (["--questions", "30"], "report.html:"),
     "kv_cache.py": (["--lengths", "40,300", "--steps", "4", "--hidden", "32", "--layers", "2"], "True"),
+    "live_eval.py": (["--nodes", "8", "--samples", "4", "--size", "smoke", "--repeats", "1", "--threads", "1"],
+                     "every row wrote the same tokens: True"),
     "loglikelihood.py": (["--questions", "2", "--choices", "3", "--distractors", "1", "--hidden", "32", "--layers",
                           "1"], "True"),
     "prefix_tree.py": (["--models", "phi,hybrid-phi-mamba", "--questions", "1", "--samples", "1", "--hidden", "32",

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from harness.backends.base import StepModel
 from harness.backends.families import FAMILIES, family_of
 from harness.backends.generation import greedy_generate
 from harness.ops.kernels import interpreting
@@ -53,13 +54,7 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
     tok = b.tokenizer
     plain_ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in family_requests(tok)]
     assert_varied([r.text for r in plain_ref], f"{b.family.name} generations")
-    tool_end = None
-    if with_tool:  # a text the model really writes, so the tool is called mid-generation in several rows
-        counts = {}
-        for r in plain_ref:
-            for ch in set(r.text[:-2]):
-                counts[ch] = counts.get(ch, 0) + 1
-        tool_end = max(sorted(counts), key=counts.get)
+    tool_end = _often_written(plain_ref) if with_tool else None
     reqs = family_requests(tok, tool_end)
     ref = [greedy_generate(RecomputeReference(b.model), tok, [r])[0] for r in reqs]
     if with_tool:
@@ -68,6 +63,67 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
     for batch, reuse in [(4, "batch"), (1, "batch"), (4, "none"), (6, "batch"), (4, "tree-rows"), (4, "tree-block")]:
         got = generate_with(b, family_requests(tok, tool_end), batch, reuse)
         assert result_fields(got) == result_fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
+
+
+def _often_written(results) -> str:
+    """A character the model really writes in most rows: as a call's closing tag, the tool is called mid-generation
+    in several rows."""
+    counts = {}
+    for r in results:
+        for ch in set(r.text[:-2]):
+            counts[ch] = counts.get(ch, 0) + 1
+    return max(sorted(counts), key=counts.get)
+
+
+class _BlocksWhole(StepModel):
+    """The backend, with the decode loop told it takes every block in one call: rows' tool results then arrive as
+    ragged blocks the backend splits itself (a call per token, finished rows' state put back)."""
+
+    def __init__(self, backend):
+        self.b, self.name, self.tokenizer, self.device = backend, "blocks whole", backend.tokenizer, backend.device
+
+    def prefill(self, input_ids, attention_mask):
+        return self.b.prefill(input_ids, attention_mask)
+
+    def step(self, state, input_ids, attention_mask):
+        return self.b.step(state, input_ids, attention_mask)
+
+    def select(self, state, keep):
+        return self.b.select(state, keep)
+
+    def expand(self, state, n):
+        return self.b.expand(state, n)
+
+
+@pytest.mark.slow
+def test_a_recurrent_family_is_fed_tool_results_one_token_a_step(family_backend):
+    """A batched family that does not mask padding would feed a step's ragged blocks (tool results of several
+    lengths) a call per token, the other rows idle: the loop feeds every row one token a step instead, so a step
+    is one call, and each row's tokens and output are those of the split blocks."""
+    b = family_backend
+    if not b.batches_exact() or not b.feeds_token_by_token([1, 2]):
+        pytest.skip(f"{b.family.name}: {'runs each sample alone' if not b.batches_exact() else 'masks padding'}")
+    tok = b.tokenizer
+    tool_end = _often_written([greedy_generate(b, tok, [r])[0] for r in family_requests(tok)])
+    calls = []
+    hook = b.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        runs = {}
+        for name, stepper in (("one token", b), ("blocks whole", _BlocksWhole(b))):
+            calls.clear()
+            stats = {}
+            out = greedy_generate(stepper, tok, family_requests(tok, tool_end), stats=stats)
+            runs[name] = (out, len(calls), stats["decode_steps"])
+    finally:
+        hook.remove()
+    (one, one_calls, one_steps), (whole, whole_calls, whole_steps) = runs["one token"], runs["blocks whole"]
+    assert_varied([r.text for r in one], f"{b.family.name} generations")
+    assert len({e - s for r in one for s, e in r.tool_spans}) > 1 and max(
+        e - s for r in one for s, e in r.tool_spans) > 1, "tool results of several lengths: ragged blocks"
+    assert result_fields(one) == result_fields(whole)
+    assert one_calls == 1 + one_steps  # the prefill, then one call a step
+    assert whole_calls > 1 + whole_steps  # the blocks split inside steps
+    assert one_calls < whole_calls
 
 
 PADS = (1, 6, 17)  # left pads that are not a multiple of a Mamba-2 chunk (the tiny configs' is 16), and one that is

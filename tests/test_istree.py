@@ -87,8 +87,12 @@ def test_cot_trace_reaches_the_right_verdict_on_1000_graphs():
 
 
 def test_retrieval_trace_verdict_and_every_query_replays_through_the_regex_tool():
+    """Every gold query's answer is the tool's, searched in this process (no worker process is started)."""
+    import multiprocessing
+
     rng = random.Random(2)
     queries = 0
+    children = {p.pid for p in multiprocessing.active_children()}
     for i in range(1000):
         n = 8 if i % 4 else 16
         g = istree.GENERATORS[istree.GRAPHS[i % 2]](n, rng)
@@ -106,6 +110,7 @@ def test_retrieval_trace_verdict_and_every_query_replays_through_the_regex_tool(
             queries += 1
         assert all(c["status"] in ("ok", "no_match") for c in tool.log)
     assert queries > 20_000
+    assert {p.pid for p in multiprocessing.active_children()} <= children
 
 
 @pytest.mark.parametrize("n,edges,is_tree,expected", [

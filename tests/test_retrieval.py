@@ -37,6 +37,25 @@ def test_matching_uses_re_search_semantics_and_order():
     assert RetrievalTool(UNITS, max_matches=2)("<search>n</search>") == f"<result>{' | '.join(expected)}</result>"
 
 
+def test_the_in_process_searcher_answers_as_the_workers_do():
+    """IsTree's tool searches in its own process (its patterns come from a closed grammar); every outcome there
+    equals the killable workers' one: statuses, matching units, captured groups, refusals."""
+    from retrieval.search import CAPTURE, InProcessSearcher
+
+    here, workers = InProcessSearcher(), RegexSearcher(timeout=5)
+    edges = ["0 - 1 2 - 0 1 - 3 3 - 4"]
+    cases = [("town in the north", UNITS, 3), ("n", UNITS, 2), ("^Pellin", UNITS, 0), ("Zanzibar", UNITS, 0),
+             (r"(?:^| )(?:1 - (\d+)|(\d+) - 1)(?= |$)", edges, CAPTURE), (r"(?:^| )3 - (\d+)(?= |$)", edges, CAPTURE),
+             (r"9 - (\d+)", edges, CAPTURE), ("[z-a]", UNITS, 0), ("", UNITS, 0), ("x" * 600, UNITS, 0)]
+    seen = []
+    for pattern, units, k in cases:
+        a, b = here.search(pattern, units, k), workers.search(pattern, units, k)
+        assert (a.status, a.matches, a.error) == (b.status, b.matches, b.error), pattern
+        seen.append((a.status, tuple(a.matches), a.error))
+    assert len(set(seen)) >= 8 and {s for s, _, _ in seen} == {"ok", "no_match", "error"}  # outcomes that vary
+    workers.close()
+
+
 def test_result_is_capped():
     tool = RetrievalTool(UNITS, max_chars=40)
     out = tool("<search>.</search>")

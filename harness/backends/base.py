@@ -46,10 +46,12 @@ class Tool(Protocol):
     ``text`` is the whole generation up to and including ``call_end``; ``start`` is where the model's own
     writing since the previous tool result begins, so a call is parsed from that part only (a pattern can
     never swallow an earlier result). Calls of one decoding step run concurrently, so a tool must be safe
-    to call from a worker thread."""
+    to call from a worker thread. A tool whose calls wait on nothing outside the interpreter (no worker
+    process) sets ``waits = False`` and is called in turn: threads would only take turns at the interpreter."""
 
     call_end: str
     max_calls: int
+    # waits: bool = True  (optional; read with getattr)
 
     def __call__(self, text: str, start: int = 0) -> str: ...
 
@@ -279,6 +281,12 @@ class StepModel(ABC):
     @abstractmethod
     def expand(self, state: Any, n: int) -> Any:
         """A fresh copy of a one-row state repeated ``n`` times (the shared prefix, copied into each row)."""
+
+    def feeds_token_by_token(self, widths: Sequence[int]) -> bool:
+        """Whether a step of blocks this wide (one width a row) costs a call per token anyway: a recurrent family
+        that puts back the state of each row whose block has ended. The decode loop then feeds every row one
+        token a step, so the rows not absorbing a tool result go on writing in those calls."""
+        return False
 
     def extend(self, state: Any, ids: Sequence[int], past: int) -> torch.Tensor:
         """Feed the next run of a prompt's tokens to a one-row state of ``past`` tokens, in place (the prefix

@@ -115,6 +115,9 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, device, side: str = "l
     """Token sequences as one [batch, longest] tensor and its 0/1 mask, padded on ``side``: prompts are padded
     on the left (every row's next token is at the end), a block fed after a saved state on the right."""
     width = max(len(s) for s in seqs)
+    if all(len(s) == width for s in seqs):  # no padding (a decode step's one token a row): one tensor, no loop
+        ids = torch.tensor(seqs, dtype=torch.long)
+        return ids.to(device), torch.ones_like(ids).to(device)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -152,7 +155,9 @@ def greedy_generate(stepper: StepModel, tokenizer, requests: Sequence[GenRequest
 
     Each step feeds every active row a block: its chosen token, followed by a tool result when that token
     completed a call. Blocks are right-padded to the longest, so a whole result is absorbed in the same
-    forward pass that feeds the other rows their next token."""
+    forward pass that feeds the other rows their next token; where the stepper would feed such a block a
+    call per token anyway (``StepModel.feeds_token_by_token``: recurrent families), each row is fed one token
+    a step instead, its queued tokens over the next steps, and the others write theirs in the same calls."""
     if not requests:
         return []
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -171,7 +176,7 @@ def greedy_generate(stepper: StepModel, tokenizer, requests: Sequence[GenRequest
         blocks, keep = [], []
         for j, b in enumerate(active):
             row = rows[b]
-            if row.done is None:
+            if row.done is None and row.fed == len(row.ids):  # else a tool result is still being fed: no choice
                 row.ids.append(choice[j])
                 row.new_tokens += 1
                 _after_model_token(row, choice[j], tokenizer, eos_id)
@@ -180,15 +185,18 @@ def greedy_generate(stepper: StepModel, tokenizer, requests: Sequence[GenRequest
             row = rows[b]
             if row.done is not None:
                 continue
-            block = row.ids[row.fed:]
-            row.fed = len(row.ids)
             if max_context is not None and row.prompt_len + len(row.ids) > max_context:
                 row.done = _finish(row, "context")
                 continue
-            blocks.append(block)
+            blocks.append(row.ids[row.fed:])
             keep.append(j)
         if not keep:
             break
+        widths = [len(block) for block in blocks]
+        if max(widths) > 1 and stepper.feeds_token_by_token(widths):
+            blocks = [block[:1] for block in blocks]
+        for j, block in zip(keep, blocks):
+            rows[active[j]].fed += len(block)
         if len(keep) < len(active):
             keep_t = torch.tensor(keep, device=mask.device)
             state = stepper.select(state, keep_t)
@@ -304,12 +312,16 @@ def _run_tool_calls(rows: list[_Row], tokenizer) -> None:
     if not rows:
         return
     args = [(r.req.tool, r.call[0][:r.call[1]], r.scan_from) for r in rows]
-    if len(rows) == 1:
-        results = [args[0][0](args[0][1], args[0][2])]
-    else:
+    waiting = [i for i, a in enumerate(args) if getattr(a[0], "waits", True)]
+    results = [None] * len(rows)
+    if len(waiting) > 1:
         if _TOOL_POOL is None:
             _TOOL_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="icr-tool")
-        results = list(_TOOL_POOL.map(lambda a: a[0](a[1], a[2]), args))
+        for i, result in zip(waiting, _TOOL_POOL.map(lambda i: args[i][0](args[i][1], args[i][2]), waiting)):
+            results[i] = result
+    for i, (tool, text, start) in enumerate(args):
+        if results[i] is None:  # a call that waits on nothing (or the step's only one): here, in turn
+            results[i] = tool(text, start)
     for row, result in zip(rows, results):
         _feed_tool_result(row, result, tokenizer)
 

@@ -128,15 +128,20 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         return logits[:, -1].float(), {"cache": cache, "pos": pos[:, -1]}
 
     def step(self, state, input_ids, attention_mask):
-        fam, n = self.family, input_ids.shape[1]
+        n = input_ids.shape[1]
         if self.graphs is not None:
             logits = self.graphs(state, input_ids, attention_mask)
             if logits is not None:
                 return logits
-        ragged = not bool(attention_mask[:, -n:].all())
-        if n > 1 and fam.padding != "masked" and (ragged or not fam.block_steps):
+        if n > 1 and self.feeds_token_by_token(attention_mask[:, -n:].sum(1).tolist()):
             return self._token_by_token(state, input_ids, attention_mask)
         return self._block(state, input_ids, attention_mask)
+
+    def feeds_token_by_token(self, widths):
+        """A family that does not mask padding takes a block in one call only where every row's is as wide, and
+        its cached steps take blocks at all (``Family.block_steps``)."""
+        fam = self.family
+        return fam.padding != "masked" and (len(set(widths)) > 1 or not fam.block_steps)
 
     def _block(self, state, input_ids, attention_mask):
         """One call for the whole right-padded block (exact when the family masks padding, or no row is padded)."""

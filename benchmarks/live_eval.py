@@ -1,0 +1,145 @@
+"""The IsTree live evaluation's decode loop, on the traces of a model that solves the task.
+
+    python benchmarks/live_eval.py [--arch mamba] [--nodes 64] [--samples 64] [--repeats 2]
+
+A trained retrieval cell's live evaluation generates every held-out sample greedily with the tool live (at
+n = 64 ~1,500 tokens and ~240 tool calls a sample: a call every ~7 tokens, its answer one token). An untrained
+model writes no such trace, so this runs the cell's fresh model (its real forward passes, batch, cache and
+state) with each choice set to the sample's gold trace; the tool still answers every search, and a sample ends
+with its right label only if every answer was the gold one. Side by side, alternating, in one run:
+
+  as it runs        one token a row a step (a tool's answer is fed the step after its call), the searches in
+                    this process (IsTree's patterns come from a closed grammar)
+  blocks split      the loop feeding a step's answers as ragged blocks, which a recurrent model splits into a
+                    call a token (the other rows idle in those calls)
+  worker searches   the searches in killable worker processes, on threads (what a model-written pattern needs)
+  both, as before   the two above together: how the loop ran until this benchmark
+  the loop alone    "as it runs" with a model that costs nothing: the decode loop's own share
+
+Prints each row's seconds (median of ``--repeats``), model calls and steps, and its time over "as it runs"."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from evals.istree import BOS, EOS, FALSE, TRUE, Graph, IsTree, IsTreeTool
+from harness.backends.base import GenRequest, StepModel
+from harness.backends.generation import greedy_generate
+from harness.backends.hf import TransformersBackend
+from harness.tools.bench import benchmark_parser
+from harness.training.config import TrainConfig
+from harness.training.data import TrainTask
+from harness.training.grid import grid_cells
+from harness.training.step import new_model
+from retrieval.search import shared_searcher
+
+
+class GoldTrace(StepModel):
+    """``inner``'s forward passes (or none), with every row's choice set to the next token of its gold
+    continuation; ``blocks_whole``: the loop is told the model takes every block in one call."""
+
+    def __init__(self, inner, tokenizer, continuations, blocks_whole=False):
+        self.inner, self.tokenizer, self.device, self.name = inner, tokenizer, torch.device("cpu"), "gold trace"
+        self.continuations, self.blocks_whole = continuations, blocks_whole
+
+    def _choose(self, logits, rows):
+        out = torch.full((len(rows), len(self.tokenizer)), -1e4)
+        for b, (i, fed) in enumerate(rows):
+            cont = self.continuations[i]
+            out[b, cont[fed] if fed < len(cont) else self.tokenizer.eos_token_id] = 0.0
+        return out
+
+    def prefill(self, input_ids, attention_mask):
+        logits, state = self.inner.prefill(input_ids, attention_mask) if self.inner else (None, None)
+        rows = [(i, 0) for i in range(len(input_ids))]
+        return self._choose(logits, rows), (state, rows)
+
+    def step(self, state, input_ids, attention_mask):
+        inner, rows = state
+        logits = self.inner.step(inner, input_ids, attention_mask) if self.inner else None
+        fed = attention_mask[:, -input_ids.shape[1]:].sum(1).tolist()
+        rows[:] = [(i, f + n) for (i, f), n in zip(rows, fed)]
+        return self._choose(logits, rows)
+
+    def select(self, state, keep):
+        inner, rows = state
+        return (self.inner.select(inner, keep) if self.inner else None), [rows[k] for k in keep.tolist()]
+
+    def expand(self, state, n):
+        raise NotImplementedError("no shared prefix here")
+
+    def feeds_token_by_token(self, widths):
+        return not self.blocks_whole and (self.inner is None or self.inner.feeds_token_by_token(widths))
+
+
+def main():
+    ap = benchmark_parser(__doc__)
+    ap.add_argument("--arch", default="mamba", choices=("mamba", "hybrid", "transformer"))
+    ap.add_argument("--size", default="0.5M")
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=64, help="held-out samples, one batch")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    cell = next(c for c in grid_cells("paper", TrainConfig(), Path("unused"))
+                if (c.arch, c.setup, c.nodes) == (a.arch, "retrieval", 64))
+    cell = dataclasses.replace(cell, nodes=a.nodes, size=a.size)  # the paper grid's settings at any size
+    train_task = TrainTask(cell)
+    torch.manual_seed(cell.seed)
+    tok = train_task.tokenizer()
+    backend = TransformersBackend("fresh", model=new_model(cell, train_task), tok=tok, device="cpu",
+                                  dtype="float32")
+    calls = []  # the model's forward passes, a split block's included
+    backend.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    task = IsTree(nodes=a.nodes, setup="retrieval", samples=a.samples)
+    rows = task.load()
+    graphs = [Graph(a.nodes, [tuple(e) for e in r["edges"]]) for r in rows]
+    continuations = [tok(" ".join(task.tokens(g)[1]), add_special_tokens=False)["input_ids"] for g in graphs]
+    print(f"{cell.name} ({sum(p.numel() for p in backend.model.parameters()):,} parameters), {a.samples} samples "
+          f"in one batch: {statistics.mean(map(len, continuations)):.0f} tokens and "
+          f"{statistics.mean(c.count(tok.convert_tokens_to_ids('[ENDSEARCH]')) for c in continuations):.0f} "
+          f"tool calls a sample (gold traces), {a.threads} threads")
+
+    def run(model, blocks_whole, worker_searches):
+        tools = [IsTreeTool(" ".join(g.tokens())) for g in graphs]  # what the engine's task gives each sample
+        for t in tools:
+            if worker_searches:
+                t.searcher, t.waits = shared_searcher(1.0), True
+        requests = [GenRequest(prompt=" ".join([BOS, *g.tokens(), EOS]), max_new_tokens=task.max_new_tokens(True),
+                               stop=[TRUE, FALSE], tool=t) for g, t in zip(graphs, tools)]
+        stepper = GoldTrace(model, tok, continuations, blocks_whole)
+        stats = {}
+        calls.clear()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = greedy_generate(stepper, tok, requests, stats=stats)
+        seconds = time.perf_counter() - t0
+        right = all(r.stop_string == (TRUE if g.is_tree else FALSE) for r, g in zip(out, graphs))
+        return seconds, len(calls), stats["decode_steps"], right, [r.token_ids for r in out]
+
+    configs = {"as it runs": (backend, False, False), "blocks split": (backend, True, False),
+               "worker searches": (backend, False, True), "both, as before": (backend, True, True),
+               "the loop alone": (None, False, False)}
+    measured = {name: [] for name in configs}
+    for rep in range(a.repeats):
+        for name, (model, whole, workers) in (configs.items() if rep % 2 == 0 else reversed(configs.items())):
+            measured[name].append(run(model, whole, workers))
+            print(f"  [{rep + 1}/{a.repeats}] {name}: {measured[name][-1][0]:.2f} s", flush=True)
+    base = statistics.median(r[0] for r in measured["as it runs"])
+    print("\n| loop | seconds (median) | model calls | steps | over 'as it runs' | samples right |")
+    print("|---|--:|--:|--:|--:|---|")
+    for name, runs in measured.items():
+        s = statistics.median(r[0] for r in runs)
+        print(f"| {name} | {s:.2f} | {runs[0][1]:,} | {runs[0][2]:,} | {s / base:.2f}x | "
+              f"{all(r[3] for r in runs)} |")
+    same = len({repr(r[4]) for runs in measured.values() for r in runs}) == 1
+    print(f"\nevery row wrote the same tokens: {same}")
+
+
+if __name__ == "__main__":
+    main()
