@@ -27,53 +27,16 @@ from pathlib import Path
 import torch
 
 from evals.istree import BOS, EOS, FALSE, TRUE, Graph, IsTree, IsTreeTool
-from harness.backends.base import GenRequest, StepModel
+from harness.backends.base import GenRequest
 from harness.backends.generation import greedy_generate
 from harness.backends.hf import TransformersBackend
 from harness.tools.bench import benchmark_parser
 from harness.training.config import TrainConfig
 from harness.training.data import TrainTask
+from harness.training.gold_trace import GoldTrace, gold_continuations
 from harness.training.grid import grid_cells
 from harness.training.step import new_model
 from retrieval.search import shared_searcher
-
-
-class GoldTrace(StepModel):
-    """``inner``'s forward passes (or none), with every row's choice set to the next token of its gold
-    continuation; ``blocks_whole``: the loop is told the model takes every block in one call."""
-
-    def __init__(self, inner, tokenizer, continuations, blocks_whole=False):
-        self.inner, self.tokenizer, self.device, self.name = inner, tokenizer, torch.device("cpu"), "gold trace"
-        self.continuations, self.blocks_whole = continuations, blocks_whole
-
-    def _choose(self, logits, rows):
-        out = torch.full((len(rows), len(self.tokenizer)), -1e4)
-        for b, (i, fed) in enumerate(rows):
-            cont = self.continuations[i]
-            out[b, cont[fed] if fed < len(cont) else self.tokenizer.eos_token_id] = 0.0
-        return out
-
-    def prefill(self, input_ids, attention_mask):
-        logits, state = self.inner.prefill(input_ids, attention_mask) if self.inner else (None, None)
-        rows = [(i, 0) for i in range(len(input_ids))]
-        return self._choose(logits, rows), (state, rows)
-
-    def step(self, state, input_ids, attention_mask):
-        inner, rows = state
-        logits = self.inner.step(inner, input_ids, attention_mask) if self.inner else None
-        fed = attention_mask[:, -input_ids.shape[1]:].sum(1).tolist()
-        rows[:] = [(i, f + n) for (i, f), n in zip(rows, fed)]
-        return self._choose(logits, rows)
-
-    def select(self, state, keep):
-        inner, rows = state
-        return (self.inner.select(inner, keep) if self.inner else None), [rows[k] for k in keep.tolist()]
-
-    def expand(self, state, n):
-        raise NotImplementedError("no shared prefix here")
-
-    def feeds_token_by_token(self, widths):
-        return not self.blocks_whole and (self.inner is None or self.inner.feeds_token_by_token(widths))
 
 
 def main():
@@ -99,7 +62,8 @@ def main():
     task = IsTree(nodes=a.nodes, setup="retrieval", samples=a.samples)
     rows = task.load()
     graphs = [Graph(a.nodes, [tuple(e) for e in r["edges"]]) for r in rows]
-    continuations = [tok(" ".join(task.tokens(g)[1]), add_special_tokens=False)["input_ids"] for g in graphs]
+    gold = gold_continuations(task, tok)
+    continuations = list(gold.values())
     print(f"{cell.name} ({sum(p.numel() for p in backend.model.parameters()):,} parameters), {a.samples} samples "
           f"in one batch: {statistics.mean(map(len, continuations)):.0f} tokens and "
           f"{statistics.mean(c.count(tok.convert_tokens_to_ids('[ENDSEARCH]')) for c in continuations):.0f} "
@@ -112,7 +76,7 @@ def main():
                 t.searcher, t.waits = shared_searcher(1.0), True
         requests = [GenRequest(prompt=" ".join([BOS, *g.tokens(), EOS]), max_new_tokens=task.max_new_tokens(True),
                                stop=[TRUE, FALSE], tool=t) for g, t in zip(graphs, tools)]
-        stepper = GoldTrace(model, tok, continuations, blocks_whole)
+        stepper = GoldTrace(model, gold, tok, blocks_whole)
         stats = {}
         calls.clear()
         t0 = time.perf_counter()

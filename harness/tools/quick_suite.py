@@ -76,7 +76,7 @@ def sizes(cuda: bool) -> dict:
                                             ("hybrid", 16, "direct"), ("transformer", 64, "retrieval"),
                                             ("hybrid", 64, "retrieval")],
                             "draws": 8,
-                            # one evaluation batch of a retrieval cell's live evaluation, timed last (untrained)
+                            # one evaluation batch of a retrieval cell's live evaluation on gold traces, timed last
                             "live": {"arch": "mamba", "size": "0.5M", "nodes": 64, "setup": "retrieval"}},
                 # the long cell the hours go to, then a launch-bound short one, K copies after one barrier (the
                 # long first: on an H100 the short cell's K = 1, 4, 8 took the step's 100 s, graphed and gaining
@@ -220,9 +220,9 @@ def trainer_step(device: str, spec: dict, emit) -> None:
         retrieval_cells = PAPER_RUNS // len(GRIDS["paper"]["setup"])
         emit({"live": True, "cell": cell.name, **{k: round(v, 4) for k, v in m.items()},
               "retrieval_cells_hours": round(m["s_per_sample"] * paper["eval_samples"] * retrieval_cells / 3600, 2),
-              "how": f"{m['samples']} test samples of {cell.name} with its untrained model (each generates to an EOS "
-                     f"or the limit; a trained one's traces differ), scaled to {paper['eval_samples']:,} samples "
-                     f"and {retrieval_cells} retrieval cells"})
+              "how": f"{m['samples']} test samples of {cell.name}, its fresh model writing each sample's gold trace "
+                     f"(a trained model's lengths and tool calls; the tool live), scaled to "
+                     f"{paper['eval_samples']:,} samples and {retrieval_cells} retrieval cells"})
 
 
 def grid_projection(measured: dict, spec: dict, device: torch.device, key: str = "step_s") -> tuple[float, str]:

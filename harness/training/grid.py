@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from evals import istree
+from evals.registry import get_task
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
 from harness.models.istree import build_model, trainable_parameters
@@ -35,6 +36,7 @@ from harness.reports.plotting import pyplot, save
 from harness.procs import child_context, die_with_parent, exit_description
 from harness.training.config import USER_ERRORS, TrainConfig
 from harness.training.data import PAD, TrainingBatches, TrainTask, packing_setting
+from harness.training.gold_trace import GoldTrace, gold_continuations
 from harness.training.launch import run_on_scheduler
 from harness.training.step_graphs import MAX_SHAPES, WARMUP, GraphedSteps
 from harness.training.step import new_model, new_optimizer, optimizer_step, uses_bf16
@@ -391,26 +393,30 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
 def measure_live_eval(cell: TrainConfig, device: torch.device, samples: int | None = None) -> dict:
     """Seconds a test sample of the cell's live evaluation takes (the trainer's own ``evaluate``: greedy
     generation through the eval engine at the run's evaluation batch, the tool live), on ``samples`` samples
-    (default: one evaluation batch), with the tokens generated and the tool calls made. The model is the cell's
-    fresh one, untrained: it generates until an EOS or the task's limit and calls the tool when its tokens happen
-    to, so this times the engine at those lengths, not a trained model's traces (at n=64 retrieval: ~1,500 tokens
-    and ~190 tool calls a sample, within a limit of 3,840)."""
+    (default: one evaluation batch), with the tokens generated, the tool calls made and the accuracy. The model
+    is the cell's fresh one writing each sample's gold trace (``harness.training.gold_trace``): its forward
+    passes at the lengths and calls of a model that has learned the task (at n=64 retrieval ~1,500 tokens and
+    ~240 calls a sample), every sample right when every search answered as the trace says."""
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device).eval()
     batch = cell.eval_batch_size
     samples = samples or batch
+    args = {**task.eval_args, "samples": samples}
+    tok = task.tokenizer()
+    gold = gold_continuations(get_task(cell.task, **args), tok)
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d)
-        save_checkpoint(run_dir, model, task.tokenizer(), {"task": cell.task, "args": task.eval_args})
+        save_checkpoint(run_dir, model, tok, {"task": cell.task, "args": task.eval_args})
         t = time.perf_counter()
-        evaluate(model, task.tokenizer(), run_dir, cell.task, {**task.eval_args, "samples": samples}, batch)
+        evaluate(model, tok, run_dir, cell.task, args, batch, wrap=lambda backend: GoldTrace(backend, gold))
         seconds = time.perf_counter() - t
         rows = [json.loads(line) for line in open(run_dir / "eval" / "samples.jsonl")]
     count = max(1, len(rows))
     return {"samples": len(rows), "batch": batch, "s_per_sample": seconds / count,
             "tokens_per_sample": sum(r["new_tokens"] for r in rows) / count,
-            "tool_calls_per_sample": sum(len(r["tool_calls"]) for r in rows) / count}
+            "tool_calls_per_sample": sum(len(r["tool_calls"]) for r in rows) / count,
+            "accuracy": sum(r["scores"]["accuracy"] for r in rows) / count}
 
 
 PLAN_STEPS, PLAN_PASSES = 5, 3  # a planned cell: 2 warm-up steps, then 3 passes over 5 batches of its lengths
@@ -506,10 +512,11 @@ def plan_parts(name: str, cells: list[TrainConfig], df, jobs: int, threads: int,
         retrieval = [c for c in cells if c.setup == "retrieval"]
         live_h = live["s_per_sample"] * sum(c.eval_samples for c in retrieval) / 3600
         lines.append(f"- live evaluation of the {len(retrieval)} retrieval cells: {_duration(live_h)} serial (timed "
-                     f"on {live['samples']} test samples of the longest retrieval cell, untrained: "
-                     f"{live['tokens_per_sample']:.0f} tokens and {live['tool_calls_per_sample']:.0f} tool calls a "
-                     f"sample, scaled to {', '.join(sorted({f'{c.eval_samples:,}' for c in retrieval}))} samples a "
-                     "cell; a trained model's traces differ; the direct and CoT cells' live evaluations not timed)")
+                     f"on {live['samples']} test samples of the longest retrieval cell, its fresh model writing the "
+                     f"gold traces: {live['tokens_per_sample']:.0f} tokens and {live['tool_calls_per_sample']:.0f} "
+                     f"tool calls a sample, {live['accuracy']:.0%} right, scaled to "
+                     f"{', '.join(sorted({f'{c.eval_samples:,}' for c in retrieval}))} samples a cell; the direct "
+                     "and CoT cells' live evaluations not timed)")
     worst = df.loc[df["data cores"].idxmax()]
     if workers:
         binds = int((df["data cores"] > workers).sum())

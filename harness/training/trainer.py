@@ -458,12 +458,14 @@ def _only(by_condition: dict) -> dict:
 
 
 def evaluate(model, tok, run_dir: Path, task: str, task_args: dict, batch_size: int,
-             max_new_tokens: int | None = None, progress: bool = False) -> dict:
+             max_new_tokens: int | None = None, progress: bool = False, wrap=None) -> dict:
     """Greedy evaluation on held-out samples through the eval engine (the tool live for retrieval). The
     evaluation's rows are keyed by the checkpoint's content (the files in ``run_dir``); rows of another
-    checkpoint (a killed attempt's, a retrained model's) are moved aside, never counted."""
+    checkpoint (a killed attempt's, a retrained model's) are moved aside, never counted. ``wrap``: a function of
+    the model's backend giving the one to run (``measure_live_eval``'s gold traces)."""
     backend = TransformersBackend(str(run_dir), model=model, tok=tok, device=str(next(model.parameters()).device),
                                   dtype="float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16")
+    backend = wrap(backend) if wrap else backend
     cfg = RunConfig(model=str(run_dir), task=task, task_args=task_args, batch_size=str(batch_size),
                     max_new_tokens=max_new_tokens, output=str(run_dir / "eval"), seed=0, prefix_reuse="none")
     try:
