@@ -107,7 +107,28 @@ class _Worker:
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icr-regex-spawn")
 
 
-class RegexSearcher:
+class _Searcher:
+    """What every searcher answers the same way: the refusals, the outcome's status, its seconds."""
+
+    def capture(self, pattern: str, text: str) -> SearchOutcome:
+        """``re.search(pattern, text)``; ``matches`` holds its first participating group (or the whole match)."""
+        return self.search(pattern, [text], CAPTURE)
+
+    def search(self, pattern: str, units: list[str], max_matches: int = 0) -> SearchOutcome:
+        """The units matching ``pattern`` (at most ``max_matches``; 0 = all), in order."""
+        t0 = time.perf_counter()
+        refused = _refused(pattern)
+        found = SearchOutcome("error", error=refused) if refused else self._found(pattern, units, max_matches)
+        out = found if isinstance(found, SearchOutcome) else SearchOutcome("ok" if found else "no_match", found)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _found(self, pattern: str, units: list[str], max_matches: int) -> list[str] | SearchOutcome:
+        """The matches, or the outcome of a search that gave none (a timeout, a worker that died)."""
+        raise NotImplementedError
+
+
+class RegexSearcher(_Searcher):
     """Search a list of text units for a pattern; return the units that match, in order. Thread-safe:
     concurrent calls each take an idle worker (or a new one)."""
 
@@ -155,16 +176,7 @@ class RegexSearcher:
         for w in workers:
             w.kill()
 
-    def capture(self, pattern: str, text: str) -> SearchOutcome:
-        """``re.search(pattern, text)``; ``matches`` holds its first participating group (or the whole match)."""
-        return self.search(pattern, [text], CAPTURE)
-
-    def search(self, pattern: str, units: list[str], max_matches: int = 0) -> SearchOutcome:
-        """The units matching ``pattern`` (at most ``max_matches``; 0 = all), in order."""
-        t0 = time.perf_counter()
-        refused = _refused(pattern)
-        if refused:
-            return SearchOutcome("error", error=refused, seconds=time.perf_counter() - t0)
+    def _found(self, pattern: str, units: list[str], max_matches: int) -> list[str] | SearchOutcome:
         key = hash(tuple(units))  # content, not identity: a freed list's id can be reused
         w = self._take()
         try:
@@ -177,15 +189,14 @@ class RegexSearcher:
             w.units_key = key
             if not w.conn.poll(self.timeout):
                 self._release(w, ok=False)
-                return SearchOutcome("timeout", error=f"search stopped after {self.timeout:g}s",
-                                     seconds=time.perf_counter() - t0)
+                return SearchOutcome("timeout", error=f"search stopped after {self.timeout:g}s")
             matches = w.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
             self._release(w, ok=False)
             return SearchOutcome("error", error=f"the regex worker died mid-search ({type(e).__name__}); "
-                                 "a fresh worker takes the next search", seconds=time.perf_counter() - t0)
+                                 "a fresh worker takes the next search")
         self._release(w, ok=True)
-        return SearchOutcome("ok" if matches else "no_match", matches, seconds=time.perf_counter() - t0)
+        return matches
 
     def __del__(self):
         try:
@@ -194,22 +205,14 @@ class RegexSearcher:
             pass
 
 
-class InProcessSearcher:
+class InProcessSearcher(_Searcher):
     """The same searches in this process, with no time limit: only for patterns a tool builds itself from a closed
     grammar (IsTree's three queries), which cannot backtrack catastrophically. A model-written pattern always goes
     to ``RegexSearcher``'s killable workers. A worker's round trip (a pipe, two process wake-ups) costs ~35x such a
     search (~180 us against ~5 us on a 2-core machine); a tool-heavy evaluation makes one a row every few tokens."""
 
-    def capture(self, pattern: str, text: str) -> SearchOutcome:
-        return self.search(pattern, [text], CAPTURE)
-
-    def search(self, pattern: str, units: list[str], max_matches: int = 0) -> SearchOutcome:
-        t0 = time.perf_counter()
-        refused = _refused(pattern)
-        if refused:
-            return SearchOutcome("error", error=refused, seconds=time.perf_counter() - t0)
-        matches = _matches(pattern, units, max_matches)
-        return SearchOutcome("ok" if matches else "no_match", matches, seconds=time.perf_counter() - t0)
+    def _found(self, pattern: str, units: list[str], max_matches: int) -> list[str]:
+        return _matches(pattern, units, max_matches)
 
 
 _shared: dict[float, RegexSearcher] = {}
