@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from evals.istree import BOS, EOS, FALSE, TRUE, Graph, IsTree, IsTreeTool
+from evals.base import ToolSpec
+from evals.istree import IsTree
 from harness.backends.base import GenRequest
 from harness.backends.generation import greedy_generate
 from harness.backends.hf import TransformersBackend
@@ -60,8 +61,7 @@ def main():
     calls = []  # the model's forward passes, a split block's included
     backend.model.register_forward_pre_hook(lambda *_: calls.append(1))
     task = IsTree(nodes=a.nodes, setup="retrieval", samples=a.samples)
-    rows = task.load()
-    graphs = [Graph(a.nodes, [tuple(e) for e in r["edges"]]) for r in rows]
+    instances = task.instances(task.load())
     gold = gold_continuations(task, tok)
     continuations = list(gold.values())
     print(f"{cell.name} ({sum(p.numel() for p in backend.model.parameters()):,} parameters), {a.samples} samples "
@@ -70,12 +70,12 @@ def main():
           f"tool calls a sample (gold traces), {a.threads} threads")
 
     def run(model, blocks_whole, worker_searches):
-        tools = [IsTreeTool(" ".join(g.tokens())) for g in graphs]  # what the engine's task gives each sample
+        tools = [task.make_tool(i, ToolSpec(enabled=True, max_calls=None)) for i in instances]  # as the engine's
         for t in tools:
             if worker_searches:
                 t.searcher, t.waits = shared_searcher(1.0), True
-        requests = [GenRequest(prompt=" ".join([BOS, *g.tokens(), EOS]), max_new_tokens=task.max_new_tokens(True),
-                               stop=[TRUE, FALSE], tool=t) for g, t in zip(graphs, tools)]
+        requests = [GenRequest(prompt=i.text, max_new_tokens=task.max_new_tokens(True), stop=task.stop, tool=t)
+                    for i, t in zip(instances, tools)]
         stepper = GoldTrace(model, gold, tok, blocks_whole)
         stats = {}
         calls.clear()
@@ -83,7 +83,7 @@ def main():
         with torch.inference_mode():
             out = greedy_generate(stepper, tok, requests, stats=stats)
         seconds = time.perf_counter() - t0
-        right = all(r.stop_string == (TRUE if g.is_tree else FALSE) for r, g in zip(out, graphs))
+        right = all(r.stop_string == i.answer for r, i in zip(out, instances))
         return seconds, len(calls), stats["decode_steps"], right, [r.token_ids for r in out]
 
     configs = {"as it runs": (backend, False, False), "blocks split": (backend, True, False),

@@ -62,12 +62,13 @@ class GoldTrace(StepBackend):
 
     def _choose(self, logits, rows: list[tuple[list[int] | None, int]]) -> torch.Tensor:
         """A row with no gold trace (a prompt of the engine's memory probe) keeps the model's own logits."""
-        out = torch.full((len(rows), len(self.tokenizer)), -1e4, device=self.device)
-        for b, (continuation, fed) in enumerate(rows):
-            if continuation is None:
-                out[b] = logits[b] if logits is not None else out[b]
-                continue
-            out[b, continuation[fed] if fed < len(continuation) else self.tokenizer.eos_token_id] = 0.0
+        eos = self.tokenizer.eos_token_id
+        gold = [b for b, (continuation, _) in enumerate(rows) if continuation is not None]
+        chosen = [rows[b][0][rows[b][1]] if rows[b][1] < len(rows[b][0]) else eos for b in gold]
+        out = logits.clone() if logits is not None else torch.full((len(rows), len(self.tokenizer)), -1e4)
+        out = out.to(self.device)
+        out[gold] = -1e4
+        out[gold, chosen] = 0.0  # one indexed write a step, not one a row (this runs inside the timed loop)
         return out
 
     def prefill(self, input_ids, attention_mask):
