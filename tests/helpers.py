@@ -303,9 +303,11 @@ def result_fields(results):
     return [(r.text, r.token_ids, r.finish_reason, r.tool_spans) for r in results]
 
 
-def generate_with(backend, requests, batch, reuse):
-    """Through the plan asked for (each falls back where it is not exact for the family, as a run's would)."""
-    return backend.generate(requests, batch_size=batch, prefix_reuse=reuse)
+def generate_with(backend, requests, batch, reuse, batching="auto"):
+    """Through the plan asked for (each falls back where it is not exact for the family, as a run's would);
+    ``batching``: auto (continuous where the backend joins batches) or static."""
+    return backend.generate_all(requests, batch_size=batch, prefix_reuse=reuse,
+                                batching=batching).results(len(requests))
 
 
 def tool_scenario(i: int, title_a: str, title_b: str, answer: str) -> tuple[list[str], list[str | None]]:

@@ -4,6 +4,7 @@ sequence alone through a full forward pass at every step (no cache, no padding).
 whose results differ in length per row (ragged blocks, the case that corrupts recurrent state)."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -60,9 +61,46 @@ def test_greedy_output_is_independent_of_batching(family_backend, with_tool):
     if with_tool:
         lengths = {e - s for r in ref for s, e in r.tool_spans}
         assert len(lengths) > 1, "the tool results must differ in length to make ragged blocks"
-    for batch, reuse in [(4, "batch"), (1, "batch"), (4, "none"), (6, "batch"), (4, "tree-rows"), (4, "tree-block")]:
-        got = generate_with(b, family_requests(tok, tool_end), batch, reuse)
-        assert result_fields(got) == result_fields(ref), f"{b.family.name}: batch {batch}, prefix reuse {reuse}"
+    for batch, reuse, batching in [(4, "batch", "continuous"), (1, "batch", "auto"), (4, "none", "continuous"),
+                                   (4, "none", "static"), (6, "batch", "auto"), (4, "tree-rows", "continuous"),
+                                   (4, "tree-block", "continuous")]:  # 6 prompts: at batch 4, rows refilled
+        got = generate_with(b, family_requests(tok, tool_end), batch, reuse, batching)
+        assert result_fields(got) == result_fields(ref), \
+            f"{b.family.name}: batch {batch}, prefix reuse {reuse}, batching {batching}"
+
+
+@pytest.mark.slow
+def test_rows_that_join_a_running_batch_write_what_static_batches_write(family_backend):
+    """Continuous batching: as rows finish, the next prompts are prefilled and joined to the running batch (its
+    mask's fully masked leading columns cut, both sides left-padded to one width). Rows of several lengths (their
+    budgets differ) and tool results of several lengths, so joins meet rows mid-decode and ragged blocks; each
+    row's output is the static batches' and the one-at-a-time run's."""
+    b = family_backend
+    if not b.batches_exact():
+        pytest.skip(f"{b.family.name} runs each sample alone")
+    tok = b.tokenizer
+    tool_end = _often_written([greedy_generate(b, tok, [r])[0] for r in family_requests(tok)])
+
+    def requests():
+        return [dataclasses.replace(r, max_new_tokens=3 + 4 * (i % 4)) for i, r in
+                enumerate(family_requests(tok, tool_end) + family_requests(tok)[::-1])]
+
+    seen = []
+    join = b.join
+    b.join = lambda states, cuts: seen.append(list(cuts)) or join(states, cuts)  # the real join, its cuts kept
+    try:
+        runs = {(batch, how): b.generate_all(requests(), batch_size=batch, prefix_reuse="none", batching=how)
+                for batch, how in ((3, "continuous"), (3, "static"), (1, "static"))}
+        results = {k: g.results(len(requests())) for k, g in runs.items()}
+    finally:
+        del b.join
+    assert runs[3, "continuous"].plan.batching == "continuous" and runs[3, "static"].plan.batching == "static"
+    alone = results[1, "static"]
+    assert_varied([r.text for r in alone], f"{b.family.name} generations")
+    assert len({r.new_tokens for r in alone}) > 2 and any(r.tool_spans for r in alone)
+    assert result_fields(results[3, "continuous"]) == result_fields(results[3, "static"]) == result_fields(alone)
+    assert seen and any(cut > 0 for cuts in seen for _, cut, _ in cuts), "joins that cut finished rows' columns"
+    assert any(pad > 0 for cuts in seen for _, _, pad in cuts), "joins that pad the narrower batch"
 
 
 def _often_written(results) -> str:

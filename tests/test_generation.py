@@ -86,3 +86,17 @@ def test_incremental_detokenizer_equals_full_decode(tiny_tokenizer):
             assert d.flush(ids) == full  # once generation ends, nothing is held back
             cut_mid_character += held_back
     assert cut_mid_character > 0, "some runs must end inside a character for flush to be tested"
+
+
+def test_joined_masks_cut_columns_no_row_sees_and_right_align_every_row():
+    from harness.backends.generation import join_masks
+
+    running = torch.tensor([[0, 0, 0, 1, 1, 0, 1],  # the rows left: their first two columns masked in both
+                            [0, 0, 1, 1, 1, 1, 1]])
+    new = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    mask, cuts = join_masks([running, new])
+    assert cuts == [(7, 2, 0), (3, 0, 2)]  # (width, cut, pad): 5 columns kept, the new batch padded to 5
+    assert mask.tolist() == [[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert join_masks([new, running])[1] == [(3, 0, 2), (7, 2, 0)]  # order kept
+    same, none_cut = join_masks([new, new])
+    assert none_cut == [(3, 0, 0), (3, 0, 0)] and same.tolist() == new.tolist() * 2

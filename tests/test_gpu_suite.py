@@ -79,6 +79,8 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     assert [r["grid_hours"] > 0 for r in trainer if r.get("projection")] == [True]
     live = [r for r in trainer if r.get("live")]  # the live evaluation timed through the trainer's evaluate
     assert len(live) == 1 and live[0]["samples"] == 4 and live[0]["tokens_per_sample"] > 0, live
+    # the whole evaluation's steps replayed over its traces, rows refilled: never more than static batches
+    assert 0 < live[0]["retrieval_cells_hours"] <= live[0]["static_retrieval_cells_hours"], live
     # its fresh model writes the gold traces (a trained model's lengths and calls): every sample right, the tool live
     assert live[0]["accuracy"] == 1.0 and live[0]["tool_calls_per_sample"] > 0, live
     assert live[0]["retrieval_cells_hours"] > 0 and trainer[-1] is live[0]  # last: the least known length

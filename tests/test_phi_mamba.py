@@ -7,7 +7,7 @@ from harness.backends.base import GenRequest
 from harness.models import resolve_model
 from harness.models.phi_mamba import PhiMambaConfig, PhiMambaForCausalLM, ssd_chunked, ssd_step
 from tests.helpers import assert_varied
-from tests.helpers import diverse_prompts, reference_greedy
+from tests.helpers import EchoTool, diverse_prompts, reference_greedy
 
 
 @pytest.mark.parametrize("length,chunk", [(37, 8), (64, 16), (5, 16), (130, 128)])
@@ -78,6 +78,62 @@ def test_left_padded_batch_equals_each_prompt_alone(which, request):
     alone = [backend.generate([GenRequest(p, 12)])[0] for p in prompts]
     assert_varied([r.token_ids for r in batch])
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
+def test_rows_that_join_a_running_batch_write_what_static_batches_write(which, request):
+    """Continuous batching over Phi-Mamba's own state (the hybrid's KV buffers cut and left-padded at each join):
+    rows of several budgets, with tool results of several lengths, write what static batches and each row alone
+    write."""
+    backend = request.getfixturevalue(f"{which}_backend")
+    prompts = diverse_prompts(9, seed=21)
+
+    def requests():
+        return [GenRequest(p, 4 + 5 * (i % 3), tool=EchoTool(" ", i) if i % 2 else None)
+                for i, p in enumerate(prompts)]
+
+    seen = []
+    join = backend.join
+    backend.join = lambda states, cuts: seen.append(list(cuts)) or join(states, cuts)
+    try:
+        runs = {(batch, how): backend.generate_all(requests(), batch_size=batch, prefix_reuse="none", batching=how)
+                for batch, how in ((3, "continuous"), (3, "static"), (1, "static"))}
+        outs = {k: g.results(len(prompts)) for k, g in runs.items()}
+    finally:
+        del backend.join
+    results = {k: [(r.token_ids, r.tool_spans) for r in out] for k, out in outs.items()}
+    assert runs[3, "continuous"].plan.batching == "continuous" and runs[3, "static"].plan.batching == "static"
+    assert_varied(results[1, "static"])
+    assert len({len(r.tool_spans) for r in outs[1, "static"]}) > 1  # rows with calls beside rows without
+    assert results[3, "continuous"] == results[3, "static"] == results[1, "static"]
+    assert any(cut > 0 for cuts in seen for _, cut, _ in cuts) and any(pad > 0 for cuts in seen for _, _, pad in cuts)
+
+
+@pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
+def test_a_joined_batch_steps_as_each_row_alone(which, request):
+    """The join itself, to float32 rounding: a running batch whose long row has left (its leading columns masked
+    in every row left, so they are cut) joined to a batch of longer prompts (so it is left-padded), then stepped:
+    each row's logits are those of its sequence run alone. (The tiny hybrid's attention moves logits too little
+    to change its greedy tokens, so tokens alone would not see a misplaced key.)"""
+    from harness.backends.generation import join_masks, left_pad
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    tok = backend.tokenizer
+    ids = [tok(p)["input_ids"] for p in diverse_prompts(4, seed=3)]
+    ids[0], ids[1] = ids[0] + ids[1], ids[1][:40]  # the first batch's long row leaves; the second's are longer
+    with torch.no_grad():
+        first, first_mask = left_pad(ids[:2], 0, "cpu")
+        _, state = backend.prefill(first, first_mask)
+        state, first_mask = backend.select(state, torch.tensor([1])), first_mask[1:]
+        second, second_mask = left_pad(ids[2:], 0, "cpu")
+        mask, cuts = join_masks([first_mask, second_mask])
+        assert cuts[0][1] > 0 and cuts[0][2] > 0, cuts  # the first batch is cut and padded
+        state = backend.join([state, backend.prefill(second, second_mask)[1]], cuts)
+        nxt = torch.tensor([[5], [6], [7]])
+        got = backend.step(state, nxt, torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1))
+        for row, seq in enumerate(ids[1:]):
+            alone = backend.model(torch.tensor([seq + [5 + row]]))[0][0, -1]
+            assert torch.allclose(got[row], alone, atol=1e-4), (row, (got[row] - alone).abs().max())
 
 
 @pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])

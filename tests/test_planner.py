@@ -2,7 +2,9 @@
 choose from the cost model, and the choice, its reason and its estimates are reported."""
 import pytest
 
-from harness.backends.planner import Costs, forget_costs, make_plan, measure_costs
+from harness.backends.base import GenRequest
+
+from harness.backends.planner import Costs, batching, forget_costs, make_plan, measure_costs
 from harness.backends.prefix_tree import PrefixTree
 from tests.helpers import sweep_prompts
 
@@ -62,3 +64,30 @@ def test_the_cost_model_is_measured_once_per_backend_and_shape(phi_backend):
     assert first.describe()["measured_at"] == [2, 64]
     forget_costs(phi_backend)  # the planner's cache, not the backend's attributes, holds it
     assert measure_costs(phi_backend, 64, 2) is not first and "_prefill_costs" not in vars(phi_backend)
+
+
+def test_rows_are_refilled_where_the_backend_joins_batches_and_the_choice_is_recorded(phi_backend,
+                                                                                      phi_mamba_backend):
+    from tests.helpers import ScriptedBackend
+
+    ids = _ids(phi_backend)
+    several, one = make_plan(phi_backend, ids, 8, 4, "none"), make_plan(phi_backend, ids, 8, len(ids), "none")
+    assert len(several.batches) > 1 and len(one.batches) == 1
+    refilled = ("continuous", "4 slots, refilled as rows finish")
+    assert batching(phi_mamba_backend, several) == refilled  # a fixed-size state: continuous by default
+    # a model that mostly attends, on a CPU: a join pads every row's keys, and attention there costs what it computes
+    assert phi_backend.key_share() == 1.0 and phi_mamba_backend.key_share() == 0.0
+    assert batching(phi_backend, several) == ("static", "on a CPU, a model whose layers mostly attend would attend "
+                                                        "over joined batches' padded keys (continuous: asked for only)")
+    assert batching(phi_backend, several, "continuous") == refilled
+    assert batching(phi_mamba_backend, one) == ("static", "one batch")
+    assert batching(phi_mamba_backend, several, "static") == ("static", "asked for")
+    scripted = ScriptedBackend(phi_backend, lambda prompt: None)  # no join of its own
+    assert batching(scripted, several, "continuous") == ("static", "the scripted backend cannot join batches")
+    with pytest.raises(ValueError, match="batching 'dynamic'"):
+        batching(phi_backend, several, "dynamic")
+    gen = phi_mamba_backend.generate_all([GenRequest(None, 4, prompt_ids=i) for i in ids], batch_size=4,
+                                         prefix_reuse="none")
+    results = gen.results(len(ids))  # the record is complete once the run has ended
+    assert all(r.new_tokens > 0 for r in results)
+    assert (gen.plan.to_json()["batching"], gen.plan.to_json()["batching_reason"]) == refilled

@@ -105,11 +105,12 @@ def test_a_snapshot_that_does_not_fit_is_recomputed_not_kept(phi_backend):
     assert computed[1 << 30] == PrefixTree(ids).tree_tokens < computed[one] < computed[0]
 
 
-def _run(model, out, mode, limit, backend=None, batch_size="3"):
+def _run(model, out, mode, limit, backend=None, batch_size="3", batching="continuous"):
     positions = ["0", "1", "2", "3", "last"]
     cfg = RunConfig(task="hotpotqa", model=model, data="fixture", task_args={"distractors": 4, "positions": positions}, limit=limit,
                     max_new_tokens=10, device="cpu", dtype="float32", output=str(out), batch_size=batch_size,
-                    prefix_reuse=mode, prefix_memory="1GiB")  # not a quarter of what is free: a busy machine's
+                    prefix_reuse=mode, prefix_memory="1GiB",  # not a quarter of what is free: a busy machine's
+                    batching=batching)
     res = run_eval(cfg, backend=backend, progress=False)
     return res, {json.loads(l)["key"]: json.loads(l)["generation"] for l in open(out / "samples.jsonl")}
 
@@ -121,6 +122,10 @@ def test_engine_modes_agree_record_their_prefill_and_resume_into_one_run(tiny_ph
     assert gens["tree"] == gens["batch"] == gens["none"]
     t = {m: r["timings"] for m, (r, _) in results.items()}
     assert {x["prefix_reuse"] for x in t.values()} == {"tree", "batch", "none"}
+    assert {(x["batching"], x["batching_reason"]) for x in t.values()} == {  # rows refilled as they finish
+        ("continuous", "3 slots, refilled as rows finish")}
+    static, gens["static"] = _run(tiny_phi_dir, tmp_path / "static", "tree", 4, phi_backend, batching="auto")
+    assert static["timings"]["batching"] == "static" and gens["static"] == gens["none"]  # auto: keys on a CPU
     assert t["tree"]["prompt_tokens"] == t["batch"]["prompt_tokens"] == t["none"]["prompt_tokens"]
     assert t["tree"]["prefill_tokens"] == t["tree"]["tree_tokens"] < t["batch"]["prefill_tokens"] < \
         t["none"]["prefill_tokens"]
@@ -142,6 +147,7 @@ def test_tree_mode_falls_back_where_rows_cannot_merge(tiny_phi_dir, phi_backend,
     t = res["timings"]
     assert t["prefix_reuse"] == "batch" and t["prefix_reuse_asked"] == "tree"
     assert "tree is not possible here: the scripted backend cannot merge rows" in t["plan_reason"]
+    assert t["batching"] == "static" and t["batching_reason"] == "the scripted backend cannot join batches"
     assert t["plan_reason"] in caplog.text
 
 

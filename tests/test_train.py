@@ -362,6 +362,7 @@ def test_smoke_grid_cells_and_plan(tmp_path):
     # its parts: how steps were timed, serial hours, the live evaluation timed on a retrieval cell, the data
     assert "median of 2 pass(es) over 1 batches" in table and "- serial: " in table
     assert "- live evaluation of the 3 retrieval cells: " in table and "timed on 4 test samples" in table
+    assert "steps replayed over its test samples' traces" in table and "h in static batches" in table
     assert "writing the gold traces" in table and "tool calls a sample, 100% right" in table
     assert "- data generation: inline" in table and "1M samples" not in table  # smoke runs are shorter
     assert not list(tmp_path.iterdir())  # planning trains and writes nothing
@@ -404,3 +405,20 @@ def test_the_grid_table_says_which_checkpoint_each_number_comes_from(tmp_path):
     assert (tmp_path / "istree_grid.png").stat().st_size > 5000
     (tmp_path / "mamba" / "result.json").unlink()  # only runs of the protocol: no old row to label
     assert "| last " in write_grid_report(tmp_path) and "old run" not in (tmp_path / "results.md").read_text()
+
+
+def test_the_live_evaluation_projection_replays_the_loops_own_steps():
+    """Rows are refilled as they finish, so a whole live evaluation is projected by replaying the loop's admission
+    rule over every test sample's gold trace: on a timed run of three batches (rows refilled) the replay gives the
+    run's own decode steps (else measure_live_eval raises), and it takes fewer steps than static batches would."""
+    from harness.backends.generation import scheduled_steps
+    from harness.training.grid import measure_live_eval
+
+    cell = TrainConfig(arch="mamba", size="smoke", nodes=8, setup="retrieval", report_to="none",
+                       eval_batch_size=4, eval_samples=40).resolved()
+    m = measure_live_eval(cell, torch.device("cpu"), samples=12)
+    assert m["samples"] == 12 and m["accuracy"] == 1.0 and m["steps"] > 0
+    assert 0 < m["run_s"] < m["static_run_s"] and m["s_per_sample"] == pytest.approx(m["run_s"] / 40)
+    # the replay itself: rows of 5 passes at 2 slots, the third joining when the first ends
+    assert scheduled_steps([5, 2, 5], 2) == 6 and scheduled_steps([5, 2, 5], 2, continuous=False) == 4 + 4
+    assert scheduled_steps([3], 4) == 2 and scheduled_steps([1, 1], 1) == 0

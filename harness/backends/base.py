@@ -156,6 +156,8 @@ class PlanRecord:
     prefix_memory_bytes: int | None = None  # the tree's snapshot budget
     prefill_tokens: int | None = None  # once run: tokens prefilled
     snapshots: dict[str, int] = field(default_factory=dict)  # once run: the tree's snapshot bytes and recomputes
+    batching: str | None = None  # continuous | static (step backends: harness.backends.planner.batching)
+    batching_reason: str | None = None
 
     @property
     def mode(self) -> str:
@@ -167,7 +169,8 @@ class PlanRecord:
         optional = {"plan_reason": self.reason, "tree_prefill": self.ran[5:] if self.mode == "tree" else None,
                     "plan_estimates_s": {k: round(v, 4) for k, v in self.estimates_s.items()} if self.estimates_s else None,
                     "prefill_costs": self.costs, "prompt_tokens": self.prompt_tokens, "tree_tokens": self.tree_tokens,
-                    "prefix_memory_bytes": self.prefix_memory_bytes, "prefill_tokens": self.prefill_tokens}
+                    "prefix_memory_bytes": self.prefix_memory_bytes, "prefill_tokens": self.prefill_tokens,
+                    "batching": self.batching, "batching_reason": self.batching_reason}
         out.update((k, v) for k, v in optional.items() if v is not None)
         return {**out, **self.snapshots}
 
@@ -225,10 +228,12 @@ class Backend(ABC):
 
     @abstractmethod
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
-                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
+                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto", batching: str = "auto"
+                     ) -> Generation:
         """Greedy generations for every request. ``batch_size``: rows per batch, or ``auto`` (a token budget);
-        ``prefix_reuse``: auto | tree | batch | none (outputs are identical in all; where a mode is not exact or
-        not possible for this backend it falls back, and ``info`` says why)."""
+        ``prefix_reuse``: auto | tree | batch | none; ``batching``: auto | static | continuous (outputs are
+        identical in all; where a mode is not exact or not possible for this backend it falls back, and ``plan``
+        says why)."""
 
     def generate(self, requests: Sequence[GenRequest], batch_size: int | str | None = None,
                  prefix_reuse: str = "none", prefix_memory: str | int = "auto") -> list[GenResult]:
@@ -326,6 +331,25 @@ class MergesRows(ABC):
         """One batch state from one-row, unpadded states of ``lengths`` tokens each (prompts prefilled through
         the prefix tree): attention keys and values left-padded to the longest (the mask hides the pads),
         recurrent state stacked."""
+
+
+class JoinsBatches(ABC):
+    """A step model whose running batch takes new rows (continuous batching: ``generation.continuous_generate``)."""
+
+    @abstractmethod
+    def join(self, states: Sequence[Any], cuts: Sequence[tuple[int, int, int]]) -> Any:
+        """One batch state from running batches' states (their rows in order), each's (width, cut, pad) from
+        ``generation.join_masks``: of its ``width`` cached positions the first ``cut`` dropped (masked in all its
+        rows) and ``pad`` masked ones put before the rest; recurrent state stacked. ``states`` are consumed."""
+
+    def join_unsupported(self) -> str | None:
+        """Why this model's batches cannot be joined here (None: they can)."""
+        return None
+
+    def key_share(self) -> float:
+        """The share of its layers whose state is attention keys and values, which a join pads to the widest
+        batch's span (a recurrent state is fixed-size: a join adds nothing any row computes over)."""
+        return 1.0
 
 
 class ScoresText(ABC):

@@ -211,21 +211,38 @@ def mergeable(cache) -> bool:
 def merge_rows(caches: list, lengths: list[int]):
     """One cache holding the rows of ``caches`` (one row each, prefilled unpadded, ``lengths`` tokens): keys
     and values left-padded with zeros to the longest (the attention mask hides them, as it hides a left-padded
-    prefill's pads), recurrent state stacked; ``caches`` are consumed. Written here because transformers'
-    caches can only select or repeat rows, not join caches of different lengths."""
+    prefill's pads), recurrent state stacked; ``caches`` are consumed. A join of one-row batches (``join_rows``)."""
     width = max(lengths)
-    out = copy.deepcopy(caches[0])  # the structure (one row's tensors, replaced below)
-    for names, pad in ((_KV, True), (_RECURRENT, False)):
-        rows = [_slots(c, names) for c in caches]
-        for k, (box, key) in enumerate(_slots(out, names)):
-            parts = [_get(*r[k]) for r in rows]
-            if pad:
-                if any(t.shape[-2] != n for t, n in zip(parts, lengths)):
-                    raise ValueError("merge_rows: a row's keys do not hold its whole prompt")
-                parts = [torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0)) for t in parts]
+    return join_rows(caches, [(n, 0, width - n) for n in lengths])
+
+
+def key_share(cache) -> float:
+    """The share of a cache's layers that keep keys and values (positions a mask must hide, which attention
+    computes over), against those holding only recurrent state."""
+    layers = [layer for c in _caches(cache) if not isinstance(c, list) for layer in getattr(c, "layers", [])]
+    return sum(bool(_tensors(layer, _KV)) for layer in layers) / max(1, len(layers))
+
+
+def join_rows(caches: list, cuts: list[tuple[int, int, int]]):
+    """One cache holding the rows of running batches' ``caches``, in order; each batch's (width, cut, pad) from
+    ``generation.join_masks``: its keys and values (``width`` positions, as its mask) lose their first ``cut``
+    positions (masked in all its rows) and gain ``pad`` zeros in front (masked), recurrent state stacked. The first
+    cache takes the rows; the others are consumed. Written here because transformers' caches can only select or
+    repeat rows, not join caches of different lengths."""
+    out = caches[0]
+    for names, kv in ((_KV, True), (_RECURRENT, False)):
+        per_cache = [_slots(c, names) for c in caches]
+        for k, (box, key) in enumerate(per_cache[0]):
+            parts = [_get(*slots[k]) for slots in per_cache]
+            if kv:
+                if any(t.shape[-2] != width for t, (width, _, _) in zip(parts, cuts)):
+                    raise ValueError("join_rows: a batch's keys do not cover its attention mask (or a row's, its "
+                                     "whole prompt)")
+                parts = [torch.nn.functional.pad(t[..., cut:, :], (0, 0, pad, 0))
+                         for t, (_, cut, pad) in zip(parts, cuts)]
             _set(box, key, torch.cat(parts))
-            for r in rows:  # each row's tensor released once copied: the rows and the batch are not held twice
-                _set(*r[k], None)
+            for slots in per_cache[1:]:
+                _set(*slots[k], None)
     return out
 
 

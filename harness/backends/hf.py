@@ -13,9 +13,19 @@ from harness.backends import fla_models, growing_cache
 from harness.backends.additive_mask import additive_mask
 from harness.backends.chunked_attention import chunk_attention
 from harness.backends.fused_activations import fuse_activations
-from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresText, resolve_device, resolve_dtype
+from harness.backends.base import (
+    BackendInfo,
+    JoinsBatches,
+    MergesRows,
+    ScoresBlocks,
+    ScoresText,
+    resolve_device,
+    resolve_dtype,
+)
 from harness.backends.families import (
     family_of,
+    key_share,
+    join_rows,
     map_rows,
     merge_rows,
     mergeable,
@@ -30,7 +40,7 @@ from harness.backends.tokenizer import load_tokenizer
 log = logging.getLogger("harness")
 
 
-class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
+class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresBlocks):
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
     family's state (and so how freely it batches) comes from ``harness.backends.families``. A model passed in is
     changed in place: its Python-written tanh GELUs fused (``harness.backends.fused_activations``) and, on a CPU,
@@ -95,13 +105,42 @@ class TransformersBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
         if not fam.segments_exact:
             return (f"{fam.name}: a prompt prefilled in segments is not the prompt prefilled whole (measured by "
                     "tests/test_families.py)")
+        return None if self._cache_mergeable() else f"{fam.name}'s cache layers cannot be merged across rows"
+
+    @torch.inference_mode()
+    def _cache_mergeable(self) -> bool:
         if getattr(self, "_mergeable", None) is None:
             ids = torch.full((1, 2), self.tokenizer.eos_token_id, device=self.device)
-            self._mergeable = mergeable(self.prefill(ids, torch.ones_like(ids))[1]["cache"])
-        return None if self._mergeable else f"{fam.name}'s cache layers cannot be merged across rows"
+            cache = self.prefill(ids, torch.ones_like(ids))[1]["cache"]
+            self._mergeable, self._key_share = mergeable(cache), key_share(cache)
+        return self._mergeable
 
     def merge(self, states, lengths):
         return {"cache": merge_rows([s["cache"] for s in states], list(lengths)),
+                "pos": torch.cat([s["pos"] for s in states])}
+
+    def join_unsupported(self) -> str | None:
+        """New rows join a running batch where its batches are exact, its cache's layers are ones ``join_rows``
+        knows, and padding put in front of its keys is masked in its cached steps."""
+        fam = self.family
+        if fam.padding == "alone" or fam.module_state:
+            return f"{fam.name} runs each sample alone"
+        if fam.own_cache:
+            return f"{fam.name} builds its own cache class, which batches cannot be joined in"
+        if self.graphs is not None:
+            return "the decode graphs keep the batch in fixed buffers"
+        if not self._cache_mergeable():
+            return f"{fam.name}'s cache layers cannot be joined across batches"
+        if self._key_share and not fam.step_mask:
+            return f"{fam.name}'s cached steps take no attention mask: joined keys' pads would be attended"
+        return None
+
+    def key_share(self) -> float:
+        self._cache_mergeable()
+        return self._key_share
+
+    def join(self, states, cuts):
+        return {"cache": join_rows([s["cache"] for s in states], list(cuts)),
                 "pos": torch.cat([s["pos"] for s in states])}
 
     # -- stepper ---------------------------------------------------------------------------------

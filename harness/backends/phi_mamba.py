@@ -5,7 +5,15 @@ import logging
 
 import torch
 
-from harness.backends.base import BackendInfo, MergesRows, ScoresBlocks, ScoresText, resolve_device, resolve_dtype
+from harness.backends.base import (
+    BackendInfo,
+    JoinsBatches,
+    MergesRows,
+    ScoresBlocks,
+    ScoresText,
+    resolve_device,
+    resolve_dtype,
+)
 from harness.backends.generation import logits_at_last_real
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
@@ -25,7 +33,7 @@ def scan_path(scan: str, device: torch.device) -> str:
     return "pytorch reference"
 
 
-class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
+class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresBlocks):
     name = "phi-mamba"
     # the paper's Phi-Mamba numbers (and the official evaluation) ran in float32; bf16 moved logits by up to
     # 2e-2 and flipped 0-2% of argmaxes on CPU
@@ -92,6 +100,16 @@ class PhiMambaBackend(StepBackend, MergesRows, ScoresText, ScoresBlocks):
 
     def merge(self, states, lengths):
         return PhiMambaState.merge(list(states), list(lengths))
+
+    def join_unsupported(self) -> str | None:
+        return "the decode graphs keep the batch in fixed buffers" if self.graphs is not None else None
+
+    def key_share(self) -> float:
+        cfg = self.model.config
+        return len(cfg.attn_layers) / cfg.n_layer
+
+    def join(self, states, cuts):
+        return PhiMambaState.join(list(states), list(cuts))
 
     def bytes_per_token(self) -> int:
         cfg = self.model.config

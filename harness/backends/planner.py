@@ -9,6 +9,9 @@ Three plans, the same outputs (``tests/test_prefix_tree.py``, ``tests/test_famil
            below its snapshot a prompt is prefilled either alone and unpadded ("rows": the fewest tokens, one
            call per prompt) or with the rest of its batch as one right-padded block ("block": one call a batch)
 
+Decoding then runs batch by batch or, where the backend joins batches (``batching``), with new rows taking the
+slots of finished ones (continuous batching, ``generation.continuous_generate``).
+
 ``auto`` takes the plan a cost model of this device and model predicts fastest. The model is measured, not
 guessed: three prefills of the backend (a short one for what a call costs whatever its size, one row and a
 small batch of the run's typical length for what a token costs alone and batched) price every possible plan's
@@ -28,11 +31,21 @@ from typing import Iterator, Sequence
 
 import torch
 
-from harness.backends.base import GenRequest, GenResult, Generation, PlanRecord, StepModel, count, counters
+from harness.backends.base import (
+    GenRequest,
+    GenResult,
+    Generation,
+    JoinsBatches,
+    PlanRecord,
+    StepModel,
+    count,
+    counters,
+)
 from harness.backends.generation import (
     Prefix,
     Started,
     common_prefix,
+    continuous_generate,
     greedy_generate,
     left_pad,
     right_pad,
@@ -46,6 +59,8 @@ from harness.backends.prefix_tree import (
 
 log = logging.getLogger("harness")
 
+BATCHING = ("auto", "static", "continuous")  # auto: continuous where the backend joins batches and it pays
+MOSTLY_ATTENTION = 0.5  # on a CPU, auto keeps static batches above this share of attention layers (``batching``)
 PREFIX_REUSE = ("auto", "tree", "tree-rows", "tree-block", "batch", "none")  # tree-*: the tree's prefill forced
 MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 CALIBRATION_TOKENS = 1024  # the longest prompt length the cost model is measured at
@@ -243,9 +258,38 @@ def make_plan(backend: StepModel, ids: list[list[int]], max_new: int, batch_size
                 shared=list(shared) if mode == "batch" else [], tree=tree, estimates=estimates, costs=costs)
 
 
+def batching(backend: StepModel, plan: Plan, asked: str = "auto") -> tuple[str, str]:
+    """(continuous | static, why). Continuous where there is more than one batch and the backend joins batches
+    (``JoinsBatches``): the slots are the plan's first batch (its longest prompts: the tightest in memory), and
+    new rows take finished ones' slots; the outputs are the static batches' (exact families, tested). ``auto``
+    stays static on a CPU for a model whose layers mostly attend: a join pads every row's keys to the oldest
+    running row's span, and a CPU's attention costs what it computes (IsTree n = 32 evaluations at batch 16,
+    ``benchmarks/live_eval.py``: with 1.33x fewer steps the 0.5M Transformer took 1.37x longer, the hybrid with
+    one attention layer of 15 0.86x as long, Mamba 0.83x); a recurrent state is fixed-size, and a GPU's
+    small-model decode step is bound by its launches, not its keys."""
+    if asked not in BATCHING:
+        raise ValueError(f"batching {asked!r}: use one of {', '.join(BATCHING)}")
+    if asked == "static":
+        return "static", "asked for"
+    if len(plan.batches) < 2:
+        return "static", "one batch"
+    if not backend.batches_exact():
+        return "static", "each sample runs alone"
+    why = backend.join_unsupported() if isinstance(backend, JoinsBatches) else \
+        f"the {backend.name} backend cannot join batches"
+    if why:
+        return "static", why
+    if asked == "auto" and backend.device.type == "cpu" and backend.key_share() > MOSTLY_ATTENTION:
+        return "static", ("on a CPU, a model whose layers mostly attend would attend over joined batches' padded "
+                          "keys (continuous: asked for only)")
+    return "continuous", f"{len(plan.batches[0])} slots, refilled as rows finish"
+
+
 def generate_all(backend: StepModel, requests: Sequence[GenRequest], batch_size: int | str = "auto",
-                 prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
-    """Plan, then generate batch by batch (``Backend.generate_all``'s contract)."""
+                 prefix_reuse: str = "auto", prefix_memory: str | int = "auto", batching_asked: str = "auto"
+                 ) -> Generation:
+    """Plan, then generate (``Backend.generate_all``'s contract): batch by batch, or with rows refilled as they
+    finish where ``batching`` says so (``batching_asked``: auto | static | continuous)."""
     tok = backend.tokenizer
     requests = [r if r.prompt_ids is not None else dataclasses.replace(r, prompt_ids=tok(r.prompt)["input_ids"])
                 for r in requests]
@@ -257,6 +301,9 @@ def generate_all(backend: StepModel, requests: Sequence[GenRequest], batch_size:
     log.info("prefill plan: %s for %d prompts in %d batches of %d-%d%s", plan.name, len(ids), len(sizes), min(sizes),
              max(sizes), f" ({plan.reason})" if plan.reason else "")
     record = plan.record()
+    record.batching, record.batching_reason = batching(backend, plan, batching_asked)
+    if record.batching == "continuous":
+        log.info("continuous batching: %s", record.batching_reason)
     record.prompt_tokens, record.tree_tokens = sum(map(len, ids)), (plan.tree or PrefixTree(ids)).tree_tokens
     if plan.mode == "tree":
         budget = default_budget(backend.device) if prefix_memory == "auto" else (
@@ -272,12 +319,18 @@ def _run(backend: StepModel, requests: list[GenRequest], plan: Plan, record: Pla
     stats = counters(backend)
     before = stats.get("prefill_tokens", 0)
     states = PrefixStates(backend, plan.tree, record.prefix_memory_bytes) if plan.mode == "tree" else None
-    prefix = None
+    prefix = _prefill_prefix(backend, plan.shared) if plan.mode == "batch" else None
     try:
+        if record.batching == "continuous":
+            def admit(batch: list[int]) -> Started:
+                return _prefill(backend, [requests[i] for i in batch], batch, plan, states, prefix)
+
+            yield from continuous_generate(backend, backend.tokenizer, requests,
+                                           [i for b in plan.batches for i in b], len(plan.batches[0]), admit,
+                                           max_context=backend.max_context, stats=stats)
+            return
         for batch in plan.batches:
             reqs = [requests[i] for i in batch]
-            if plan.mode == "batch" and prefix is None:
-                prefix = _prefill_prefix(backend, plan.shared)
             start = _prefill(backend, reqs, batch, plan, states, prefix)
             yield batch, greedy_generate(backend, backend.tokenizer, reqs, device=backend.device,
                                          max_context=backend.max_context, start=start, stats=stats)

@@ -14,8 +14,9 @@ class StepBackend(Backend, StepModel):
     """The request level over the step level; nothing here decides anything of its own."""
 
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
-                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
-        return planner.generate_all(self, requests, batch_size, prefix_reuse, prefix_memory)
+                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto", batching: str = "auto"
+                     ) -> Generation:
+        return planner.generate_all(self, requests, batch_size, prefix_reuse, prefix_memory, batching)
 
     def loglikelihood(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 8,
                       share_contexts: bool = True) -> list[tuple[float, bool]]:

@@ -337,14 +337,17 @@ class VLLMBackend(Backend):
                  ", eager" if self.settings.get("enforce_eager") else "")
 
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
-                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto") -> Generation:
-        """Every request handed to vLLM at once (its scheduler batches, its prefix cache reuses the shared
-        few-shot prefix and everything resubmitted after a tool call where that is exact), through the shared
-        state machine (``chunked_generate``); ``batch_size`` and ``prefix_reuse`` are vLLM's to decide."""
+                     prefix_reuse: str = "auto", prefix_memory: str | int = "auto", batching: str = "auto"
+                     ) -> Generation:
+        """Every request handed to vLLM at once (its scheduler batches continuously, its prefix cache reuses the
+        shared few-shot prefix and everything resubmitted after a tool call where that is exact), through the
+        shared state machine (``chunked_generate``); ``batch_size``, ``batching`` and ``prefix_reuse`` are vLLM's
+        to decide."""
         caching = self.settings["enable_prefix_caching"]
         record = PlanRecord(ran="vllm prefix caching" if caching else "none", asked=prefix_reuse,
                             reason="vLLM schedules its own batches and caches shared prefixes in blocks" if caching
-                            else f"vLLM's prefix caching is not exact for family {self.settings['family']!r}: off")
+                            else f"vLLM's prefix caching is not exact for family {self.settings['family']!r}: off",
+                            batching="continuous", batching_reason="vLLM's scheduler")
 
         def everything():
             if requests:

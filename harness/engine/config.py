@@ -19,7 +19,7 @@ import torch
 from harness.backends import BACKENDS, GRAPH_MODES, backend_class
 from harness.backends.base import resolve_device
 from harness.backends.loading import ResolvedModel
-from harness.backends.planner import PREFIX_REUSE
+from harness.backends.planner import BATCHING, PREFIX_REUSE
 from harness.backends.prefix_tree import parse_bytes
 from harness.hashing import json_digest
 from harness.models.registry import MODELS
@@ -40,7 +40,7 @@ def _f(default, help: str, **kw):
 # The flags that decide how rows are computed, never what they hold (outputs are identical across them): left out
 # of the settings hash (``RunConfig.resolved``) and of a report's run labels. Every other flag is in the hash, as
 # itself or as what it resolves to (a test keeps the two in step).
-NOT_RESULT_DECIDING = ("output", "overwrite", "audit", "batch_size", "prefix_reuse", "prefix_memory")
+NOT_RESULT_DECIDING = ("output", "overwrite", "audit", "batch_size", "batching", "prefix_reuse", "prefix_memory")
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,10 @@ class RunConfig:
                                    "kept at its branch points); batch: only the prefix all prompts share; none (also "
                                    "--no-prefix-reuse): every prompt prefilled whole. Outputs are identical in all",
                            choices=list(PREFIX_REUSE))
+    batching: str = _f("auto", "continuous: rows that finish give their places in the batch to the next prompts; "
+                               "static: each batch runs to its longest row; auto: continuous where the backend "
+                               "can join batches and it pays (on a CPU not for a model whose layers mostly attend; "
+                               "results.json says which ran and why). Outputs are identical in all", choices=list(BATCHING))
     prefix_memory: str = _f("auto", "memory the prefix tree's snapshots may hold, e.g. 4GiB (auto: a quarter of "
                                     "free memory); a snapshot that does not fit is recomputed, never an out-of-memory")
     cuda_graphs: str = _f("auto", "replay each decode step from a CUDA graph (one per batch and context "
@@ -136,6 +140,8 @@ class RunConfig:
             bad("--max-tool-calls", self.max_tool_calls, "use 1 or more (leave out --retrieval for no tool)")
         if self.prefix_reuse not in PREFIX_REUSE:
             bad("--prefix-reuse", self.prefix_reuse, f"use one of {', '.join(PREFIX_REUSE)}")
+        if self.batching not in BATCHING:
+            bad("--batching", self.batching, f"use one of {', '.join(BATCHING)}")
         if self.prefix_memory != "auto":
             try:
                 parse_bytes(self.prefix_memory)

@@ -365,7 +365,8 @@ class EvalRun:
         reqs = [self.request(todo[i], prompt_ids[i]) for i in fits]
         tools = [r.tool for r in reqs]
         t = time.perf_counter()
-        generation = backend.generate_all(reqs, batch_size=cfg.batch_size, prefix_reuse=cfg.prefix_reuse,
+        generation = backend.generate_all(reqs, batch_size=cfg.batch_size, batching=cfg.batching,
+                                          prefix_reuse=cfg.prefix_reuse,
                                           prefix_memory=cfg.prefix_memory)
         for batch, outs in generation:
             gen_s += time.perf_counter() - t

@@ -401,27 +401,31 @@ class PhiMambaState:
     @staticmethod
     def merge(states: list["PhiMambaState"], lengths: list[int]) -> "PhiMambaState":
         """One batch from one-row states of ``lengths`` tokens: each KV cache right-aligned in a buffer as long as
-        the longest (its left pads hidden by the attention mask), recurrent state stacked. Consumes ``states``
-        layer by layer, so the rows and the batch are not held twice over."""
+        the longest (its left pads hidden by the attention mask), recurrent state stacked; a join of one-row
+        batches (``join``)."""
         width = max(lengths)
+        return PhiMambaState.join(states, [(n, 0, width - n) for n in lengths])
+
+    @staticmethod
+    def join(states: list["PhiMambaState"], cuts: list[tuple[int, int, int]]) -> "PhiMambaState":
+        """One batch from running batches' states, in order; each batch's (width, cut, pad) as
+        ``harness.backends.generation.join_masks`` gives it: of its ``width`` cached positions the first ``cut``
+        dropped (masked in all its rows), ``pad`` zeros put in front (masked); recurrent state stacked. Consumes
+        ``states`` layer by layer, so the batches and the joined one are not held twice over."""
         layers = []
         for i in range(len(states[0].layers)):
-            per_row = [s.layers[i] for s in states]
+            per_batch = [s.layers[i] for s in states]
             for s in states:
                 s.layers[i] = None
-            if "len" in per_row[0]:
-                kv = {}
-                for name in ("k", "v"):
-                    first = per_row[0][name]
-                    buf = first.new_zeros(len(per_row), first.shape[1], width, first.shape[3])
-                    for r, (s, n) in enumerate(zip(per_row, lengths)):
-                        if s["len"] != n:
-                            raise ValueError(f"a state of {s['len']} cached tokens given as {n}")
-                        buf[r, :, width - n:] = s[name][0, :, :n]
-                    kv[name] = buf
-                layers.append({**kv, "len": width})
+            if "len" in per_batch[0]:
+                if any(s["len"] != width for s, (width, _, _) in zip(per_batch, cuts)):
+                    raise ValueError("a state's cached positions do not match its attention mask (or a row's, its "
+                                     "tokens)")
+                kv = {name: torch.cat([F.pad(s[name][:, :, cut:s["len"]], (0, 0, pad, 0))
+                                       for s, (_, cut, pad) in zip(per_batch, cuts)]) for name in ("k", "v")}
+                layers.append({**kv, "len": kv["k"].shape[2]})
             else:
-                layers.append({k: torch.cat([s[k] for s in per_row]) for k in per_row[0]})
+                layers.append({k: torch.cat([s[k] for s in per_batch]) for k in per_batch[0]})
         return PhiMambaState(layers, torch.cat([s.pos for s in states]))
 
     def nbytes(self) -> int:

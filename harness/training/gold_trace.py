@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from harness.backends.base import BackendInfo
+from harness.backends.base import BackendInfo, JoinsBatches
 from harness.backends.step import StepBackend
 
 
@@ -30,7 +30,7 @@ def gold_continuations(task, tokenizer) -> dict[tuple[int, ...], list[int]]:
     return out
 
 
-class GoldTrace(StepBackend):
+class GoldTrace(StepBackend, JoinsBatches):
     """``inner``'s forward passes (``None``: none at all, the decode loop's own cost), every row choosing the next
     token of its gold continuation. ``blocks_whole``: the decode loop is told the model takes every block in one
     call (how it fed a step's tool results to a recurrent model before it fed them one token a step)."""
@@ -87,6 +87,19 @@ class GoldTrace(StepBackend):
     def select(self, state, keep):
         inner, rows = state
         return (self.inner.select(inner, keep) if self.inner else None), [rows[k] for k in keep.tolist()]
+
+    def join_unsupported(self) -> str | None:
+        if self.inner is None:
+            return None
+        return self.inner.join_unsupported() if isinstance(self.inner, JoinsBatches) else \
+            f"the {self.inner.name} backend cannot join batches"
+
+    def key_share(self) -> float:
+        return self.inner.key_share() if self.inner is not None else 0.0
+
+    def join(self, states, cuts):
+        inner = self.inner.join([s[0] for s in states], cuts) if self.inner else None
+        return inner, [row for s in states for row in s[1]]
 
     def expand(self, state, n):
         raise NotImplementedError("a gold trace is written per sample; no prefix is shared (prefix reuse: none)")

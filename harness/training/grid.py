@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from evals import istree
 from evals.registry import get_task
+from harness.backends.generation import scheduled_steps
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
 from harness.models.istree import build_model, trainable_parameters
@@ -391,29 +392,57 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
 
 
 def measure_live_eval(cell: TrainConfig, device: torch.device, samples: int | None = None) -> dict:
-    """Seconds a test sample of the cell's live evaluation takes (the trainer's own ``evaluate``: greedy
-    generation through the eval engine at the run's evaluation batch, the tool live), on ``samples`` samples
-    (default: one evaluation batch), with the tokens generated, the tool calls made and the accuracy. The model
-    is the cell's fresh one writing each sample's gold trace (``harness.training.gold_trace``): its forward
-    passes at the lengths and calls of a model that has learned the task (at n=64 retrieval ~1,500 tokens and
-    ~240 calls a sample), every sample right when every search answered as the trace says."""
+    """What the cell's live evaluation costs (the trainer's own ``evaluate``: greedy generation through the eval
+    engine at the run's evaluation batch, the tool live), timed on ``samples`` test samples (default: one
+    evaluation batch), with the tokens generated, the tool calls made and the accuracy. The model is the cell's
+    fresh one writing each sample's gold trace (``harness.training.gold_trace``): its forward passes at the
+    lengths and calls of a model that has learned the task (at n=64 retrieval ~1,500 tokens and ~240 calls a
+    sample), every sample right when every search answered as the trace says.
+
+    The whole evaluation (``eval_samples``) refills rows as they finish (continuous batching), so its length is
+    not the timed batch's scaled: its decode steps come from the loop's admission rule replayed over every test
+    sample's gold trace (``generation.scheduled_steps``; checked to give the timed run's own steps), at the timed
+    run's seconds a step (``run_s``, and ``static_run_s`` for batches each run to its longest row)."""
     task = TrainTask(cell)
     torch.manual_seed(cell.seed)
     model = new_model(cell, task).to(device).eval()
-    batch = cell.eval_batch_size
+    batch, tok = cell.eval_batch_size, task.tokenizer()
     samples = samples or batch
-    args = {**task.eval_args, "samples": samples}
-    tok = task.tokenizer()
-    gold = gold_continuations(get_task(cell.task, **args), tok)
+    gold = gold_continuations(get_task(cell.task, **{**task.eval_args, "samples": samples}), tok)
+    backends = []
+
+    def wrap(backend):
+        backends.append(GoldTrace(backend, gold))
+        return backends[-1]
+
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d)
         save_checkpoint(run_dir, model, tok, {"task": cell.task, "args": task.eval_args})
         t = time.perf_counter()
-        evaluate(model, tok, run_dir, cell.task, args, batch, wrap=lambda backend: GoldTrace(backend, gold))
+        evaluate(model, tok, run_dir, cell.task, {**task.eval_args, "samples": samples}, batch, wrap=wrap)
         seconds = time.perf_counter() - t
         rows = [json.loads(line) for line in open(run_dir / "eval" / "samples.jsonl")]
-    count = max(1, len(rows))
-    return {"samples": len(rows), "batch": batch, "s_per_sample": seconds / count,
+    steps = backends[-1].stats["decode_steps"]
+    by_token = backends[-1].feeds_token_by_token([1, 2])
+    end = tok.convert_tokens_to_ids(istree.END)
+
+    def passes(continuations: dict) -> list[int]:
+        """Each row's passes of the decode loop, in the order the plan admits them (longest prompt first): a pass a
+        token where the model is fed one at a time; where it takes blocks whole, each tool answer (one token in
+        IsTree) rides with the call's last token."""
+        order = sorted(continuations, key=lambda p: -len(p))
+        return [len(continuations[p]) - (0 if by_token else continuations[p].count(end)) for p in order]
+
+    replayed = scheduled_steps(passes(gold), batch)
+    if replayed != steps:
+        raise RuntimeError(f"the live evaluation's admission rule replayed gives {replayed} decode steps, the run "
+                           f"took {steps}: its projection would not hold")
+    every = passes(gold_continuations(get_task(cell.task, **task.eval_args), tok))
+    count, step_s = max(1, len(rows)), seconds / max(1, steps)
+    run_s = step_s * scheduled_steps(every, batch)
+    return {"samples": len(rows), "batch": batch, "seconds": seconds, "steps": steps, "step_s": step_s,
+            "run_s": run_s, "static_run_s": step_s * scheduled_steps(every, batch, continuous=False),
+            "s_per_sample": run_s / len(every),
             "tokens_per_sample": sum(r["new_tokens"] for r in rows) / count,
             "tool_calls_per_sample": sum(len(r["tool_calls"]) for r in rows) / count,
             "accuracy": sum(r["scores"]["accuracy"] for r in rows) / count}
@@ -512,11 +541,12 @@ def plan_parts(name: str, cells: list[TrainConfig], df, jobs: int, threads: int,
         retrieval = [c for c in cells if c.setup == "retrieval"]
         live_h = live["s_per_sample"] * sum(c.eval_samples for c in retrieval) / 3600
         lines.append(f"- live evaluation of the {len(retrieval)} retrieval cells: {_duration(live_h)} serial (timed "
-                     f"on {live['samples']} test samples of the longest retrieval cell, its fresh model writing the "
-                     f"gold traces: {live['tokens_per_sample']:.0f} tokens and {live['tool_calls_per_sample']:.0f} "
-                     f"tool calls a sample, {live['accuracy']:.0%} right, scaled to "
-                     f"{', '.join(sorted({f'{c.eval_samples:,}' for c in retrieval}))} samples a cell; the direct "
-                     "and CoT cells' live evaluations not timed)")
+                     f"on {live['samples']} test samples of the longest retrieval cell at batch {live['batch']}, its "
+                     f"fresh model writing the gold traces: {live['tokens_per_sample']:.0f} tokens and "
+                     f"{live['tool_calls_per_sample']:.0f} tool calls a sample, {live['accuracy']:.0%} right; a "
+                     f"whole evaluation's steps replayed over its test samples' traces, rows refilled as they finish: "
+                     f"{live['run_s'] / 3600:.2f} h a cell, {live['static_run_s'] / 3600:.2f} h in static batches; "
+                     "the direct and CoT cells' live evaluations not timed)")
     worst = df.loc[df["data cores"].idxmax()]
     if workers:
         binds = int((df["data cores"] > workers).sum())
