@@ -82,9 +82,9 @@ def test_left_padded_batch_equals_each_prompt_alone(which, request):
 
 @pytest.mark.parametrize("which", ["phi_mamba", "hybrid"])
 def test_rows_that_join_a_running_batch_write_what_static_batches_write(which, request):
-    """Continuous batching over Phi-Mamba's own state (the hybrid's KV buffers cut and left-padded at each join):
-    rows of several budgets, with tool results of several lengths, write what static batches and each row alone
-    write."""
+    """Continuous batching over Phi-Mamba's own state (the hybrid's KV buffers cut and left-padded at each join),
+    the joining rows prefilled by each plan: rows of several budgets, with tool results of several lengths, write
+    what static batches and each row alone write."""
     backend = request.getfixturevalue(f"{which}_backend")
     prompts = diverse_prompts(9, seed=21)
 
@@ -96,16 +96,21 @@ def test_rows_that_join_a_running_batch_write_what_static_batches_write(which, r
     join = backend.join
     backend.join = lambda states, cuts: seen.append(list(cuts)) or join(states, cuts)
     try:
-        runs = {(batch, how): backend.generate_all(requests(), batch_size=batch, prefix_reuse="none", batching=how)
-                for batch, how in ((3, "continuous"), (3, "static"), (1, "static"))}
+        runs = {(batch, how, reuse): backend.generate_all(requests(), batch_size=batch, prefix_reuse=reuse,
+                                                          batching=how)
+                for batch, how, reuse in ((1, "static", "none"), (3, "static", "none"), (3, "continuous", "none"),
+                                          (3, "continuous", "tree-rows"),
+                                          (3, "continuous", "tree-block"))}  # each plan prefills the rows that join
         outs = {k: g.results(len(prompts)) for k, g in runs.items()}
     finally:
         del backend.join
     results = {k: [(r.token_ids, r.tool_spans) for r in out] for k, out in outs.items()}
-    assert runs[3, "continuous"].plan.batching == "continuous" and runs[3, "static"].plan.batching == "static"
-    assert_varied(results[1, "static"])
-    assert len({len(r.tool_spans) for r in outs[1, "static"]}) > 1  # rows with calls beside rows without
-    assert results[3, "continuous"] == results[3, "static"] == results[1, "static"]
+    assert [g.plan.batching for g in runs.values()] == ["static"] * 2 + ["continuous"] * 3
+    assert [g.plan.ran for g in runs.values()][2:] == ["none", "tree-rows", "tree-block"]
+    alone = results[1, "static", "none"]
+    assert_varied(alone)
+    assert len({len(r.tool_spans) for r in outs[1, "static", "none"]}) > 1  # rows with calls beside rows without
+    assert all(got == alone for got in results.values())
     assert any(cut > 0 for cuts in seen for _, cut, _ in cuts) and any(pad > 0 for cuts in seen for _, _, pad in cuts)
 
 

@@ -417,7 +417,7 @@ def test_the_live_evaluation_projection_replays_the_loops_own_steps():
     cell = TrainConfig(arch="mamba", size="smoke", nodes=8, setup="retrieval", report_to="none",
                        eval_batch_size=4, eval_samples=40).resolved()
     m = measure_live_eval(cell, torch.device("cpu"), samples=12)
-    assert m["samples"] == 12 and m["accuracy"] == 1.0 and m["steps"] > 0
+    assert m["samples"] == 12 and m["accuracy"] == 1.0 and m["decode_steps"] > 0
     assert 0 < m["run_s"] < m["static_run_s"] and m["s_per_sample"] == pytest.approx(m["run_s"] / 40)
     # the replay itself: rows of 5 passes at 2 slots, the third joining when the first ends
     assert scheduled_steps([5, 2, 5], 2) == 6 and scheduled_steps([5, 2, 5], 2, continuous=False) == 4 + 4

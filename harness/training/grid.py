@@ -438,10 +438,11 @@ def measure_live_eval(cell: TrainConfig, device: torch.device, samples: int | No
         raise RuntimeError(f"the live evaluation's admission rule replayed gives {replayed} decode steps, the run "
                            f"took {steps}: its projection would not hold")
     every = passes(gold_continuations(get_task(cell.task, **task.eval_args), tok))
-    count, step_s = max(1, len(rows)), seconds / max(1, steps)
-    run_s = step_s * scheduled_steps(every, batch)
-    return {"samples": len(rows), "batch": batch, "seconds": seconds, "steps": steps, "step_s": step_s,
-            "run_s": run_s, "static_run_s": step_s * scheduled_steps(every, batch, continuous=False),
+    count, s_per_step = max(1, len(rows)), seconds / max(1, steps)
+    run_s = s_per_step * scheduled_steps(every, batch)
+    return {"samples": len(rows), "batch": batch, "seconds": seconds, "decode_steps": steps,
+            "s_per_step": s_per_step, "run_s": run_s,
+            "static_run_s": s_per_step * scheduled_steps(every, batch, continuous=False),
             "s_per_sample": run_s / len(every),
             "tokens_per_sample": sum(r["new_tokens"] for r in rows) / count,
             "tool_calls_per_sample": sum(len(r["tool_calls"]) for r in rows) / count,
