@@ -362,7 +362,7 @@ def test_smoke_grid_cells_and_plan(tmp_path):
     # its parts: how steps were timed, serial hours, the live evaluation timed on a retrieval cell, the data
     assert "median of 2 pass(es) over 1 batches" in table and "- serial: " in table
     assert "- live evaluation of the 3 retrieval cells: " in table and "timed on 4 test samples" in table
-    assert "steps replayed over its test samples' traces" in table and "h in static batches" in table
+    assert "steps replayed over its test samples' traces" in table and " in static batches" in table
     assert "writing the gold traces" in table and "tool calls a sample, 100% right" in table
     assert "- data generation: inline" in table and "1M samples" not in table  # smoke runs are shorter
     assert not list(tmp_path.iterdir())  # planning trains and writes nothing

@@ -546,7 +546,8 @@ def plan_parts(name: str, cells: list[TrainConfig], df, jobs: int, threads: int,
                      f"fresh model writing the gold traces: {live['tokens_per_sample']:.0f} tokens and "
                      f"{live['tool_calls_per_sample']:.0f} tool calls a sample, {live['accuracy']:.0%} right; a "
                      f"whole evaluation's steps replayed over its test samples' traces, rows refilled as they finish: "
-                     f"{live['run_s'] / 3600:.2f} h a cell, {live['static_run_s'] / 3600:.2f} h in static batches; "
+                     f"{_duration(live['run_s'] / 3600)} a cell, {_duration(live['static_run_s'] / 3600)} in static "
+                     "batches; "
                      "the direct and CoT cells' live evaluations not timed)")
     worst = df.loc[df["data cores"].idxmax()]
     if workers:
