@@ -206,7 +206,7 @@ def continuous_generate(stepper: StepModel, tokenizer, requests: Sequence[GenReq
     rows: dict[int, _Row] = {}
     run: _Running | None = None
     finished: list[int] = []
-    refill = max(1, slots // REFILL_FRACTION)
+    refill = refill_at(slots)
     while pending or run is not None:
         take = [pending.pop() for _ in range(admitted(slots, len(run.active) if run else 0, len(pending)))]
         if take:
@@ -235,7 +235,12 @@ def admitted(slots: int, running: int, pending: int) -> int:
     """How many waiting requests join a batch of ``running`` rows: none until a sixteenth of the slots is free (or
     every request left fits), then as many as fit."""
     free = slots - running
-    return min(free, pending) if pending and free >= min(max(1, slots // REFILL_FRACTION), pending) else 0
+    return min(free, pending) if pending and free >= min(refill_at(slots), pending) else 0
+
+
+def refill_at(slots: int) -> int:
+    """Free slots that make a join worth its prefill call (and the finished rows written together)."""
+    return max(1, slots // REFILL_FRACTION)
 
 
 def scheduled_steps(passes: Sequence[int], slots: int, continuous: bool = True) -> int:
