@@ -96,16 +96,24 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
         segments equal a whole prefill (``Family.segments_exact``) and its cache's layers are ones
         ``merge_rows`` knows."""
         fam = self.family
-        if fam.padding == "alone" or fam.module_state:
-            return f"{fam.name} runs each sample alone"
-        if fam.own_cache:
-            return f"{fam.name} builds its own cache class, which rows cannot be merged in"
+        if why := self._rows_unsupported("rows cannot be merged in"):
+            return why
         if not (fam.padding == "masked" or fam.block_steps):
             return f"{fam.name}'s cached steps take one token at a time"
         if not fam.segments_exact:
             return (f"{fam.name}: a prompt prefilled in segments is not the prompt prefilled whole (measured by "
                     "tests/test_families.py)")
         return None if self._cache_mergeable() else f"{fam.name}'s cache layers cannot be merged across rows"
+
+    def _rows_unsupported(self, what: str) -> str | None:
+        """Why this family's cached rows cannot be moved between batches at all (the tree's merges and
+        continuous batching's joins both need it), or None."""
+        fam = self.family
+        if fam.padding == "alone" or fam.module_state:
+            return f"{fam.name} runs each sample alone"
+        if fam.own_cache:
+            return f"{fam.name} builds its own cache class, which {what}"
+        return None
 
     @torch.inference_mode()
     def _cache_mergeable(self) -> bool:
@@ -123,10 +131,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
         """New rows join a running batch where its batches are exact, its cache's layers are ones ``join_rows``
         knows, and padding put in front of its keys is masked in its cached steps."""
         fam = self.family
-        if fam.padding == "alone" or fam.module_state:
-            return f"{fam.name} runs each sample alone"
-        if fam.own_cache:
-            return f"{fam.name} builds its own cache class, which batches cannot be joined in"
+        if why := self._rows_unsupported("batches cannot be joined in"):
+            return why
         if self.graphs is not None:
             return "the decode graphs keep the batch in fixed buffers"
         if not self._cache_mergeable():
