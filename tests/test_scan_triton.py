@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
-    import json, os, warnings
+    import contextlib, json, os, warnings
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from triton.runtime import interpreter
@@ -112,16 +112,25 @@ CHILD = textwrap.dedent("""
         out["steps_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
                                                st.current_tile(1))
 
-    # the vectorised interpreter scan gives the stock interpreter's bits
-    fast = interpreter.ScanOps.generic_scan
+    # the interpreter made faster (harness.ops.interpreter: the vectorised scan, helpers patched once a launch)
+    # gives the stock interpreter's bits, on both scan layouts (kernels that call @triton.jit helpers)
+    fast = [(interpreter.ScanOps, "generic_scan"), (interpreter.InterpretedFunction, "__call__"),
+            (interpreter.GridExecutor, "__call__")]
+    patched = [getattr(owner, name) for owner, name in fast]
+    assert all(hasattr(f, "stock") for f in patched)
     runs = []
-    for scan in (fast, fast.stock):
-        interpreter.ScanOps.generic_scan = scan
-        ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
-        y = st.TritonScan.apply(*ins)
-        runs.append([y, *torch.autograd.grad(y, ins, w)])
-    interpreter.ScanOps.generic_scan = fast
-    out["bitwise"] = all(torch.equal(a, b) for a, b in zip(*runs)) and bool(runs[0][0].std() > 0)
+    for which in (patched, [f.stock for f in patched]):
+        for (owner, name), f in zip(fast, which):
+            setattr(owner, name, f)
+        for layout in (None, ("steps", 8, 4, 1)):
+            ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+            with st.tiled(*layout) if layout else contextlib.nullcontext():
+                y = st.TritonScan.apply(*ins)
+            runs.append([y, *torch.autograd.grad(y, ins, w)])
+    for (owner, name), f in zip(fast, patched):
+        setattr(owner, name, f)
+    out["bitwise"] = all(torch.equal(a, b) for r in range(2) for a, b in zip(runs[r], runs[r + 2])) \
+        and bool(runs[0][0].std() > 0)
 
     # the causal convolution against CausalConv: strided input, with and without a bias, 4 and 2 taps, one step;
     # packed rows (restarts at the first step, inside a block, at a block's edge, twice in a row, at the last step)

@@ -153,13 +153,17 @@ def enable_cpu_interpreter() -> None:
 def triton_on_cpu() -> None:
     """What Triton kernels (mamba-ssm's, fla's) need to run on CPU tensors once ``TRITON_INTERPRET=1`` was set
     before triton was imported: autotuning reduced to each kernel's first config (timing configs needs a GPU;
-    every config computes the same result) and a no-op ``torch.cuda.device`` (kernels enter the tensor's device).
+    every config computes the same result), a no-op ``torch.cuda.device`` (kernels enter the tensor's device) and
+    the interpreter without the work it repeats (``harness.ops.interpreter``).
     Idempotent; changes this process only."""
     if not interpreting():
         raise RuntimeError("Triton kernels on CPU need TRITON_INTERPRET=1 in the environment before the program "
                            "starts (it must be set before triton is imported)")
     from triton.runtime import autotuner
 
+    from harness.ops.interpreter import speed_up
+
+    speed_up()
     if getattr(autotuner.Autotuner.run, "_first_config_only", False):
         return
     run = autotuner.Autotuner.run

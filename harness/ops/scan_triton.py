@@ -33,11 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from harness.ops.interpreter import vectorise_scans
 from harness.ops.scan_triton_steps import _steps_backward, _steps_forward
 from harness.ops.triton_shared import agrees, store_rounded
-
-vectorise_scans()  # under TRITON_INTERPRET=1 only: the tests' CPU interpreter runs the prefix scans per slice
 
 # The tile a scan takes by its channels when no ``tiled`` block sets one: (up to this many channels, (layout, steps
 # of a chunk (a power of two), channels a program owns, warps a program runs on)), read at each call. Measured on an
