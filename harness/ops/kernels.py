@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from harness.ops.interpreter import speed_up
+
 MAMBA_SSM_VERSION = "2.3.2.post1"  # the sdist the CPU-interpreter tests and the doctor fetch
 CALLS: dict[str, int] = {"chunk_scan": 0, "state_update": 0}  # kernel launches, so a test can see the path ran
 INT32_MAX = 2**31 - 1  # the most elements one kernel call may span (``int32_safe_rows``)
@@ -160,8 +162,6 @@ def triton_on_cpu() -> None:
         raise RuntimeError("Triton kernels on CPU need TRITON_INTERPRET=1 in the environment before the program "
                            "starts (it must be set before triton is imported)")
     from triton.runtime import autotuner
-
-    from harness.ops.interpreter import speed_up
 
     speed_up()
     if getattr(autotuner.Autotuner.run, "_first_config_only", False):
