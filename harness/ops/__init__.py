@@ -8,6 +8,7 @@
 - ``causal_conv``: the depthwise causal convolution in the projections' layout; ``conv_triton``: its Triton
   kernels, checked against it.
 - ``triton_shared``: what those kernels share (a rounding store, the check a kernel passes before use).
-- ``interpreter``: Triton's CPU interpreter (the tests' GPU stand-in) with its prefix scans vectorised.
+- ``interpreter``: Triton's CPU interpreter (the tests' GPU stand-in) without the work it repeats (prefix scans
+  vectorised, helpers patched once a launch).
 - ``kernels``: mamba-ssm's Triton kernels for Phi-Mamba (loaded where they run, fetched for the CPU tests).
 """
