@@ -352,6 +352,13 @@ class JoinsBatches(ABC):
         return 1.0
 
 
+def join_refusal(model) -> str | None:
+    """Why ``model``'s running batch cannot take new rows (None: it can): its own reason, or that it does not
+    join batches at all."""
+    return model.join_unsupported() if isinstance(model, JoinsBatches) else \
+        f"the {model.name} backend cannot join batches"
+
+
 class ScoresText(ABC):
     """A step model that scores text (``loglikelihood``) from its logits."""
 

@@ -128,6 +128,11 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int, device, side: str = "l
     return ids.to(device), mask.to(device)
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id padding is written with: the tokenizer's pad token, else its end of text (always masked)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return pad_batch(seqs, pad_id, device, "left")
 
@@ -171,7 +176,7 @@ def greedy_generate(stepper: StepModel, tokenizer, requests: Sequence[GenRequest
     a step instead, its queued tokens over the next steps, and the others write theirs in the same calls."""
     if not requests:
         return []
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     prompt_ids, rows = _new_rows(tokenizer, requests)
     if start is None:
         ids, mask = left_pad(prompt_ids, pad_id, device)
@@ -273,7 +278,7 @@ def join_masks(masks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[
 def _step(stepper: StepModel, tokenizer, rows, run: _Running, max_context: int | None, stats: dict | None) -> bool:
     """One decode step of the running rows: each chooses its token (unless a tool result is still being fed),
     completed calls run, finished rows leave, the rest are fed their blocks. False once no row is left."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     choice = run.logits.argmax(dim=-1).tolist()
     blocks, keep = [], []
     for j, b in enumerate(run.active):

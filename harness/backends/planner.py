@@ -35,11 +35,11 @@ from harness.backends.base import (
     GenRequest,
     GenResult,
     Generation,
-    JoinsBatches,
     PlanRecord,
     StepModel,
     count,
     counters,
+    join_refusal,
 )
 from harness.backends.generation import (
     Prefix,
@@ -48,6 +48,7 @@ from harness.backends.generation import (
     continuous_generate,
     greedy_generate,
     left_pad,
+    pad_token_id,
     right_pad,
 )
 from harness.backends.prefix_tree import (
@@ -275,8 +276,7 @@ def batching(backend: StepModel, plan: Plan, asked: str = "auto") -> tuple[str, 
         return "static", "one batch"
     if not backend.batches_exact():
         return "static", "each sample runs alone"
-    why = backend.join_unsupported() if isinstance(backend, JoinsBatches) else \
-        f"the {backend.name} backend cannot join batches"
+    why = join_refusal(backend)
     if why:
         return "static", why
     if asked == "auto" and backend.device.type == "cpu" and backend.key_share() > MOSTLY_ATTENTION:
@@ -354,8 +354,7 @@ def _prefill_prefix(backend: StepModel, ids: list[int]) -> Prefix:
 def _prefill(backend: StepModel, reqs: list[GenRequest], batch: list[int], plan: Plan,
              states: PrefixStates | None, prefix: Prefix | None) -> Started:
     """One batch's prompts prefilled the way the plan says."""
-    pad = backend.tokenizer.pad_token_id if backend.tokenizer.pad_token_id is not None else \
-        backend.tokenizer.eos_token_id
+    pad = pad_token_id(backend.tokenizer)
     ids = [list(r.prompt_ids) for r in reqs]
     device = backend.device
     if states is not None:

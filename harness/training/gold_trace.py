@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from harness.backends.base import BackendInfo, JoinsBatches
+from harness.backends.base import BackendInfo, JoinsBatches, join_refusal
 from harness.backends.step import StepBackend
 
 
@@ -89,10 +89,7 @@ class GoldTrace(StepBackend, JoinsBatches):
         return (self.inner.select(inner, keep) if self.inner else None), [rows[k] for k in keep.tolist()]
 
     def join_unsupported(self) -> str | None:
-        if self.inner is None:
-            return None
-        return self.inner.join_unsupported() if isinstance(self.inner, JoinsBatches) else \
-            f"the {self.inner.name} backend cannot join batches"
+        return join_refusal(self.inner) if self.inner is not None else None
 
     def key_share(self) -> float:
         return self.inner.key_share() if self.inner is not None else 0.0
