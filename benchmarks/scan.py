@@ -13,8 +13,8 @@ scan); on a GPU part 1 also times the PyTorch scan.
 
     python benchmarks/scan.py --tune --batch 64   # on a GPU: the Triton scan's chunk and channel-block sizes
 
-``--tune`` times the Triton scan's forward+backward for each layout (chunked prefix scans, step by step) and tile
-(``TUNE_CONFIGS``) at each length, on
+``--tune`` times the Triton scan's forward+backward for each layout (chunked prefix scans, step by step), tile
+and count of time splits run side by side (``TUNE_CONFIGS``) at each length, on
 bf16 activations (what the trainer's autocast hands it), each configuration's output and gradients checked
 against the PyTorch scan; the fastest per length is marked.
 
@@ -78,11 +78,14 @@ def scan_only(length: int, batch: int, device: str, repeats: int) -> dict:
     return out
 
 
-# (layout, chunk, channel block, warps) --tune times beside the default: each layout's best on an H100 at 128 and
-# 256 channels, their neighbours, and the former default (chunks of 32, 16 channels, 4 warps)
-TUNE_CONFIGS = [("chunks", 64, 4, 1), ("chunks", 32, 4, 1), ("chunks", 64, 8, 1), ("chunks", 128, 4, 1),
-                ("chunks", 32, 16, 4), ("steps", 16, 16, 1), ("steps", 8, 16, 1), ("steps", 16, 8, 1),
-                ("steps", 32, 16, 1), ("steps", 8, 8, 1)]
+# (layout, chunk, channel block, warps, splits) --tune times beside the default: each layout's best on an H100 at
+# 128 and 256 channels, their neighbours, the former default (chunks of 32, 16 channels, 4 warps), and the two
+# bests with time cut in 2, 4 and 8 splits (not yet timed on a GPU)
+TUNE_CONFIGS = [("chunks", 64, 4, 1, 1), ("chunks", 32, 4, 1, 1), ("chunks", 64, 8, 1, 1), ("chunks", 128, 4, 1, 1),
+                ("chunks", 32, 16, 4, 1), ("steps", 16, 16, 1, 1), ("steps", 8, 16, 1, 1), ("steps", 16, 8, 1, 1),
+                ("steps", 32, 16, 1, 1), ("steps", 8, 8, 1, 1),
+                *((layout, chunk, block, 1, k) for layout, chunk, block in (("chunks", 64, 4), ("steps", 16, 16))
+                  for k in (2, 4, 8))]
 
 
 def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", configs=None, d: int = 128) -> None:
@@ -95,8 +98,8 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", con
     default = scan_triton.current_tile(d)
     configs = list(dict.fromkeys([default, *(configs or TUNE_CONFIGS)]))
     print(f"Triton scan configurations, forward+backward, batch {batch}, {d} channels, bf16 activations "
-          f"(default: {default[0]}, chunk {default[1]}, block {default[2]}, {default[3]} warps)")
-    print(f"{'tokens':>7s} {'layout':>7s} {'chunk':>6s} {'block':>6s} {'warps':>6s} {'seconds':>9s} "
+          f"(default: {default[0]}, chunk {default[1]}, block {default[2]}, {default[3]} warps, {default[4]} splits)")
+    print(f"{'tokens':>7s} {'layout':>7s} {'chunk':>6s} {'block':>6s} {'warps':>6s} {'splits':>7s} {'seconds':>9s} "
           f"{'vs default':>11s} {'max rel diff':>13s}")
     for length in lengths:
         inputs = [t.requires_grad_() for t in _scan_inputs(batch, d, n, length, torch.bfloat16, device, seed=length)]
@@ -121,9 +124,9 @@ def tune(lengths: list[int], batch: int, repeats: int, device: str = "cuda", con
                     _sync(device)
                     best = min(best, time.perf_counter() - t)
             rows.append((config, best))
-            layout, chunk, block, warp = config
-            print(f"{length:7d} {layout:>7s} {chunk:6d} {block:6d} {warp:6d} {best:9.5f} {rows[0][1] / best:10.2f}x "
-                  f"{diff:13.2e}", flush=True)
+            layout, chunk, block, warp, splits = config
+            print(f"{length:7d} {layout:>7s} {chunk:6d} {block:6d} {warp:6d} {splits:7d} {best:9.5f} "
+                  f"{rows[0][1] / best:10.2f}x {diff:13.2e}", flush=True)
         config, best = min(rows, key=lambda r: r[1])
         print(f"fastest at {length} tokens: {':'.join(map(str, config))} ({rows[0][1] / best:.2f}x the default)\n",
               flush=True)
@@ -252,15 +255,21 @@ def _sync(device):
 
 
 def _configs(text: str | None) -> list[tuple] | None:
-    """--configs LAYOUT:CHUNK:BLOCK:WARPS,... as ``scan_triton.tiled``'s tuples (None: TUNE_CONFIGS)."""
+    """--configs LAYOUT:CHUNK:BLOCK:WARPS[:SPLITS],... as ``scan_triton.tiled``'s tuples (None: TUNE_CONFIGS)."""
     if not text:
         return None
     try:
-        return [(layout, int(chunk), int(block), int(warps))
-                for layout, chunk, block, warps in (c.split(":") for c in text.split(","))]
+        configs = []
+        for config in text.split(","):
+            layout, *numbers = config.split(":")
+            if len(numbers) not in (3, 4):
+                raise ValueError(config)
+            chunk, block, warps, splits = (*map(int, numbers), 1)[:4]
+            configs.append((layout, chunk, block, warps, splits))
+        return configs
     except ValueError:
-        sys.exit(f"error: --configs {text!r}: write LAYOUT:CHUNK:BLOCK:WARPS separated by commas, e.g. "
-                 "chunks:32:16:4,steps:32:4:1")
+        sys.exit(f"error: --configs {text!r}: write LAYOUT:CHUNK:BLOCK:WARPS[:SPLITS] separated by commas, e.g. "
+                 "chunks:32:16:4,steps:16:16:1:4")
 
 
 def main():
@@ -273,8 +282,8 @@ def main():
     ap.add_argument("--tune", action="store_true", help="on a GPU: time the Triton scan's chunk and block sizes")
     ap.add_argument("--memory", action="store_true", help="the Triton scan's bytes (and on a GPU times) per shape")
     ap.add_argument("--channels", type=int, default=128, help="channels of --tune's and --memory's scans")
-    ap.add_argument("--configs", default=None, help="--tune's configurations, LAYOUT:CHUNK:BLOCK:WARPS separated by "
-                                                    "commas (default: TUNE_CONFIGS)")
+    ap.add_argument("--configs", default=None, help="--tune's configurations, LAYOUT:CHUNK:BLOCK:WARPS[:SPLITS] "
+                                                    "separated by commas (default: TUNE_CONFIGS)")
     ap.add_argument("--dtypes", default=None, help="precisions of --memory (default: float32,bfloat16 on a GPU, "
                                                    "float32 under the interpreter)")
     ap.add_argument("--profile", action="store_true", help="one training step's time by kernel family per cell")

@@ -67,8 +67,12 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     assert [r for r in steps["sharing"]["rows"] if r.get("supported")], steps["sharing"]["rows"]
     scan = [r for r in steps["scan"]["rows"] if "name" not in r]
     assert {(r["channels"], r["tokens"], r["dtype"]) for r in scan} == {(16, 24, "float32"), (16, 24, "bfloat16")}
-    profiled = [r for r in steps["scan"]["rows"] if "name" in r]
+    profiled = [r for r in steps["scan"]["rows"] if r.get("name", "").startswith("profile")]
     assert len(profiled) == 1 and 0 < profiled[0]["scan_conv_ms"] < profiled[0]["step_ms"], profiled
+    # the table's tile again with time in splits, at the longest length in bf16 (24 tokens: one chunk, one split)
+    split = [r for r in steps["scan"]["rows"] if r.get("name", "").startswith("splits")]
+    assert [(r["name"], r["splits"], r["ok"]) for r in split] == [("splits: 16 channels 24 tokens bfloat16", 1, True)]
+    assert split[0]["ms"] > 0 and split[0]["max_rel_diff"] <= split[0]["tolerance"], split
     assert all(r["ok"] and r["max_rel_diff"] <= r["tolerance"] and r["other_max_rel_diff"] <= r["tolerance"]
                and r["other_ms"] > 0 and r["tile"].split()[0] != r["other_tile"].split()[0]
                for r in scan)  # both Triton layouts, timed side by side
@@ -102,7 +106,7 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     assert "attention" in profiles["decode profile: phi"]["attention"]  # the kernel SDPA chose, by name
     assert profiles["decode profile: phi-mamba"]["attention"] == "none"  # no attention layer
     summary = {r["number"]: r for r in report["summary"]}
-    assert summary["Triton scan == PyTorch scan (every length, float32 and bf16; both layouts)"]["met"] == "yes"
+    assert summary["Triton scan == PyTorch scan (every length, float32 and bf16; both layouts, in splits)"]["met"] == "yes"
     # a CPU's projection is labelled as the CPU's, never as H100-hours
     cpu_hours = "paper grid, hours on this CPU (81 runs; the goal is an H100's, not judged here)"
     assert summary[cpu_hours]["value"] > 0 and not [n for n in summary if "H100-hours" in n]
@@ -165,6 +169,25 @@ def test_a_carried_mamba_ssm_tree_imports_its_triton_ops_and_then_hides(tmp_path
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
     size = sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file())
     assert size < 8 * 2**20  # what the device tool carries: far below its 64 MiB
+
+
+def test_the_summary_says_when_time_in_splits_beats_the_tables_split_count():
+    """On a GPU's rows: per channel count the fastest split count against the table's tile, and a verdict that
+    sends the reader to retune ``scan_triton.TILES`` when one is faster (a CPU's tiny rows decide nothing)."""
+    from harness.tools.quick_suite import summary
+
+    scan = [{"channels": 128, "tokens": 2535, "dtype": "bfloat16", "tile_over_other": 1.1, "ok": True}]
+    split = [{"name": f"splits: {d} channels 2535 tokens bfloat16", "splits": k, "over_table_tile": x, "ok": True}
+             for d, k, x in ((128, 2, 1.4), (128, 4, 1.7), (128, 8, 1.2), (256, 2, 0.9), (256, 4, 0.8))]
+    for rows, met in ((scan + split, "no: set the splits"), (scan + split[3:], "yes")):
+        found = [r for r in summary({"steps": {"scan": {"status": "done", "rows": rows}}, "device": "cuda"})
+                 if "time splits" in r["number"]]
+        assert len(found) == 1 and found[0]["met"].startswith(met), found
+    assert found[0]["value"] == "0.9 (2 splits)"
+    assert [r for r in summary({"steps": {"scan": {"status": "done", "rows": scan + split}}, "device": "cuda"})
+            if "time splits" in r["number"]][0]["value"] == "1.7 (4 splits), 0.9 (2 splits)"
+    assert not [r for r in summary({"steps": {"scan": {"status": "done", "rows": scan + split}}, "device": "cpu"})
+                if "time splits" in r["number"]]
 
 
 def test_a_divergence_is_measured_by_its_logit_gap_so_a_wrong_token_fails_and_a_near_tie_passes(tmp_path):

@@ -31,7 +31,7 @@ CHILD = textwrap.dedent("""
 
     # every scan on chunks of 8 steps (lengths below, at and past several chunks stay quick to interpret) and blocks
     # of 16 channels (the cases below cross blocks)
-    st.TILES = ((None, ("chunks", 8, 16, 4)),)
+    st.TILES = ((None, ("chunks", 8, 16, 4, 1)),)
     out = {"cases": []}
 
     def rel(a, b):
@@ -112,6 +112,46 @@ CHILD = textwrap.dedent("""
         out["steps_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
                                                st.current_tile(1))
 
+    # time cut in splits run side by side (both layouts): equal to the sequential scan, with and without restarts
+    # (one on a split's first step), whatever the split count (one that does not divide the chunks, more splits than
+    # chunks); the side passes ran with their grids, and the split counts' outputs differ only by rounding
+    launched = []
+    for name in ("_split_ends_forward", "_split_ends_backward"):
+        kernel = getattr(st, name)
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launched.append((name, grid[2]))
+                return kernel[grid]
+        setattr(st, name, Counted())
+    g = torch.Generator().manual_seed(11)
+    b, d, n, length = 2, 5, 3, 21  # 3 chunks of 8, the last short; 2 blocks of 4 channels, the last short
+    u, z = torch.randn(b, length, d, generator=g).transpose(1, 2), torch.randn(b, d, length, generator=g)
+    dt = torch.rand(b, d, length, generator=g) * 0.3 + 1e-3
+    B, C, w = torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g), torch.randn(b, d, length)
+    A, D = -torch.rand(d, n, generator=g) * 2 - 0.5, torch.randn(d, generator=g)
+    packed = torch.zeros(b, length)
+    packed[:, [0, 3, 16, 17, length - 1]] = 1  # 16: the second split's first step at 2 splits (2 chunks, 1)
+    out["splits"] = []
+    for starts in (None, packed):
+        ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+        y = ss.sequential_scan(*ins[:5], ins[5], ins[6], starts=starts)
+        ref = [y.detach(), *torch.autograd.grad(y, ins, w)]
+        for layout in (("chunks", 8, 4, 1), ("steps", 8, 4, 1)):
+            got = {}
+            for splits in (1, 2, 9):  # 9: 3 splits of a chunk
+                ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+                with st.tiled(*layout, splits):
+                    y = st.TritonScan.apply(*ins, starts)
+                    got[splits] = [y.detach(), *torch.autograd.grad(y, ins, w)]
+            out["splits"].append({"layout": layout[0], "restarts": starts is not None, "varies": float(ref[0].std()),
+                                  "worst": max(rel(a, r) for k in got for a, r in zip(got[k], ref)),
+                                  "apart": max((a - r).abs().max().item() for k in (2, 9)
+                                               for a, r in zip(got[k], got[1]))})
+    out["split_grids"] = sorted(set(launched))
+    with st.tiled("chunks", 8, 4, 1, 3):
+        out["splits_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
+                                                st.current_tile(1))
+
     # the interpreter made faster (harness.ops.interpreter: the vectorised scan, helpers patched once a launch)
     # gives the stock interpreter's bits, on both scan layouts (kernels that call @triton.jit helpers)
     fast = [(interpreter.ScanOps, "generic_scan"), (interpreter.InterpretedFunction, "__call__"),
@@ -157,7 +197,7 @@ CHILD = textwrap.dedent("""
     ids = torch.randint(0, 30, (2, 21), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 21)
     grads = {}
-    st.TILES = ((None, ("chunks", 8, 64, 4)),)  # one block per layer: quicker to interpret
+    st.TILES = ((None, ("chunks", 8, 64, 4, 1)),)  # one block per layer: quicker to interpret
     for choice in ("triton", "torch"):
         torch.manual_seed(0)
         model = build_model("mamba", "smoke", 30, scan=choice)
@@ -165,7 +205,7 @@ CHILD = textwrap.dedent("""
         loss.backward()
         grads[choice] = [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
         out[f"{choice}_ran"] = scans_ran(model)
-    st.TILES = ((None, ("chunks", 8, 16, 4)),)
+    st.TILES = ((None, ("chunks", 8, 16, 4, 1)),)
     out["model_worst"] = max(rel(a, b) for a, b in zip(grads["triton"], grads["torch"]))
     out["model_grads"] = len(grads["torch"])
 
@@ -208,6 +248,14 @@ def test_the_triton_scan_and_convolution_equal_the_reference_in_the_interpreter(
     for case in out["steps"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
     assert out["steps_verified"] is True
+    for case in out["splits"]:
+        assert case["varies"] > 0 and case["worst"] < 1e-5, case
+    # the splits sum in another order than one split where a boundary is no restart (a test that ran them)
+    assert all(0 < case["apart"] < 1e-5 for case in out["splits"]), out["splits"]
+    # the side passes' third grid axis: splits - 1 (2 -> 2 splits of 2 chunks and 1; 9 -> 3 of one chunk)
+    assert out["split_grids"] == [[name, k] for name in ("_split_ends_backward", "_split_ends_forward")
+                                  for k in (1, 2)], out["split_grids"]
+    assert out["splits_verified"] is True
     assert out["bitwise"] is True
     for case in out["conv"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
@@ -253,6 +301,21 @@ def test_the_triton_scan_keeps_bf16_gradients_near_mamba_ssms_reference():
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {}
 
 
+def test_a_scan_whose_indices_pass_32_bits_on_its_tile_is_refused_before_it_launches():
+    """``fits`` counts what each tile adds: the step-by-step backward's scratch grows with the splits (a program
+    each), the chunked layout's only by the splits' states; ``splits_of`` never leaves a split empty."""
+    from harness.ops import scan_triton as st
+
+    shape = (256, 256, 2535)  # 159 chunks of 16
+    assert st.splits_of(159, 1000) == (1, 159) and st.splits_of(159, 8) == (20, 8) and st.splits_of(3, 2) == (2, 2)
+    assert st.fits(shape, 16, ("steps", 16, 16, 1, 1)) and st.fits(shape, 16, ("steps", 16, 16, 1, 8))
+    assert not st.fits(shape, 16, ("steps", 16, 16, 1, 1000))  # 256 x 159 x 16 x 256 x 16 > 2**31
+    assert st.fits(shape, 16, ("chunks", 16, 16, 1, 1000))
+    assert not st.fits((2**16, 256, 2535), 16, ("chunks", 64, 4, 1, 1))  # the inputs alone
+    with pytest.raises(ValueError, match="indexes in 32 bits"):
+        st._grid(torch.empty(256, 256, 2535, device="meta"), 16, ("steps", 16, 16, 1, 1000))
+
+
 def test_the_scan_is_chosen_by_device_and_by_the_run(monkeypatch, caplog):
     cpu = ((1, 4, 3), torch.device("cpu"), torch.float32, 2)
     assert ss.choose_scan(*cpu).scan == "torch"  # a CPU runs the PyTorch scan by default
@@ -282,7 +345,8 @@ AOT = textwrap.dedent("""
     from harness.ops import scan_triton_steps as steps
 
     POINTERS = {"u", "dt", "z", "Bm", "Cm", "A", "D", "resets", "dout", "y", "starts", "du", "ddt", "dz", "dB_part",
-                "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part", "since", "scratch"}
+                "dC_part", "dA_part", "dD_part", "x", "w", "bias", "dy", "dx", "dw_part", "db_part", "since", "scratch",
+                "ends", "decays", "carries"}
     BF16 = {"u", "z", "Bm", "Cm", "du", "dz", "x", "dx"}  # the mixer's activations under bf16 autocast
 
     def build(kernel, constexprs, arch):
@@ -305,6 +369,11 @@ AOT = textwrap.dedent("""
                 flags = dict(HAS_D=True, HAS_Z=True, HAS_RESETS=True, K=LAYOUTS["steps"][1], BD=LAYOUTS["steps"][2],
                              BN=16)
                 built += bool(build(kernel, flags, arch).asm["cubin"])
+            # the splits' side passes, every flag on, at the chunked layout's tile
+            for kernel, flags in ((steps._split_ends_forward, dict(HAS_RESETS=True)),
+                                  (steps._split_ends_backward, dict(HAS_Z=True, HAS_RESETS=True))):
+                flags.update(K=LAYOUTS["chunks"][1], BD=LAYOUTS["chunks"][2], BN=16)
+                built += bool(build(kernel, flags, arch).asm["cubin"])
         for bias in (True, False):  # packed rows' restarts with the bias, not without
             for kernel in (ct._conv_forward, ct._conv_backward):
                 built += bool(build(kernel, dict(HAS_BIAS=bias, HAS_SINCE=bias, K=4, BT=ct.BLOCK_T, BC=ct.BLOCK_C),
@@ -322,4 +391,4 @@ def test_the_kernels_compile_for_nvidia_gpus_without_one(tmp_path):
     env.update(PYTHONPATH=str(REPO), TRITON_CACHE_DIR=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", AOT], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert int(res.stdout.strip().splitlines()[-1]) == 2 * (2 * 2 + 2 * 2) + 2
+    assert int(res.stdout.strip().splitlines()[-1]) == 2 * (2 * 2 + 2 * 2) + 2 + 2

@@ -33,34 +33,39 @@ import torch
 import triton
 import triton.language as tl
 
-from harness.ops.scan_triton_steps import _steps_backward, _steps_forward
+from harness.ops.scan_triton_steps import (_entering, _handed_back, _split_ends_backward, _split_ends_forward,
+                                           _steps_backward, _steps_forward)
 from harness.ops.triton_shared import agrees, store_rounded
 
 # The tile a scan takes by its channels when no ``tiled`` block sets one: (up to this many channels, (layout, steps
-# of a chunk (a power of two), channels a program owns, warps a program runs on)), read at each call. Measured on an
+# of a chunk (a power of two), channels a program owns, warps a program runs on, splits of time run side by side
+# (``scan_triton_steps``: not yet timed on a GPU, so 1, which launches what ran before they existed))), read at
+# each call. Measured on an
 # H100, batch 64, bf16 forward+backward (``benchmarks/scan.py --tune``, docs/results/scan-on-chip.md): at 128
 # channels (the 0.5M models) chunks of 64, 4 channels, 1 warp took 4.8 ms at 2,535 steps against 7.1 for the former
 # chunks of 32, 16 channels, 4 warps (1.44x; 615 steps 1.25x; the step-by-step layout's best 5.3 ms); at 256
 # (1M, 2M) step by step, chunks of 16, 16 channels, 1 warp 6.9 ms against 13.7 (2.0x at 615 and 2,535 steps;
 # chunks' best 9.7). More programs of more warps were slower at every size: one warp a program won.
-TILES = ((128, ("chunks", 64, 4, 1)), (None, ("steps", 16, 16, 1)))
+TILES = ((128, ("chunks", 64, 4, 1, 1)), (None, ("steps", 16, 16, 1, 1)))
 _forced: tuple | None = None  # the tile a ``tiled`` block sets
 
 
 def current_tile(dim: int) -> tuple:
-    """(layout, chunk, channel block, warps): what a scan of ``dim`` channels launched now runs."""
+    """(layout, chunk, channel block, warps, splits): what a scan of ``dim`` channels launched now runs."""
     if _forced is not None:
         return _forced
     return next(tile for most, tile in TILES if most is None or dim <= most)
 
 
 @contextlib.contextmanager
-def tiled(layout: str, chunk: int, block: int, warps: int):
+def tiled(layout: str, chunk: int, block: int, warps: int, splits: int = 1):
     """Every scan in a block of code on one layout and tile (benchmarks and the quick suite time the choices)."""
     global _forced
     if layout not in ("chunks", "steps"):
         raise ValueError(f"layout={layout!r}: use chunks or steps")
-    saved, _forced = _forced, (layout, chunk, block, warps)
+    if splits < 1:
+        raise ValueError(f"splits={splits}: time is cut into 1 or more splits")
+    saved, _forced = _forced, (layout, chunk, block, warps, splits)
     try:
         yield
     finally:
@@ -98,19 +103,22 @@ def _then(a1, x1, a2, x2):
 
 
 @triton.jit
-def _scan_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts,
-                  L, dim, nst, n_chunks,
+def _scan_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts, ends, decays,
+                  L, dim, nst, n_chunks, per_split, n_splits,
                   su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
                   sB_b, sB_n, sB_l, sC_b, sC_n, sC_l, sy_b, sy_d, sy_l,
                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESETS: tl.constexpr,
                   K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    """``resets`` [b, l] (contiguous, float32): 1 at a packed sample's first token, whose decay is zeroed."""
-    row, blk = tl.program_id(0), tl.program_id(1)
+    """``resets`` [b, l] (contiguous, float32): 1 at a packed sample's first token, whose decay is zeroed. Grid
+    (rows, channel blocks, splits); ``ends`` and ``decays``: what ``_split_ends_forward`` wrote (unread with one
+    split)."""
+    row, blk, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_d, offs_n, offs_t, first, md, mdn = _block(blk, dim, nst, K, BD, BN)
     if HAS_D:
         d_skip = tl.load(D + offs_d, mask=md, other=0.0)
-    h_in = tl.zeros((BD, BN), dtype=tl.float32)  # the state entering the chunk, all states
-    for c in range(0, n_chunks):
+    # the state entering the chunk, all states
+    h_in = _entering(ends, decays, row, s, n_splits, dim, nst, offs_d, offs_n, mdn, BD, BN)
+    for c in range(s * per_split, tl.minimum((s + 1) * per_split, n_chunks)):
         tl.store(starts + ((row * n_chunks + c) * dim + offs_d[:, None]) * nst + offs_n[None, :], h_in, mask=mdn)
         t = c * K + offs_t
         last = tl.minimum(L - c * K, K) - 1
@@ -141,23 +149,23 @@ def _scan_forward(u, dt, z, Bm, Cm, A, D, resets, y, starts,
 
 
 @triton.jit
-def _scan_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts,
+def _scan_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts, carries, decays,
                    du, ddt, dz, dB_part, dC_part, dA_part, dD_part,
-                   L, dim, nst, n_chunks, n_blocks,
+                   L, dim, nst, n_chunks, per_split, n_splits, n_blocks,
                    su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sB_b, sB_n, sB_l,
                    sC_b, sC_n, sC_l, sy_b, sy_d, sy_l, so_b, so_d, so_l, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                    HAS_RESETS: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    """dout is read with the sy strides; du, ddt and dz are written with the so strides. dB_part and dC_part are
-    [b, channel blocks, n, L], dA_part [b, d, n], dD_part [b, d]: summed over their second (first) dim after."""
-    row, blk = tl.program_id(0), tl.program_id(1)
+    """dout read with the sy strides, du, ddt, dz written with the so strides. dB_part, dC_part [b, blocks, n, L],
+    dA_part, dD_part [b x splits, d(, n)]: summed over dim 1 (0) after. carries, decays: _split_ends_backward's."""
+    row, blk, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_d, offs_n, offs_t, first, md, mdn = _block(blk, dim, nst, K, BD, BN)
     if HAS_D:
         d_skip = tl.load(D + offs_d, mask=md, other=0.0)
-    g_in = tl.zeros((BD, BN), dtype=tl.float32)  # a_{t+1} dL/dh_{t+1} that the chunk after hands the last step
-    grad_a = tl.zeros((BD, BN), dtype=tl.float32)
-    grad_d = tl.zeros((BD,), dtype=tl.float32)
-    for j in range(0, n_chunks):
-        c = n_chunks - 1 - j
+    g_in = _handed_back(carries, decays, row, s, n_splits, dim, nst, offs_d, offs_n, mdn, BD, BN)  # a_{t+1} g_{t+1}
+    grad_a, grad_d = tl.zeros((BD, BN), dtype=tl.float32), tl.zeros((BD,), dtype=tl.float32)
+    first_chunk, last_chunk = s * per_split, tl.minimum((s + 1) * per_split, n_chunks)
+    for j in range(0, last_chunk - first_chunk):
+        c = last_chunk - 1 - j
         t = c * K + offs_t
         last = tl.minimum(L - c * K, K) - 1
         at_last = (offs_t == last)[None, :]
@@ -218,9 +226,9 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts,
                    dy * ungated * sig * (1 + zv * (1 - sig)), m)
         store_rounded(du + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_u, m)
         store_rounded(ddt + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_dt, m)
-    tl.store(dA_part + (row * dim + offs_d[:, None]) * nst + offs_n[None, :], grad_a, mask=mdn)
+    tl.store(dA_part + ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :], grad_a, mask=mdn)
     if HAS_D:
-        tl.store(dD_part + row * dim + offs_d, grad_d, mask=md)
+        tl.store(dD_part + (row * n_splits + s) * dim + offs_d, grad_d, mask=md)
 
 
 def _strides(t):
@@ -246,8 +254,14 @@ class TritonScan(torch.autograd.Function):
         resets = resets.float().contiguous() if resets is not None else None
         k = _launch(u, dt, A, B, C, D, z, y, ctx.tile, resets)
         starts = u.new_empty((k.rows, k.n_chunks, k.dim, k.nst), dtype=torch.float32)
+        ends = decays = k.tensors[5]  # unread with one split
+        if k.splits > 1:  # each split's end state from zero and its decays' product, split by split side by side
+            ends, decays = (u.new_empty((k.rows, k.splits, k.dim, k.nst), dtype=torch.float32) for _ in range(2))
+            _split_ends_forward[k.grid[:2] + (k.splits - 1,)](
+                u, dt, B, k.tensors[5], k.tensors[7], ends, decays, *k.sizes, *_strides(u), *_strides(dt),
+                *_strides(B), HAS_RESETS=resets is not None, K=k.chunk, BD=k.block, BN=k.bn, num_warps=k.warps)
         forward = _steps_forward if k.layout == "steps" else _scan_forward
-        forward[k.grid](*k.tensors, y, starts, *k.sizes, *k.strides, **k.flags, num_warps=k.warps)
+        forward[k.grid](*k.tensors, y, starts, ends, decays, *k.sizes, *k.strides, **k.flags, num_warps=k.warps)
         ctx.save_for_backward(u, dt, A, B, C, D, z, resets, starts)
         return y
 
@@ -259,14 +273,21 @@ class TritonScan(torch.autograd.Function):
         dz = _time_major(u, z.dtype) if z is not None else du  # not written without a gate
         dB_part = u.new_empty((k.rows, k.blocks, k.nst, k.length), dtype=torch.float32)
         dC_part = torch.empty_like(dB_part)
-        dA_part = u.new_empty((k.rows, k.dim, k.nst), dtype=torch.float32)
-        dD_part = u.new_empty((k.rows, k.dim), dtype=torch.float32) if D is not None else dA_part
+        dA_part = u.new_empty((k.rows * k.splits, k.dim, k.nst), dtype=torch.float32)
+        dD_part = u.new_empty((k.rows * k.splits, k.dim), dtype=torch.float32) if D is not None else dA_part
         outputs = [du, ddt, dz, dB_part, dC_part, dA_part, dD_part]
         if k.layout == "steps":  # a chunk's recomputed states, one slab a program
-            outputs.append(u.new_empty((k.rows * k.blocks, k.chunk, k.block, k.bn), dtype=torch.float32))
+            outputs.append(u.new_empty((k.rows * k.blocks * k.splits, k.chunk, k.block, k.bn), dtype=torch.float32))
+        carries = decays = k.tensors[5]  # unread with one split
+        if k.splits > 1:  # the gradient each split hands back from zero after it, and its decays' product
+            carries, decays = (u.new_empty((k.rows, k.splits, k.dim, k.nst), dtype=torch.float32) for _ in range(2))
+            _split_ends_backward[k.grid[:2] + (k.splits - 1,)](
+                dt, k.tensors[2], C, k.tensors[5], k.tensors[7], dout, carries, decays, *k.sizes, *_strides(dt),
+                *_strides(k.tensors[2]), *_strides(C), *_strides(dout), HAS_Z=z is not None,
+                HAS_RESETS=resets is not None, K=k.chunk, BD=k.block, BN=k.bn, num_warps=k.warps)
         backward = _steps_backward if k.layout == "steps" else _scan_backward
-        backward[k.grid](*k.tensors, dout, starts, *outputs, *k.sizes, k.blocks, *k.strides, *_strides(du), **k.flags,
-                         num_warps=k.warps)
+        backward[k.grid](*k.tensors, dout, starts, carries, decays, *outputs, *k.sizes, k.blocks, *k.strides,
+                         *_strides(du), **k.flags, num_warps=k.warps)
         return (du, ddt, dA_part.sum(0).to(A.dtype), _over_blocks(dB_part).to(B.dtype),
                 _over_blocks(dC_part).to(C.dtype), dD_part.sum(0).to(D.dtype) if D is not None else None,
                 dz if z is not None else None, None)
@@ -278,43 +299,55 @@ def _over_blocks(part: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(u, dt, A, B, C, D, z, out, tile, resets=None) -> types.SimpleNamespace:
-    """What every launch of one scan's kernels shares: the ``tile`` (layout, chunk, channel block, warps), the
-    grid, the leading tensors (float32 A and D), the sizes, the strides of the inputs and of ``out`` (read or
+    """What every launch of one scan's kernels shares: the ``tile`` (layout, chunk, channel block, warps, splits),
+    the grid, the leading tensors (float32 A and D), the sizes, the strides of the inputs and of ``out`` (read or
     written with the last stride triple), the flags."""
     rows, dim, length = u.shape
     nst = A.shape[1]
-    layout, chunk, block, warps = tile
-    grid, blocks, n_chunks, bn = _grid(u, nst, chunk, block)
+    layout, chunk, block, warps, wanted = tile
+    grid, blocks, n_chunks, bn = _grid(u, nst, tile)
+    per_split, splits = splits_of(n_chunks, wanted)
     a32 = A.float().contiguous()
     zz = z if z is not None else u
     return types.SimpleNamespace(
-        rows=rows, dim=dim, length=length, nst=nst, grid=grid, blocks=blocks, n_chunks=n_chunks, bn=bn,
-        chunk=chunk, block=block, warps=warps, layout=layout,
+        rows=rows, dim=dim, length=length, nst=nst, grid=(*grid, splits), blocks=blocks, n_chunks=n_chunks, bn=bn,
+        chunk=chunk, block=block, warps=warps, layout=layout, splits=splits,
         tensors=(u, dt, zz, B, C, a32, D.float().contiguous() if D is not None else a32,
                  resets if resets is not None else a32),
-        sizes=(length, dim, nst, n_chunks),
+        sizes=(length, dim, nst, n_chunks, per_split, splits),
         strides=(*_strides(u), *_strides(dt), *_strides(zz), *_strides(B), *_strides(C), *_strides(out)),
         flags=dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_RESETS=resets is not None, K=chunk, BD=block,
                    BN=bn))
 
 
-def fits(shape: tuple[int, int, int], n: int, chunk: int | None = None, block: int | None = None) -> bool:
-    """Whether every index the kernels form for ``u`` of ``shape`` (b, d, l) fits 32 bits: the inputs (as the
-    mixer lays them out, z a slice of a tensor twice as wide), the partial sums of dB and dC (b x channel blocks
-    x n x l) and the chunks' states (b x chunks x d x n)."""
+def fits(shape: tuple[int, int, int], n: int, tile: tuple | None = None) -> bool:
+    """Whether every index the kernels form for ``u`` of ``shape`` (b, d, l) on ``tile`` (default: the table's
+    for d) fits 32 bits: the inputs (as the mixer lays them out, z a slice of a tensor twice as wide), the partial
+    sums of dB and dC (b x channel blocks x n x l), the chunks' states (b x chunks x d x n), the splits' (b x
+    splits x d x n) and the step-by-step backward's scratch (b x channel blocks x splits x chunk x block x n)."""
     b, d, length = shape
-    _, default_chunk, default_block, _ = current_tile(d)
-    chunk, block = chunk or default_chunk, block or default_block
-    padded_d, padded_l = triton.cdiv(d, block) * block, triton.cdiv(length, chunk) * chunk
-    largest = max(2 * padded_d * padded_l, triton.cdiv(d, block) * n * padded_l,
-                  triton.cdiv(length, chunk) * padded_d * triton.next_power_of_2(n))
+    layout, chunk, block, _, wanted = tile or current_tile(d)
+    blocks, n_chunks, bn = triton.cdiv(d, block), triton.cdiv(length, chunk), triton.next_power_of_2(n)
+    padded_d, padded_l, (_, splits) = blocks * block, n_chunks * chunk, splits_of(n_chunks, wanted)
+    largest = max(2 * padded_d * padded_l, blocks * n * padded_l, n_chunks * padded_d * bn,
+                  splits * chunk * padded_d * bn if layout == "steps" else splits * padded_d * bn)
     return b * largest < 2**31
 
 
-def _grid(u, n, chunk, block):
-    """(launch grid, channel blocks, chunks, states padded to a power of two) for u [b, d, l]."""
+def splits_of(n_chunks: int, wanted: int) -> tuple[int, int]:
+    """(chunks a split, splits) for ``wanted`` splits of ``n_chunks`` chunks: never an empty split, never more
+    splits than chunks."""
+    per_split = triton.cdiv(n_chunks, max(1, min(wanted, n_chunks)))
+    return per_split, triton.cdiv(n_chunks, per_split)
+
+
+
+
+def _grid(u, n, tile):
+    """(launch grid, channel blocks, chunks, states padded to a power of two) for u [b, d, l] on ``tile``."""
     b, d, length = u.shape
-    if not fits(tuple(u.shape), n, chunk, block):
+    _, chunk, block, _, _ = tile
+    if not fits(tuple(u.shape), n, tile):
         raise ValueError(f"the Triton scan indexes in 32 bits: {b} rows of {length} steps are too many at once")
     blocks, n_chunks = triton.cdiv(d, block), triton.cdiv(length, chunk)
     return (b, blocks), blocks, n_chunks, triton.next_power_of_2(n)
@@ -336,9 +369,9 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers. Without
     ``tile``, the narrowest layers' tile."""
     tile = tile or current_tile(1)
-    _, chunk, block, _ = tile
+    _, chunk, block, _, splits = tile
     g = torch.Generator().manual_seed(0)
-    b, d, length = 2, block + 7, 2 * chunk + 7
+    b, d, length = 2, block + 7, 2 * splits * chunk - 3  # two chunks a split, the last one short
     act = getattr(torch, dtype)
     u, z = (torch.randn(b, length, d, generator=g).transpose(1, 2).to(act) for _ in range(2))
     dt = torch.rand(b, d, length, generator=g) * 0.1 + 0.001  # float32, as _step_sizes gives it

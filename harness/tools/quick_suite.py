@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,8 +52,9 @@ BUDGET_S = 510  # the whole call on an H100, start-up and model building include
 MIN_STEP_S = 20  # a step given less than this is skipped: it could not start its models and measure
 RESERVE_S = 10  # kept back from the last step for the table
 # Steps in the order they decide things, each with its cap in seconds (a GPU's; on a CPU the sizes are tiny).
-# decode: eager and graphed steps first, then the compiled ones (their first steps compile: ~minutes on a GPU)
-STEPS = {"scan": 75, "trainer": 240, "sharing": 100, "sweep": 110, "decode": 330}
+# decode: eager and graphed steps first, then the compiled ones (their first steps compile: ~minutes on a GPU);
+# scan: 15 s more for the splits' side passes (four compiles) and their timings
+STEPS = {"scan": 90, "trainer": 240, "sharing": 100, "sweep": 110, "decode": 330}
 # what a call runs unless --part names steps: the sweep only when asked (by its own timings no plan reaches 1.3x
 # over ``batch`` for Phi on a GPU; its minutes go to the trainer's graphed cells)
 DEFAULT_STEPS = ["scan", "trainer", "sharing", "decode"]
@@ -65,7 +67,9 @@ def sizes(cuda: bool) -> dict:
     """What each step measures: the real shapes on a GPU, tiny ones on a CPU."""
     if cuda:
         # the scan at the paper models' channels (0.5M: 128; 1M, 2M: 256) and its cells' lengths
+        # (each channel count's table tile timed again at its longest length in bf16 with time cut in splits)
         return {"scan": {"lengths": [48, 615, 2535], "batch": 64, "channels": [128, 256], "states": 16, "repeats": 3,
+                         "splits": [2, 4, 8],
                          "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64}},
                 # each paper size measured (smallest, largest, then the middle): small models' steps are bound by
                 # kernel launches, so step time does not scale with parameters
@@ -88,6 +92,7 @@ def sizes(cuda: bool) -> dict:
                 "sweep": {"questions": 4, "slots": 11, "size": "real", "new": 16, "repeats": 3},
                 "decode": {"context": 2048, "batches": [1, 64], "steps": 8, "size": "real"}}
     return {"scan": {"lengths": [24], "batch": 1, "channels": [16], "states": 4, "repeats": 1,  # interpreted: slow
+                     "splits": [2],
                      "profile": {"size": "smoke", "nodes": 4, "setup": "direct", "batch": 1}},
             "trainer": {"sizes": ["smoke"], "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "graph_steps": 5, "graph_cells": [("mamba", 4, "direct")],
@@ -100,9 +105,10 @@ def sizes(cuda: bool) -> dict:
 
 
 def _tile_name(tile: tuple) -> str:
-    """A scan tile as the report names it: "chunks 64/4/1" (layout, chunk, channel block, warps)."""
-    layout, chunk, block, warps = tile
-    return f"{layout} {chunk}/{block}/{warps}"
+    """A scan tile as the report names it: "chunks 64/4/1" (layout, chunk, channel block, warps), "... in 4
+    splits" where time is cut in splits."""
+    layout, chunk, block, warps, splits = tile
+    return f"{layout} {chunk}/{block}/{warps}" + (f" in {splits} splits" if splits > 1 else "")
 
 
 # -- the steps (each runs in its own child process; ``emit`` saves its rows as it goes) ---------------------------
@@ -110,7 +116,8 @@ def scan_step(device: str, spec: dict, emit) -> None:
     """The Triton scan against the PyTorch scan, forward and backward, per channel count, length and precision:
     the tile ``scan_triton.TILES`` gives those channels and the table's tile of the other layout, timed side by
     side (the best of ``repeats`` after a warm-up on a GPU), and the largest relative difference of each over the
-    output and every gradient."""
+    output and every gradient. At each channel count's longest length in bf16, the table's tile again with time
+    cut in each of ``splits`` (a row each, named "splits: ...")."""
     from harness.ops import scan_triton  # lazy: imports triton, which a CPU install may lack
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -128,8 +135,11 @@ def scan_step(device: str, spec: dict, emit) -> None:
             D = torch.ones(d, device=device)
             weight = torch.randn(b, d, length, generator=g).to(device)
             out, secs = {}, {}
-            for name, scan, run_tile in (("triton", scan_triton.TritonScan, tile),
-                                         ("other", scan_triton.TritonScan, other), ("torch", SelectiveScan, tile)):
+            runs = [("triton", scan_triton.TritonScan, tile), ("other", scan_triton.TritonScan, other),
+                    ("torch", SelectiveScan, tile)]
+            if dtype == "bfloat16" and length == max(spec["lengths"]):
+                runs += [(k, scan_triton.TritonScan, (*tile[:4], k)) for k in spec["splits"]]
+            for name, scan, run_tile in runs:
                 best = math.inf
                 with scan_triton.tiled(*run_tile):
                     for _ in range(spec["repeats"] + (device == "cuda")):
@@ -142,7 +152,7 @@ def scan_step(device: str, spec: dict, emit) -> None:
                         best = min(best, time.perf_counter() - t)
                 out[name], secs[name] = [y.detach().float(), *(x.float() for x in grads)], best
             worst = {name: max(((x - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                               for x, r in zip(out[name], out["torch"])) for name in ("triton", "other")}
+                               for x, r in zip(out[name], out["torch"])) for name in out if name != "torch"}
             tolerance = scan_triton.TOLERANCE[dtype]
             emit({"channels": d, "tokens": length, "batch": b, "dtype": dtype, "tile": _tile_name(tile),
                   "triton_ms": round(1e3 * secs["triton"], 2), "torch_ms": round(1e3 * secs["torch"], 2),
@@ -152,6 +162,12 @@ def scan_step(device: str, spec: dict, emit) -> None:
                   "other_max_rel_diff": float(f"{worst['other']:.2e}"),
                   "tile_over_other": round(secs["other"] / secs["triton"], 2),
                   "ok": worst["triton"] <= tolerance and worst["other"] <= tolerance})
+            for k in (name for name in out if isinstance(name, int)):
+                _, split_count = scan_triton.splits_of(math.ceil(length / tile[1]), k)
+                emit({"name": f"splits: {d} channels {length} tokens {dtype}", "tile": _tile_name(tile),
+                      "splits": split_count, "ms": round(1e3 * secs[k], 2),
+                      "over_table_tile": round(secs["triton"] / secs[k], 2),
+                      "max_rel_diff": float(f"{worst[k]:.2e}"), "tolerance": tolerance, "ok": worst[k] <= tolerance})
     # where a Mamba training step's time goes: the scan's and the convolution's kernels against the rest
     cell = spec["profile"]
     cfg = TrainConfig(arch="mamba", size=cell["size"], nodes=cell["nodes"], setup=cell["setup"],
@@ -470,13 +486,13 @@ def summary(report: dict) -> list[dict]:
         rows.append({"number": name, "value": value, "goal": f"{'>=' if higher else '<='} {target:g}", "met": label})
 
     scan_rows, whole = steps.get("scan", {}).get("rows", []), steps.get("scan", {}).get("status") == "done"
-    scan = [r for r in scan_rows if "name" not in r]
-    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16; both layouts)",
+    scan = [r for r in scan_rows if "name" not in r or r["name"].startswith("splits")]
+    rows.append({"number": "Triton scan == PyTorch scan (every length, float32 and bf16; both layouts, in splits)",
                  "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
                  "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
                  if scan else "not measured"})
     longest = {}  # per channel count, its longest bf16 row: the table's tile against the other layout's
-    for r in (r for r in scan if r["dtype"] == "bfloat16"):
+    for r in (r for r in scan if r.get("dtype") == "bfloat16"):
         if r["tokens"] >= longest.get(r["channels"], r)["tokens"]:
             longest[r["channels"]] = r
     if longest and gpu:  # which tile each channel count takes: measured, not assumed
@@ -486,6 +502,18 @@ def summary(report: dict) -> list[dict]:
                      "value": ", ".join(f"{r['tile_over_other']:g}" for r in longest.values()), "goal": ">= 1 each",
                      "met": "yes" if all(r["tile_over_other"] >= 1 for r in longest.values())
                      else "no: retune TILES (benchmarks/scan.py --tune)"})
+    split = {}  # per channel count, its fastest split count against the table's tile
+    for r in (r for r in scan if "splits" in r):
+        if r["name"] not in split or r["over_table_tile"] > split[r["name"]]["over_table_tile"]:
+            split[r["name"]] = r
+    if split and gpu:
+        rows.append({"number": "the scan's tile in its fastest count of time splits over the table's count, bf16 at "
+                               + ", ".join(n.removeprefix("splits: ").removesuffix(" bfloat16") for n in split)
+                               + " (x faster)",
+                     "value": ", ".join(f"{r['over_table_tile']:g} ({r['splits']} splits)" for r in split.values()),
+                     "goal": "<= 1 each",
+                     "met": "yes" if all(r["over_table_tile"] <= 1 for r in split.values())
+                     else "no: set the splits in scan_triton.TILES (benchmarks/scan.py --tune)"})
     profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
     goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
          if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",
@@ -525,6 +553,11 @@ def summary(report: dict) -> list[dict]:
     return rows
 
 
+def _name_kind(row: dict) -> str:
+    """What a named row is, from its name up to a colon or a parenthesis: "splits: 128 channels ..." -> "splits"."""
+    return re.split(r"[:(]", row["name"], maxsplit=1)[0].strip()
+
+
 def render(report: dict) -> str:
     env = report["environment"]
     card = env.get("gpu", "CPU (tiny sizes)")
@@ -548,9 +581,10 @@ def render(report: dict) -> str:
         lines.append(f"{step['status']} in {step.get('seconds', 0)} s (limit {step.get('limit_s', '-')} s)"
                      + (f": {step['reason']}" if step.get("reason") else ""))
         table = [r for r in step["rows"] if not r.get("projection") and not r.get("supported") and not r.get("live")]
-        # a check's row (a name and a verdict) and the measurements each get their own table
-        for kind in (True, False):
-            rows = [r for r in table if ("name" in r) == kind]
+        # named rows (checks, profiles) a table for each kind of name, then the measurements in one
+        kinds = dict.fromkeys(_name_kind(r) for r in table if "name" in r)
+        for rows in [[r for r in table if "name" in r and _name_kind(r) == k] for k in kinds] + [
+                [r for r in table if "name" not in r]]:
             if rows:
                 lines += ["", pd.DataFrame(rows).fillna("").to_markdown(index=False)]
         lines += [f"\nprojected: **{r['grid_hours']} hours** for the paper grid on {card} ({r['how']})"
