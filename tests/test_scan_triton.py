@@ -112,46 +112,6 @@ CHILD = textwrap.dedent("""
         out["steps_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
                                                st.current_tile(1))
 
-    # time cut in splits run side by side (both layouts): equal to the sequential scan, with and without restarts
-    # (one on a split's first step), whatever the split count (one that does not divide the chunks, more splits than
-    # chunks); the side passes ran with their grids, and the split counts' outputs differ only by rounding
-    launched = []
-    for name in ("_split_ends_forward", "_split_ends_backward"):
-        kernel = getattr(st, name)
-        class Counted:
-            def __getitem__(self, grid, kernel=kernel, name=name):
-                launched.append((name, grid[2]))
-                return kernel[grid]
-        setattr(st, name, Counted())
-    g = torch.Generator().manual_seed(11)
-    b, d, n, length = 2, 5, 3, 21  # 3 chunks of 8, the last short; 2 blocks of 4 channels, the last short
-    u, z = torch.randn(b, length, d, generator=g).transpose(1, 2), torch.randn(b, d, length, generator=g)
-    dt = torch.rand(b, d, length, generator=g) * 0.3 + 1e-3
-    B, C, w = torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g), torch.randn(b, d, length)
-    A, D = -torch.rand(d, n, generator=g) * 2 - 0.5, torch.randn(d, generator=g)
-    packed = torch.zeros(b, length)
-    packed[:, [0, 3, 16, 17, length - 1]] = 1  # 16: the second split's first step at 2 splits (2 chunks, 1)
-    out["splits"] = []
-    for starts in (None, packed):
-        ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
-        y = ss.sequential_scan(*ins[:5], ins[5], ins[6], starts=starts)
-        ref = [y.detach(), *torch.autograd.grad(y, ins, w)]
-        for layout in (("chunks", 8, 4, 1), ("steps", 8, 4, 1)):
-            got = {}
-            for splits in (1, 2, 9):  # 9: 3 splits of a chunk
-                ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
-                with st.tiled(*layout, splits):
-                    y = st.TritonScan.apply(*ins, starts)
-                    got[splits] = [y.detach(), *torch.autograd.grad(y, ins, w)]
-            out["splits"].append({"layout": layout[0], "restarts": starts is not None, "varies": float(ref[0].std()),
-                                  "worst": max(rel(a, r) for k in got for a, r in zip(got[k], ref)),
-                                  "apart": max((a - r).abs().max().item() for k in (2, 9)
-                                               for a, r in zip(got[k], got[1]))})
-    out["split_grids"] = sorted(set(launched))
-    with st.tiled("chunks", 8, 4, 1, 3):
-        out["splits_verified"] = st.verified_on("cpu", ss.SelectiveScan, "float32", 16, True, True, True,
-                                                st.current_tile(1))
-
     # the interpreter made faster (harness.ops.interpreter: the vectorised scan, helpers patched once a launch)
     # gives the stock interpreter's bits, on both scan layouts (kernels that call @triton.jit helpers)
     fast = [(interpreter.ScanOps, "generic_scan"), (interpreter.InterpretedFunction, "__call__"),
@@ -171,6 +131,38 @@ CHILD = textwrap.dedent("""
         setattr(owner, name, f)
     out["bitwise"] = all(torch.equal(a, b) for r in range(2) for a, b in zip(runs[r], runs[r + 2])) \
         and bool(runs[0][0].std() > 0)
+
+    # time cut in splits run side by side (both layouts): equal to the sequential scan, 3 splits of 2, 2 and 1
+    # chunks, a restart on the second's first step and none on the third's; the side passes ran with their grids
+    launched, side_passes = [], {name: getattr(st, name) for name in ("_split_ends_forward", "_split_ends_backward")}
+    for name, kernel in side_passes.items():
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launched.append((name, grid[2]))
+                return kernel[grid]
+        setattr(st, name, Counted())
+    g = torch.Generator().manual_seed(11)
+    b, d, n, length = 2, 5, 3, 37  # 5 chunks of 8, the last short; 2 blocks of 4 channels, the last short
+    u, z = torch.randn(b, length, d, generator=g).transpose(1, 2), torch.randn(b, d, length, generator=g)
+    dt = torch.rand(b, d, length, generator=g) * 0.3 + 1e-3
+    B, C, w = torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g), torch.randn(b, d, length)
+    A, D = -torch.rand(d, n, generator=g) * 2 - 0.5, torch.randn(d, generator=g)
+    packed = torch.zeros(b, length)
+    packed[:, [0, 3, 16, 17, length - 1]] = 1  # 16: the second split's first step (32: the third's, no restart)
+    out["splits"] = []
+    ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+    y = ss.sequential_scan(*ins[:5], ins[5], ins[6], starts=packed)
+    ref = [y.detach(), *torch.autograd.grad(y, ins, w)]
+    for layout in (("chunks", 8, 4, 1, 3), ("steps", 8, 4, 1, 3)):
+        ins = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)]
+        with st.tiled(*layout):
+            y = st.TritonScan.apply(*ins, packed)
+            got = [y.detach(), *torch.autograd.grad(y, ins, w)]
+        out["splits"].append({"layout": layout[0], "varies": float(ref[0].std()),
+                              "worst": max(rel(a, r) for a, r in zip(got, ref))})
+    out["split_grids"] = sorted(set(launched))
+    for name, kernel in side_passes.items():
+        setattr(st, name, kernel)
 
     # the causal convolution against CausalConv: strided input, with and without a bias, 4 and 2 taps, one step;
     # packed rows (restarts at the first step, inside a block, at a block's edge, twice in a row, at the last step)
@@ -250,12 +242,8 @@ def test_the_triton_scan_and_convolution_equal_the_reference_in_the_interpreter(
     assert out["steps_verified"] is True
     for case in out["splits"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
-    # the splits sum in another order than one split where a boundary is no restart (a test that ran them)
-    assert all(0 < case["apart"] < 1e-5 for case in out["splits"]), out["splits"]
-    # the side passes' third grid axis: splits - 1 (2 -> 2 splits of 2 chunks and 1; 9 -> 3 of one chunk)
-    assert out["split_grids"] == [[name, k] for name in ("_split_ends_backward", "_split_ends_forward")
-                                  for k in (1, 2)], out["split_grids"]
-    assert out["splits_verified"] is True
+    # the side passes' third grid axis: splits - 1
+    assert out["split_grids"] == [["_split_ends_backward", 2], ["_split_ends_forward", 2]], out["split_grids"]
     assert out["bitwise"] is True
     for case in out["conv"]:
         assert case["varies"] > 0 and case["worst"] < 1e-5, case
@@ -308,6 +296,9 @@ def test_a_scan_whose_indices_pass_32_bits_on_its_tile_is_refused_before_it_laun
 
     shape = (256, 256, 2535)  # 159 chunks of 16
     assert st.splits_of(159, 1000) == (1, 159) and st.splits_of(159, 8) == (20, 8) and st.splits_of(3, 2) == (2, 2)
+    for chunk, block, splits in ((8, 4, 1), (64, 4, 3), (16, 16, 8)):  # the device check runs every split it has
+        b, d, length = st.check_shape(("chunks", chunk, block, 1, splits))
+        assert st.splits_of(-(-length // chunk), splits) == (2, splits) and length % chunk and d % block
     assert st.fits(shape, 16, ("steps", 16, 16, 1, 1)) and st.fits(shape, 16, ("steps", 16, 16, 1, 8))
     assert not st.fits(shape, 16, ("steps", 16, 16, 1, 1000))  # 256 x 159 x 16 x 256 x 16 > 2**31
     assert st.fits(shape, 16, ("chunks", 16, 16, 1, 1000))

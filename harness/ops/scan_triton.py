@@ -48,13 +48,31 @@ from harness.ops.triton_shared import agrees, store_rounded
 # chunks' best 9.7). More programs of more warps were slower at every size: one warp a program won.
 TILES = ((128, ("chunks", 64, 4, 1, 1)), (None, ("steps", 16, 16, 1, 1)))
 _forced: tuple | None = None  # the tile a ``tiled`` block sets
+_splits: int | None = None  # the splits a ``split_into`` block sets over whatever tile a scan takes
 
 
 def current_tile(dim: int) -> tuple:
     """(layout, chunk, channel block, warps, splits): what a scan of ``dim`` channels launched now runs."""
-    if _forced is not None:
-        return _forced
-    return next(tile for most, tile in TILES if most is None or dim <= most)
+    tile = _forced if _forced is not None else next(tile for most, tile in TILES if most is None or dim <= most)
+    return tile if _splits is None else (*tile[:4], _splits)
+
+
+def _at_least_one(splits: int) -> int:
+    if splits < 1:
+        raise ValueError(f"splits={splits}: time is cut into 1 or more splits")
+    return splits
+
+
+@contextlib.contextmanager
+def split_into(splits: int):
+    """Every scan in a block of code, on the tile it takes, with time cut in ``splits`` splits (the quick suite
+    profiles a training step so)."""
+    global _splits
+    saved, _splits = _splits, _at_least_one(splits)
+    try:
+        yield
+    finally:
+        _splits = saved
 
 
 @contextlib.contextmanager
@@ -63,9 +81,7 @@ def tiled(layout: str, chunk: int, block: int, warps: int, splits: int = 1):
     global _forced
     if layout not in ("chunks", "steps"):
         raise ValueError(f"layout={layout!r}: use chunks or steps")
-    if splits < 1:
-        raise ValueError(f"splits={splits}: time is cut into 1 or more splits")
-    saved, _forced = _forced, (layout, chunk, block, warps, splits)
+    saved, _forced = _forced, (layout, chunk, block, warps, _at_least_one(splits))
     try:
         yield
     finally:
@@ -358,6 +374,13 @@ def _grid(u, n, tile):
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 
+def check_shape(tile: tuple) -> tuple[int, int, int]:
+    """(rows, channels, steps) ``verified_on`` checks ``tile`` at: channel blocks, the last short; two chunks a
+    split in every one of its splits, the last chunk short."""
+    _, chunk, block, _, splits = tile
+    return 2, block + 7, 2 * splits * chunk - 3
+
+
 @functools.lru_cache(maxsize=None)
 def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, skip: bool = True,
                 gate: bool = True, resets: bool = False, tile: tuple | None = None) -> bool:
@@ -369,9 +392,8 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     precision or shape, leaves training on the PyTorch scan (with a warning) instead of on wrong numbers. Without
     ``tile``, the narrowest layers' tile."""
     tile = tile or current_tile(1)
-    _, chunk, block, _, splits = tile
+    chunk, (b, d, length) = tile[1], check_shape(tile)
     g = torch.Generator().manual_seed(0)
-    b, d, length = 2, block + 7, 2 * splits * chunk - 3  # two chunks a split, the last one short
     act = getattr(torch, dtype)
     u, z = (torch.randn(b, length, d, generator=g).transpose(1, 2).to(act) for _ in range(2))
     dt = torch.rand(b, d, length, generator=g) * 0.1 + 0.001  # float32, as _step_sizes gives it

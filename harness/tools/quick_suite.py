@@ -70,7 +70,8 @@ def sizes(cuda: bool) -> dict:
         # (each channel count's table tile timed again at its longest length in bf16 with time cut in splits)
         return {"scan": {"lengths": [48, 615, 2535], "batch": 64, "channels": [128, 256], "states": 16, "repeats": 3,
                          "splits": [2, 4, 8],
-                         "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64}},
+                         # the 0.5M Mamba: d 64, expand 2, so 128 channels
+                         "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64, "channels": 128}},
                 # each paper size measured (smallest, largest, then the middle): small models' steps are bound by
                 # kernel launches, so step time does not scale with parameters
                 # each cell: 2 warm-up steps, then 2 passes over 5 batches (the spread between passes: the noise)
@@ -93,7 +94,7 @@ def sizes(cuda: bool) -> dict:
                 "decode": {"context": 2048, "batches": [1, 64], "steps": 8, "size": "real"}}
     return {"scan": {"lengths": [24], "batch": 1, "channels": [16], "states": 4, "repeats": 1,  # interpreted: slow
                      "splits": [2],
-                     "profile": {"size": "smoke", "nodes": 4, "setup": "direct", "batch": 1}},
+                     "profile": {"size": "smoke", "nodes": 4, "setup": "direct", "batch": 1, "channels": 64}},
             "trainer": {"sizes": ["smoke"], "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "graph_steps": 5, "graph_cells": [("mamba", 4, "direct")],
                         "draws": 2, "live": {"arch": "mamba", "size": "smoke", "nodes": 4, "setup": "retrieval"},
@@ -122,6 +123,7 @@ def scan_step(device: str, spec: dict, emit) -> None:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     n, b = spec["states"], spec["batch"]
+    split_rows = []
     for d, length in ((d, length) for d in spec["channels"] for length in spec["lengths"]):
         tile = scan_triton.current_tile(d)
         other = next((t for _, t in scan_triton.TILES if t[0] != tile[0]), tile)
@@ -164,21 +166,34 @@ def scan_step(device: str, spec: dict, emit) -> None:
                   "ok": worst["triton"] <= tolerance and worst["other"] <= tolerance})
             for k in (name for name in out if isinstance(name, int)):
                 _, split_count = scan_triton.splits_of(math.ceil(length / tile[1]), k)
-                emit({"name": f"splits: {d} channels {length} tokens {dtype}", "tile": _tile_name(tile),
-                      "splits": split_count, "ms": round(1e3 * secs[k], 2),
+                split_rows.append({"name": f"splits: {d} channels {length} tokens {dtype}", "tile": _tile_name(tile),
+                      "channels": d, "splits": split_count, "ms": round(1e3 * secs[k], 2),
                       "over_table_tile": round(secs["triton"] / secs[k], 2),
                       "max_rel_diff": float(f"{worst[k]:.2e}"), "tolerance": tolerance, "ok": worst[k] <= tolerance})
-    # where a Mamba training step's time goes: the scan's and the convolution's kernels against the rest
+                emit(split_rows[-1])
+    # where a Mamba training step's time goes: the scan's and the convolution's kernels against the rest; again
+    # with time in the split count that beat the table's at the model's channels, if one did
     cell = spec["profile"]
+    emit(_profile_row(cell, device))
+    faster = [r for r in split_rows if r["channels"] == cell["channels"] and r["over_table_tile"] > 1]
+    if faster:
+        best = max(faster, key=lambda r: r["over_table_tile"])["splits"]
+        with scan_triton.split_into(best):
+            emit(_profile_row(cell, device, f", in {best} splits"))
+
+
+def _profile_row(cell: dict, device: str, how: str = "") -> dict:
+    """One profiled training step of the Mamba ``cell`` (``profile_step``) as the scan step's row."""
     cfg = TrainConfig(arch="mamba", size=cell["size"], nodes=cell["nodes"], setup=cell["setup"],
                       report_to="none").resolved()
     p = profile_step(cfg, cell["batch"], device)
     fam = p["families_ms"]
-    emit({"name": f"profile: mamba {cell['size']} n={cell['nodes']} {cell['setup']}, batch {cell['batch']}, "
-                  f"{p['tokens']} tokens", "scan": p["scans"][0]["scan"], "conv": p["scans"][0].get("conv", "torch"),
-          "step_ms": round(p["total_ms"], 2), "scan_ms": round(fam["scan"], 2),
-          "conv_ms": round(fam["convolution"], 2), "scan_conv_ms": round(fam["scan"] + fam["convolution"], 2),
-          "top": "; ".join(f"{k[:40]} {ms:.1f}" for k, ms, _ in p["top"][:5])})
+    return {"name": f"profile: mamba {cell['size']} n={cell['nodes']} {cell['setup']}, batch {cell['batch']}, "
+                    f"{p['tokens']} tokens{how}", "scan": p["scans"][0]["scan"],
+            "conv": p["scans"][0].get("conv", "torch"), "step_ms": round(p["total_ms"], 2),
+            "scan_ms": round(fam["scan"], 2), "conv_ms": round(fam["convolution"], 2),
+            "scan_conv_ms": round(fam["scan"] + fam["convolution"], 2),
+            "top": "; ".join(f"{k[:40]} {ms:.1f}" for k, ms, _ in p["top"][:5])}
 
 
 def trainer_step(device: str, spec: dict, emit) -> None:
@@ -471,6 +486,36 @@ def grid_rows(steps: dict, gpu: bool, goal, rows: list) -> None:
                      "met": ("yes" if not any(r["data_binds"] for r in fed) else "no") if gpu else "n/a"})
 
 
+def tile_rows(scan: list[dict]) -> list[dict]:
+    """On a GPU's scan rows: whether ``scan_triton.TILES`` still picks the faster layout and split count at each
+    channel count's longest bf16 length (measured, not assumed)."""
+    rows = []
+    longest = {}  # per channel count, its longest bf16 row: the table's tile against the other layout's
+    for r in (r for r in scan if r.get("dtype") == "bfloat16"):
+        if r["tokens"] >= longest.get(r["channels"], r)["tokens"]:
+            longest[r["channels"]] = r
+    if longest:
+        rows.append({"number": "the scan's tile (scan_triton.TILES) over the other layout's, bf16 at "
+                               + ", ".join(f"{d} channels {r['tokens']} tokens" for d, r in longest.items())
+                               + " (x faster)",
+                     "value": ", ".join(f"{r['tile_over_other']:g}" for r in longest.values()), "goal": ">= 1 each",
+                     "met": "yes" if all(r["tile_over_other"] >= 1 for r in longest.values())
+                     else "no: retune TILES (benchmarks/scan.py --tune)"})
+    split = {}  # per channel count, its fastest split count against the table's tile
+    for r in (r for r in scan if "splits" in r):
+        if r["name"] not in split or r["over_table_tile"] > split[r["name"]]["over_table_tile"]:
+            split[r["name"]] = r
+    if split:
+        rows.append({"number": "the scan's tile in its fastest count of time splits over the table's count, bf16 at "
+                               + ", ".join(n.removeprefix("splits: ").removesuffix(" bfloat16") for n in split)
+                               + " (x faster)",
+                     "value": ", ".join(f"{r['over_table_tile']:g} ({r['splits']} splits)" for r in split.values()),
+                     "goal": "<= 1 each",
+                     "met": "yes" if all(r["over_table_tile"] <= 1 for r in split.values())
+                     else "no: set the splits in scan_triton.TILES (benchmarks/scan.py --tune)"})
+    return rows
+
+
 def summary(report: dict) -> list[dict]:
     """The decisive numbers against their goals (judged on a GPU only: a CPU's tiny sizes decide nothing)."""
     steps, gpu = report["steps"], report["device"] == "cuda"
@@ -491,33 +536,12 @@ def summary(report: dict) -> list[dict]:
                  "value": f"{sum(r['ok'] for r in scan)}/{len(scan)}" if scan else None, "goal": "all",
                  "met": ("no" if not all(r["ok"] for r in scan) else "yes" if whole else "so far (step cut short)")
                  if scan else "not measured"})
-    longest = {}  # per channel count, its longest bf16 row: the table's tile against the other layout's
-    for r in (r for r in scan if r.get("dtype") == "bfloat16"):
-        if r["tokens"] >= longest.get(r["channels"], r)["tokens"]:
-            longest[r["channels"]] = r
-    if longest and gpu:  # which tile each channel count takes: measured, not assumed
-        rows.append({"number": "the scan's tile (scan_triton.TILES) over the other layout's, bf16 at "
-                               + ", ".join(f"{d} channels {r['tokens']} tokens" for d, r in longest.items())
-                               + " (x faster)",
-                     "value": ", ".join(f"{r['tile_over_other']:g}" for r in longest.values()), "goal": ">= 1 each",
-                     "met": "yes" if all(r["tile_over_other"] >= 1 for r in longest.values())
-                     else "no: retune TILES (benchmarks/scan.py --tune)"})
-    split = {}  # per channel count, its fastest split count against the table's tile
-    for r in (r for r in scan if "splits" in r):
-        if r["name"] not in split or r["over_table_tile"] > split[r["name"]]["over_table_tile"]:
-            split[r["name"]] = r
-    if split and gpu:
-        rows.append({"number": "the scan's tile in its fastest count of time splits over the table's count, bf16 at "
-                               + ", ".join(n.removeprefix("splits: ").removesuffix(" bfloat16") for n in split)
-                               + " (x faster)",
-                     "value": ", ".join(f"{r['over_table_tile']:g} ({r['splits']} splits)" for r in split.values()),
-                     "goal": "<= 1 each",
-                     "met": "yes" if all(r["over_table_tile"] <= 1 for r in split.values())
-                     else "no: set the splits in scan_triton.TILES (benchmarks/scan.py --tune)"})
+    rows += tile_rows(scan) if gpu else []
     profiled = [r for r in scan_rows if r.get("name", "").startswith("profile")]
-    goal(profiled[0]["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
-         if profiled else "a Mamba step's ms in the scan's and the convolution's kernels",
-         profiled[0]["scan_conv_ms"] if profiled else None, GOALS["scan_conv_ms"], higher=False)
+    for r in profiled or [{}]:  # the table's tiles, then (where a split count beat them) in splits
+        goal(r["name"].removeprefix("profile: ") + ": ms in the scan's and the convolution's kernels"
+             if r else "a Mamba step's ms in the scan's and the convolution's kernels",
+             r.get("scan_conv_ms"), GOALS["scan_conv_ms"], higher=False)
     grid_rows(steps, gpu, goal, rows)
     graphed = [r for r in steps.get("trainer", {}).get("rows", []) if r.get("name", "").startswith("graphed")]
     if graphed:
