@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from harness.ops.scan_triton_steps import (_entering, _handed_back, _split_ends_backward, _split_ends_forward,
-                                           _steps_backward, _steps_forward)
+from harness.ops.scan_triton_steps import (_entering, _handed_back, _in_split, _split_ends_backward,
+                                           _split_ends_forward, _steps_backward, _steps_forward)
 from harness.ops.triton_shared import agrees, store_rounded
 
 # The tile a scan takes by its channels when no ``tiled`` block sets one: (up to this many channels, (layout, steps
@@ -242,7 +242,7 @@ def _scan_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts, carries, decays
                    dy * ungated * sig * (1 + zv * (1 - sig)), m)
         store_rounded(du + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_u, m)
         store_rounded(ddt + row * so_b + offs_d[:, None] * so_d + t[None, :] * so_l, d_dt, m)
-    tl.store(dA_part + ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :], grad_a, mask=mdn)
+    tl.store(dA_part + _in_split(row, s, n_splits, dim, nst, offs_d, offs_n), grad_a, mask=mdn)
     if HAS_D:
         tl.store(dD_part + (row * n_splits + s) * dim + offs_d, grad_d, mask=md)
 

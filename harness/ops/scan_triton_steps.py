@@ -166,16 +166,21 @@ def _steps_backward(u, dt, z, Bm, Cm, A, D, resets, dout, starts, carries, decay
                 store_rounded(dz + row * so_b + offs_d * so_d + t * so_l, dy * ungated * sig * (1 + zv * (1 - sig)), m)
             store_rounded(du + row * so_b + offs_d * so_d + t * so_l, d_u, m)
             store_rounded(ddt + row * so_b + offs_d * so_d + t * so_l, d_dt, m)
-    tl.store(dA_part + ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :], grad_a, mask=mdn)
+    tl.store(dA_part + _in_split(row, s, n_splits, dim, nst, offs_d, offs_n), grad_a, mask=mdn)
     if HAS_D:
         tl.store(dD_part + (row * n_splits + s) * dim + offs_d, grad_d, mask=md)
 
 
 @triton.jit
+def _in_split(row, s, n_splits, dim, nst, offs_d, offs_n):
+    """The offsets of split ``s``'s [channels, states] tile in a [rows, splits, dim, states] tensor."""
+    return ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :]
+
+
+@triton.jit
 def _split_index(ptr, row, s, n_splits, dim, nst, offs_d, offs_n, mdn):
     """Split ``s``'s [channels, states] tile of a [rows, splits, dim, states] float32 tensor."""
-    return tl.load(ptr + ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :], mask=mdn,
-                   other=0.0)
+    return tl.load(ptr + _in_split(row, s, n_splits, dim, nst, offs_d, offs_n), mask=mdn, other=0.0)
 
 
 @triton.jit
@@ -220,7 +225,7 @@ def _split_ends_forward(u, dt, Bm, A, resets, ends, decays, L, dim, nst, n_chunk
             a = tl.where(m[:, None], _decay(dtv, A_t, resets, row, t, L, HAS_RESETS), 1.0)  # 1 past the end
             h = a * h + (dtv * uv)[:, None] * bv[None, :]
             p = p * a
-    where = ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :]
+    where = _in_split(row, s, n_splits, dim, nst, offs_d, offs_n)
     tl.store(ends + where, h, mask=mdn)
     tl.store(decays + where, p, mask=mdn)
 
@@ -252,6 +257,6 @@ def _split_ends_backward(dt, z, Cm, A, resets, dout, carries, decays, L, dim, ns
             a = tl.where(m[:, None], _decay(dtv, A_t, resets, row, t, L, HAS_RESETS), 1.0)  # 1 past the end
             carry = a * (dy[:, None] * cv[None, :] + carry)
             p = p * a
-    where = ((row * n_splits + s) * dim + offs_d[:, None]) * nst + offs_n[None, :]
+    where = _in_split(row, s, n_splits, dim, nst, offs_d, offs_n)
     tl.store(carries + where, carry, mask=mdn)
     tl.store(decays + where, p, mask=mdn)
