@@ -46,19 +46,30 @@ def test_a_second_run_into_a_locked_directory_is_refused_naming_the_holder(tiny_
 def test_two_concurrent_processes_lose_no_row(tiny_phi_dir, tmp_path):
     """A long and a short run started together into one directory: one runs, the other is refused; the
     finished run holds every one of its rows."""
-    out = tmp_path / "run"
     cmd = [sys.executable, "-m", "harness.eval", "--model", tiny_phi_dir, "--task", "hotpotqa", "--data", "fixture", "--distractors", "4",
-           "--max-new-tokens", "96", "--device", "cpu", "--output", str(out), "--no-progress", "--batch-size", "2"]
+           "--max-new-tokens", "96", "--device", "cpu", "--no-progress", "--batch-size", "2"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    # batch 1 without prefix reuse (neither is part of the run's settings): the long run outlasts the short
-    # one's start-up
-    long = subprocess.Popen(cmd + ["--limit", "12", "--batch-size", "1", "--no-prefix-reuse"], cwd=REPO, env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (out / ".lock.json").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    short = subprocess.run(cmd + ["--limit", "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert long.wait(timeout=300) == 0
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        # batch 1 without prefix reuse (neither is part of the run's settings): a long run
+        long = subprocess.Popen(cmd + ["--output", str(out), "--limit", "12", "--batch-size", "1", "--no-prefix-reuse"],
+                                cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while not (out / ".lock.json").exists() and long.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        # frozen while it holds the lock, so the short run's start-up cannot outlast it on a busy machine (the
+        # lock names a live process: a stopped one is alive)
+        long.send_signal(signal.SIGSTOP)
+        holding = (out / ".lock.json").exists() and not (out / "results.json").exists()
+        if holding:
+            short = subprocess.run(cmd + ["--output", str(out), "--limit", "4"], cwd=REPO, env=env,
+                                   capture_output=True, text=True, timeout=120)
+        long.send_signal(signal.SIGCONT)
+        assert long.wait(timeout=300) == 0, long.stderr.read()
+        if holding:
+            break
+    else:
+        pytest.fail("the long run finished before it could be frozen holding its lock, three times")
     assert short.returncode == 2 and "in use by another run" in short.stderr
     recs = [json.loads(l) for l in _lines(out) if l]
     assert len({r["key"] for r in recs}) == len(recs) == 36
