@@ -308,12 +308,15 @@ def test_a_scan_whose_indices_pass_32_bits_on_its_tile_is_refused_before_it_laun
 
 
 def test_the_scan_is_chosen_by_device_and_by_the_run(monkeypatch, caplog):
+    from harness.ops import scan_triton as st
+
     cpu = ((1, 4, 3), torch.device("cpu"), torch.float32, 2)
     assert ss.choose_scan(*cpu).scan == "torch"  # a CPU runs the PyTorch scan by default
     assert ss.choose_scan(*cpu, "auto", fused=True).scan == "mamba-ssm"  # transformers' fused path where it runs
     assert ss.choose_scan(*cpu, "torch", fused=True).scan == "torch"  # only auto takes it
+    # forced: both kernels, on the table's tile (a CPU times no tiles)
     assert ss.choose_scan(*cpu, "triton") == ss.ScanChoice("triton", "cpu", "float32", 2, checked=False,
-                                                                 conv="triton")  # forced: both kernels
+                                                           conv="triton", tile=st.current_tile(4))
     assert ss.choose_scan(*cpu, "sequential").scan == "sequential"
     with pytest.raises(ValueError, match="scan='fast'"):
         ss.choose_scan(*cpu, "fast")

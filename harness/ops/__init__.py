@@ -5,7 +5,7 @@
   reference) and ``choose_scan``, the one place that decides which runs.
 - ``scan_triton``: the Triton scan's kernels (forward and backward, the states on chip), checked against the
   PyTorch scan; ``scan_triton_steps``: the same one step at a time, and the side passes that let time run in
-  splits.
+  splits; ``scan_tuning``: which of their tiles a launch class takes on a GPU (timed once, remembered).
 - ``causal_conv``: the depthwise causal convolution in the projections' layout; ``conv_triton``: its Triton
   kernels, checked against it.
 - ``triton_shared``: what those kernels share (a rounding store, the check a kernel passes before use).

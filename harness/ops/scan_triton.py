@@ -37,10 +37,10 @@ from harness.ops.scan_triton_steps import (_entering, _handed_back, _in_split, _
                                            _split_ends_forward, _steps_backward, _steps_forward)
 from harness.ops.triton_shared import agrees, store_rounded
 
-# The tile a scan takes by its channels when no ``tiled`` block sets one: (up to this many channels, (layout, steps
-# of a chunk (a power of two), channels a program owns, warps a program runs on, splits of time run side by side
-# (``scan_triton_steps``: not yet timed on a GPU, so 1, which launches what ran before they existed))), read at
-# each call. Measured on an
+# The tile a scan takes by its channels where tiles are not timed (``scan_tuning``: on a GPU each class of launch
+# times these, each in 1, 2, 4 and 8 splits, and takes the fastest): (up to this many channels, (layout, steps of
+# a chunk (a power of two), channels a program owns, warps a program runs on, splits of time run side by side
+# (``scan_triton_steps``; 1 launches no side pass))). Measured on an
 # H100, batch 64, bf16 forward+backward (``benchmarks/scan.py --tune``, docs/results/scan-on-chip.md): at 128
 # channels (the 0.5M models) chunks of 64, 4 channels, 1 warp took 4.8 ms at 2,535 steps against 7.1 for the former
 # chunks of 32, 16 channels, 4 warps (1.44x; 615 steps 1.25x; the step-by-step layout's best 5.3 ms); at 256
@@ -48,31 +48,36 @@ from harness.ops.triton_shared import agrees, store_rounded
 # chunks' best 9.7). More programs of more warps were slower at every size: one warp a program won.
 TILES = ((128, ("chunks", 64, 4, 1, 1)), (None, ("steps", 16, 16, 1, 1)))
 _forced: tuple | None = None  # the tile a ``tiled`` block sets
-_splits: int | None = None  # the splits a ``split_into`` block sets over whatever tile a scan takes
 
 
 def current_tile(dim: int) -> tuple:
-    """(layout, chunk, channel block, warps, splits): what a scan of ``dim`` channels launched now runs."""
-    tile = _forced if _forced is not None else next(tile for most, tile in TILES if most is None or dim <= most)
-    return tile if _splits is None else (*tile[:4], _splits)
+    """(layout, chunk, channel block, warps, splits): what a scan of ``dim`` channels launched now runs without a
+    tile of its own (``scan_tuning`` gives one on a GPU)."""
+    return _forced if _forced is not None else table_tiles(dim)[0]
+
+
+def table_tiles(dim: int) -> list[tuple]:
+    """The tile ``TILES`` gives ``dim`` channels, then the first tile it gives the other layout (if any)."""
+    tile = next(tile for most, tile in TILES if most is None or dim <= most)
+    return [tile, *[t for _, t in TILES if t[0] != tile[0]][:1]]
+
+
+def forced() -> bool:
+    """Whether a ``tiled`` block sets the tile every scan takes now."""
+    return _forced is not None
+
+
+def tile_name(tile: tuple) -> str:
+    """A tile as reports name it: "chunks 64/4/1" (layout, chunk, channel block, warps), "... in 4 splits" where
+    time is cut in splits."""
+    layout, chunk, block, warps, splits = tile
+    return f"{layout} {chunk}/{block}/{warps}" + (f" in {splits} splits" if splits > 1 else "")
 
 
 def _at_least_one(splits: int) -> int:
     if splits < 1:
         raise ValueError(f"splits={splits}: time is cut into 1 or more splits")
     return splits
-
-
-@contextlib.contextmanager
-def split_into(splits: int):
-    """Every scan in a block of code, on the tile it takes, with time cut in ``splits`` splits (the quick suite
-    profiles a training step so)."""
-    global _splits
-    saved, _splits = _splits, _at_least_one(splits)
-    try:
-        yield
-    finally:
-        _splits = saved
 
 
 @contextlib.contextmanager
@@ -264,8 +269,9 @@ class TritonScan(torch.autograd.Function):
     every chunk."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z, resets=None):
-        ctx.tile = current_tile(u.shape[1])  # read at each call; the backward launches as the forward did
+    def forward(ctx, u, dt, A, B, C, D, z, resets=None, tile=None):
+        # the given tile, else the one read now; the backward launches as the forward did
+        ctx.tile = tile or current_tile(u.shape[1])
         y = _time_major(u, u.dtype)
         resets = resets.float().contiguous() if resets is not None else None
         k = _launch(u, dt, A, B, C, D, z, y, ctx.tile, resets)
@@ -306,7 +312,7 @@ class TritonScan(torch.autograd.Function):
                          *_strides(du), **k.flags, num_warps=k.warps)
         return (du, ddt, dA_part.sum(0).to(A.dtype), _over_blocks(dB_part).to(B.dtype),
                 _over_blocks(dC_part).to(C.dtype), dD_part.sum(0).to(D.dtype) if D is not None else None,
-                dz if z is not None else None, None)
+                dz if z is not None else None, None, None)
 
 
 def _over_blocks(part: torch.Tensor) -> torch.Tensor:

@@ -337,13 +337,19 @@ class ScanChoice:
     states: int
     checked: bool | None = None  # triton: ran after its check against the PyTorch scan (False: forced)
     conv: str = "torch"  # the mixer's causal convolution: torch (``CausalConv``) or triton (``conv_triton``)
+    tile: tuple | None = None  # triton: the tile it launches (``scan_triton.current_tile``'s form)
+    timed: bool = False  # triton: the tile is the fastest of its launch class on this GPU (``scan_tuning``)
 
     def to_json(self) -> dict:
         row = {"scan": self.scan, "device": self.device, "dtype": self.dtype, "states": self.states}
         if self.scan == "triton":
+            from harness.ops.scan_triton import tile_name  # lazy: imports triton, which a CPU install may lack
+
             row["checked"] = bool(self.checked)
             row["checked_in"] = self.dtype if self.checked else None
             row["conv"] = self.conv
+            row["tile"] = tile_name(self.tile) if self.tile else None
+            row["tile_chosen_by"] = "timing on this GPU (scan_tuning)" if self.timed else "scan_triton.TILES"
         return row
 
 
@@ -366,20 +372,24 @@ def choose_scan(shape: tuple[int, int, int], device: torch.device, dtype: torch.
     if scan == "torch" or (scan == "auto" and torch.device(device).type != "cuda"):
         return ScanChoice("torch", **where)
     try:
-        from harness.ops import conv_triton, scan_triton  # lazy: imports triton, which a CPU install may lack
+        from harness.ops import conv_triton, scan_triton, scan_tuning  # lazy: import triton, which a CPU may lack
     except ImportError:
         if scan == "triton":
             raise
         return ScanChoice("torch", **where)
+    tile, timed = scan_tuning.tile_for(shape, torch.device(device), where["dtype"], states, skip, gate, resets)
     if scan == "triton":
-        return ScanChoice("triton", **where, checked=False, conv="triton")
-    if scan_triton.fits(shape, states) and scan_triton.verified_on(str(device), SelectiveScan, where["dtype"],
-                                                                  states, skip, gate, resets,
-                                                                  scan_triton.current_tile(shape[1])):
-        b, d, length = shape
-        conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv, where["dtype"],
-                                                                             resets=resets)
-        return ScanChoice("triton", **where, checked=True, conv="triton" if conv else "torch")
+        return ScanChoice("triton", **where, checked=False, conv="triton", tile=tile, timed=timed)
+    # the tile timed fastest, else the table's: the first that fits and passes its check on this device
+    for tile, timed in dict.fromkeys([(tile, timed), (scan_triton.current_tile(shape[1]), False)]):
+        if scan_triton.fits(shape, states, tile) and scan_triton.verified_on(str(device), SelectiveScan,
+                                                                            where["dtype"], states, skip, gate,
+                                                                            resets, tile):
+            b, d, length = shape
+            conv = conv_triton.fits((b, length, d)) and conv_triton.verified_on(str(device), CausalConv,
+                                                                                 where["dtype"], resets=resets)
+            return ScanChoice("triton", **where, checked=True, conv="triton" if conv else "torch", tile=tile,
+                              timed=timed)
     return ScanChoice("torch", **where)
 
 
@@ -390,14 +400,13 @@ def run_scan(choice: ScanChoice, u, dt, A, B, C, D=None, z=None, delta_bias=None
     sized like ``u``); ``starts`` [b, l]: 1 at each packed sample's first token, where the state restarts."""
     if choice.scan == "sequential":
         return sequential_scan(u, dt, A, B, C, D, z, delta_bias, delta_softplus, starts)
+    dt = _step_sizes(dt, delta_bias, delta_softplus)
     if choice.scan == "triton":
         from harness.ops.scan_triton import TritonScan  # lazy: imports triton, which a CPU install may lack
-        fn = TritonScan
-    elif choice.scan == "torch":
-        fn = SelectiveScan
-    else:
-        raise ValueError(f"{choice.scan}: runs in transformers' own Mamba path, not here")
-    return fn.apply(u, _step_sizes(dt, delta_bias, delta_softplus), A, B, C, D, z, starts)
+        return TritonScan.apply(u, dt, A, B, C, D, z, starts, choice.tile)
+    if choice.scan == "torch":
+        return SelectiveScan.apply(u, dt, A, B, C, D, z, starts)
+    raise ValueError(f"{choice.scan}: runs in transformers' own Mamba path, not here")
 
 
 def selective_scan(u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, scan: str = "auto",
