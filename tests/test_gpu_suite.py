@@ -81,6 +81,10 @@ def test_the_quick_suite_runs_every_step_on_cpu_within_its_budget(tmp_path, caps
     measured = [r for r in trainer if "step_s" in r]
     assert len(measured) == 6 and all({"padded_tokens", "samples_per_s", "spread"} <= set(r) for r in measured)
     assert [r["grid_hours"] > 0 for r in trainer if r.get("projection")] == [True]
+    # a retrieval cell's steps on packed rows against its padded ones (a GPU's --packing auto pads)
+    packed = [r for r in trainer if r.get("name", "").startswith("packed rows")]
+    assert [(r["name"], r["packing"]) for r in packed] == [("packed rows: mamba smoke n=6 retrieval", "on")]
+    assert packed[0]["packed_over_padded"] > 0 and packed[0]["scans"] == "torch", packed
     live = [r for r in trainer if r.get("live")]  # the live evaluation timed through the trainer's evaluate
     assert len(live) == 1 and live[0]["samples"] == 4 and live[0]["tokens_per_sample"] > 0, live
     # the whole evaluation's steps replayed over its traces, rows refilled: never more than static batches
@@ -186,6 +190,21 @@ def test_the_summary_reports_what_time_in_splits_gains_at_each_channel_count():
         assert found[0]["met"].startswith("n/a") and "scan_tuning" in found[0]["met"]
     assert not [r for r in summary({"steps": {"scan": {"status": "done", "rows": scan + split}}, "device": "cpu"})
                 if "time splits" in r["number"]]
+
+
+def test_the_summary_reports_packed_rows_over_padded_ones_on_a_gpu():
+    """Packed steps against padded ones, per measured cell with its spread: reported on a GPU (whose --packing
+    auto pads), not judged; nothing on a CPU."""
+    from harness.tools.quick_suite import summary
+
+    rows = [{"name": f"packed rows: {arch} 0.5M n=64 retrieval", "packed_over_padded": x, "spread": 0.04}
+            for arch, x in (("mamba", 1.31), ("hybrid", 0.92))]
+    report = {"steps": {"trainer": {"status": "done", "rows": rows}}, "device": "cuda"}
+    found = [r for r in summary(report) if r["number"].startswith("packed rows")]
+    assert len(found) == 1 and found[0]["value"] == "1.31 (spread 4%), 0.92 (spread 4%)", found
+    assert "mamba 0.5M n=64 retrieval, hybrid 0.5M n=64 retrieval" in found[0]["number"]
+    assert found[0]["met"].startswith("n/a")
+    assert not [r for r in summary({**report, "device": "cpu"}) if r["number"].startswith("packed rows")]
 
 
 def test_a_divergence_is_measured_by_its_logit_gap_so_a_wrong_token_fails_and_a_near_tie_passes(tmp_path):

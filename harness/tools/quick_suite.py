@@ -83,6 +83,9 @@ def sizes(cuda: bool) -> dict:
                                             ("hybrid", 16, "direct"), ("transformer", 64, "retrieval"),
                                             ("hybrid", 64, "retrieval")],
                             "draws": 8,
+                            # packed rows against the padded steps above, the scan in its timed tile (a GPU's
+                            # --packing auto pads: packed ran slower before the scan's time had splits)
+                            "packed": [("mamba", "0.5M", 64, "retrieval"), ("hybrid", "0.5M", 64, "retrieval")],
                             # one evaluation batch of a retrieval cell's live evaluation on gold traces, timed last
                             "live": {"arch": "mamba", "size": "0.5M", "nodes": 64, "setup": "retrieval"}},
                 # the long cell the hours go to, then a launch-bound short one, K copies after one barrier (the
@@ -100,7 +103,7 @@ def sizes(cuda: bool) -> dict:
             "trainer": {"sizes": ["smoke"], "cells": [(4, "direct"), (6, "retrieval")], "batch": 2, "steps": 1,
                         "graph_steps": 5, "graph_cells": [("mamba", 4, "direct")],
                         "draws": 2, "live": {"arch": "mamba", "size": "smoke", "nodes": 4, "setup": "retrieval"},
-                        "live_settings": {"eval_batch_size": 4}},
+                        "live_settings": {"eval_batch_size": 4}, "packed": [("mamba", "smoke", 6, "retrieval")]},
             "sharing": {"cells": {"short": {"arch": "mamba", "size": "smoke", "nodes": 4, "setup": "direct"}},
                         "ks": [1, 2], "batch": 2, "window_s": 0.5},
             "sweep": {"questions": 2, "slots": 3, "size": "tiny", "new": 8, "repeats": 3},
@@ -188,8 +191,9 @@ def trainer_step(device: str, spec: dict, emit) -> None:
     the same code with capture off). Then steps of each architecture at two cells per size through the trainer's
     own step and data, eager and as ``--cuda-graphs auto`` would run them, and after each size the paper grid's
     projected hours from what is measured so far (a row with ``projection``; the last one counts), so a step
-    cut at its limit still projects. Last, one evaluation batch of a retrieval cell's live evaluation
-    (``measure_live_eval``), scaled to the grid's retrieval cells."""
+    cut at its limit still projects. Then the ``packed`` cells' steps on packed rows against their padded ones.
+    Last, one evaluation batch of a retrieval cell's live evaluation (``measure_live_eval``), scaled to the grid's
+    retrieval cells."""
     dev = torch.device(device)
     for arch, nodes, setup in spec["graph_cells"]:
         cell = TrainConfig(arch=arch, size=spec["sizes"][0], nodes=nodes, setup=setup, report_to="none").resolved()
@@ -231,6 +235,15 @@ def trainer_step(device: str, spec: dict, emit) -> None:
               "how": how + "; planned: each cell's step as the run takes it by default (CUDA graphs where its "
                            "batch shapes repeat and the graphed step is faster, packed rows on a CPU where they save "
                            "10% of the tokens; --cuda-graphs auto also needs graphs exact: the graph gates)"})
+    for arch, size, nodes, setup in spec.get("packed", []):  # what packed rows gain where a run does not pack
+        cell = TrainConfig(arch=arch, size=size, nodes=nodes, setup=setup, report_to="none", packing="on").resolved()
+        m = measure_cell(cell, dev, spec["batch"], spec["steps"], draws=spec["draws"], passes=spec.get("passes", 1))
+        padded = measured["off"][arch, size, nodes, setup]
+        emit({"name": f"packed rows: {arch} {size} n={nodes} {setup}", "batch": spec["batch"],
+              "padded_step_s": round(padded["step_s"], 4), "packed_step_s": round(m["step_s"], 4),
+              "packed_over_padded": round(padded["step_s"] / m["step_s"], 2),
+              "spread": round(max(m["spread"], padded["spread"]), 2), "packing": m["packing"],
+              "scans": "; ".join(f"{r['scan']} {r.get('tile') or ''}".strip() for r in m.get("scans", []))})
     if spec.get("live"):  # last: the part whose length is least known
         cell = TrainConfig(**spec["live"], report_to="none", **spec.get("live_settings", {})).resolved()
         m = measure_live_eval(cell, dev, spec.get("live_samples"))
@@ -464,6 +477,12 @@ def grid_rows(steps: dict, gpu: bool, goal, rows: list) -> None:
         rows.append({"number": f"live evaluation, hours for the paper grid's retrieval cells ({live[0]['how']}; "
                                "not in the hours above)", "value": live[0]["retrieval_cells_hours"], "goal": "in the 24",
                      "met": "n/a"})
+    packed = [r for r in steps.get("trainer", {}).get("rows", []) if "packed_over_padded" in r]
+    if packed and gpu:  # reported, not judged: whether a GPU's --packing auto should pack (harness/training/data.py)
+        rows.append({"number": "packed rows over padded rows, eager (x faster; a GPU's --packing auto pads): "
+                               + ", ".join(r["name"].removeprefix("packed rows: ") for r in packed),
+                     "value": ", ".join(f"{r['packed_over_padded']:g} (spread {r['spread']:.0%})" for r in packed),
+                     "goal": "measured", "met": "n/a: where > 1 beyond the spread, pack on a GPU too"})
     fed = [r for r in steps.get("trainer", {}).get("rows", []) if "data_binds" in r]
     if fed:
         worst = max(fed, key=lambda r: r["data_cores"])

@@ -31,7 +31,7 @@ from evals.registry import get_task
 from harness.backends.generation import scheduled_steps
 from harness.engine.config import ConfigError
 from harness.files import write_atomic
-from harness.models.istree import build_model, trainable_parameters
+from harness.models.istree import build_model, scans_ran, trainable_parameters
 from harness.models.packing import one_row_on, pack
 from harness.reports.plotting import pyplot, save
 from harness.procs import child_context, die_with_parent, exit_description
@@ -291,6 +291,7 @@ class CellSteps:
     packing: str
     gen_s_per_sample: float  # seconds of data generation a sample (one thread, inline)
     forward: Callable[[tuple], None]  # a forward pass only (evaluations), synchronised
+    model: torch.nn.Module
 
 
 def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int = 32,
@@ -339,7 +340,7 @@ def cell_steps(cell: TrainConfig, device: torch.device, batch: int, draws: int =
             model(input_ids=b[0].to(device))
         sync()
 
-    return CellSteps(step, drawn, graphs, packing, gen_s, forward)
+    return CellSteps(step, drawn, graphs, packing, gen_s, forward, model)
 
 
 def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int = 3, draws: int = 32,
@@ -388,7 +389,7 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
         busy_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
     return {"step_s": step_s, "spread": spread, "passes": len(means), "timed_steps": len(timed), "busy_s": busy_s,
             "graphs": cs.graphs, "packing": cs.packing, "gen_s_per_sample": cs.gen_s_per_sample,
-            "forward_s": forward_s,
+            "forward_s": forward_s, "scans": scans_ran(cs.model),
             "tokens": sum(int(m.shape[1]) for m, _ in drawn) / len(drawn),
             "padded_lengths": [int(b[0].shape[1]) for b in picked]}
 
