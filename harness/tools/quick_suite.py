@@ -75,8 +75,8 @@ def sizes(cuda: bool) -> dict:
                          "profile": {"size": "0.5M", "nodes": 64, "setup": "retrieval", "batch": 64}},
                 # each paper size measured (smallest, largest, then the middle): small models' steps are bound by
                 # kernel launches, so step time does not scale with parameters
-                # each cell: 2 warm-up steps and 1 on each timed shape, then 2 passes over 5 batches (the spread
-                # between passes: the noise)
+                # each cell: 2 warm-up steps (and 1 a further power of two of length), then 2 passes over 5
+                # batches (the spread between passes: the noise)
                 "trainer": {"sizes": ["0.5M", "2M", "1M"], "cells": [(16, "direct"), (64, "retrieval")], "batch": 64,
                             "steps": 5, "passes": 2, "graph_steps": 8,
                             "graph_cells": [("transformer", 16, "direct"), ("mamba", 16, "direct"),

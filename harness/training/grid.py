@@ -351,18 +351,21 @@ def measure_cell(cell: TrainConfig, device: torch.device, batch: int, steps: int
     Steps cost what their padded length costs, and a cell's lengths vary widely (IsTree retrieval: 2x between
     batches), so a few steps on whatever batches come first misstate the mean by as much. ``draws`` batches are
     drawn as the trainer draws them (``TrainingBatches``: the run's seed, bucketing and batch), and the ``steps``
-    timed steps (after two warm-up steps and one on each timed shape) run on the batches at evenly spaced
-    quantiles of padded length: their mean is a stratified estimate of the run's mean step. ``passes`` times over those batches: ``step_s`` is the
-    median of the passes' means and ``spread`` their range over it, the measurement's noise (one pass: the range
-    of its steps, lengths included). ``busy`` (CUDA): the same steps again under the profiler, their kernels'
-    time a step (``busy_s``: the GPU's busy time, what a step without launch gaps would take)."""
+    timed steps (after two warm-up steps and one for each other power of two they pad to) run on the batches at
+    evenly spaced quantiles of padded length: their mean is a stratified estimate of the run's mean step.
+    ``passes`` times over those batches: ``step_s`` is the median of the passes' means and ``spread`` their
+    range over it, the measurement's noise (one pass: the range of its steps, lengths included). ``busy``
+    (CUDA): the same steps again under the profiler, their kernels' time a step (``busy_s``: the GPU's busy
+    time, what a step without launch gaps would take)."""
     cs = cell_steps(cell, device, batch, max(draws, steps))
     drawn = cs.drawn
     picked = [drawn[int((k + 0.5) * len(drawn) / steps)] for k in range(steps)]
     middle = drawn[len(drawn) // 2]
-    # two warm-up steps, then one on each timed batch of another shape: what a first shape costs (the scan's
-    # check, its tiles timed on a GPU: harness.ops.scan_tuning) lands in no timed step
-    for b in (middle, middle, *{b[0].shape: b for b in picked if b[0].shape != middle[0].shape}.values()):
+    # two warm-up steps, then one on a timed batch of each other length up to a power of two: a GPU's scan times
+    # its tiles per such length (harness.ops.scan_tuning), which no timed step should include
+    octaves = {(b[0].shape[1] - 1).bit_length(): b for b in picked}
+    octaves.pop((middle[0].shape[1] - 1).bit_length(), None)
+    for b in (middle, middle, *octaves.values()):
         cs.step(b)
     means, timed = [], []
     for _ in range(max(1, passes)):
