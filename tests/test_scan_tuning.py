@@ -126,7 +126,7 @@ def test_a_launch_class_is_timed_once_remembered_and_run_on_the_tile_it_names(tm
     assert out["json"]["tile"] == "steps 16/16/1 in 4 splits" and "timing" in out["json"]["tile_chosen_by"]
 
 
-def test_the_candidates_are_each_layouts_table_tile_in_splits_of_two_chunks_or_more():
+def test_the_candidates_are_each_layouts_table_tile_in_splits_of_two_chunks_or_more(monkeypatch):
     from harness.ops import scan_triton as st
     from harness.ops import scan_tuning as tuning
 
@@ -148,3 +148,6 @@ def test_the_candidates_are_each_layouts_table_tile_in_splits_of_two_chunks_or_m
     assert key == tuning.launch_class((64, 128, 2048), cpu, "bfloat16", 16, True, True, False)
     assert key != tuning.launch_class((64, 128, 2049), cpu, "bfloat16", 16, True, True, False)
     assert key != tuning.launch_class((64, 128, 1100), cpu, "bfloat16", 16, True, True, True)
+    # a table that changes is a new class: its choices are timed again
+    monkeypatch.setattr(st, "TILES", ((None, ("chunks", 32, 4, 1, 1)),))
+    assert key != tuning.launch_class((64, 128, 1100), cpu, "bfloat16", 16, True, True, False)

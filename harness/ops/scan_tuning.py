@@ -55,10 +55,13 @@ def candidates(shape: tuple[int, int, int], states: int) -> list[tuple]:
 def launch_class(shape: tuple[int, int, int], device: torch.device, dtype: str, states: int, skip: bool,
                  gate: bool, resets: bool) -> str:
     """The key a choice is remembered by: the GPU and the builds that compile for it, the precision, rows,
-    channels, states, the length rounded up to a power of two, and the launch's flags."""
+    channels, states, the length rounded up to a power of two, the launch's flags, and what is tried (a table
+    that changes is timed again)."""
     b, d, length = shape
-    return (f"{_device_name(device)} | triton {triton.__version__} torch {torch.__version__} | {dtype} | rows {b} channels {d} "
-            f"states {states} steps <= {triton.next_power_of_2(length)} | skip {skip} gate {gate} resets {resets}")
+    tries = " or ".join(scan_triton.tile_name(t) for t in scan_triton.table_tiles(d))
+    return (f"{_device_name(device)} | triton {triton.__version__} torch {torch.__version__} | {dtype} | rows {b} "
+            f"channels {d} states {states} steps <= {triton.next_power_of_2(length)} | skip {skip} gate {gate} "
+            f"resets {resets} | tries {tries} in {'/'.join(map(str, SPLITS))} splits")
 
 
 @functools.lru_cache(maxsize=None)
