@@ -271,3 +271,36 @@ def test_auto_resumes_a_run_as_it_began_and_reuses_a_finished_one(tmp_path):
     resumed = train_one(TrainConfig(**base).resolved(), progress=False)
     assert resumed["packed_rows"]["ran"] == "off"
     assert json.loads((tmp_path / "run" / SETTINGS_FILE).read_text()) == settings
+
+
+def test_packed_rows_cut_into_segments_attend_as_one_sample_a_call():
+    """The varlen layout (``harness.ops.varlen_attention``): the rows' tokens in flattened order cut into each
+    sample and each stretch outside the samples; attention over those segments (here one SDPA call a segment, the
+    contract flash's varlen kernel keeps on a GPU) equals ``per_sample_attention``'s, output and gradients, with
+    zeros outside the samples."""
+    import torch.nn.functional as F
+
+    from harness.models.masks import per_sample_attention
+    from harness.ops import varlen_attention as va
+
+    # row 0: two samples and a tail; row 1: one sample; row 2: a head stretch, two samples, no tail
+    spans = [(0, 0, 10), (0, 10, 12), (1, 0, 29), (2, 3, 5), (2, 8, 21)]
+    cuts, inside = va.packed_segments(spans, 3, 29)
+    assert cuts == [0, 10, 22, 29, 58, 61, 66, 87] and int(inside.sum()) == 10 + 12 + 29 + 5 + 21
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 4, 29, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(3, 29, 4, 8, generator=g, dtype=torch.float64)
+    out = []
+    for attend in ("segments", "per sample"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if attend == "segments":
+            y = va.segmented_attention(va.sdpa_segments(None), *leaves, spans)
+        else:
+            y = per_sample_attention(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)
+                                     .transpose(1, 2), *leaves, spans)[0]
+        out.append([y, *torch.autograd.grad((y * w).sum(), leaves)])
+    assert out[1][0].std() > 0.1 and (out[1][0][0, 22:] == 0).all()  # varied; the tail zero
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(*out))
+    # flash's varlen kernel, in this torch's signature, made causal; used only on CUDA, after its check
+    assert va.flash_varlen(None) is not None and va.flash_varlen(0.25).keywords["scale"] == 0.25
+    assert va.verified_on("cpu", torch.bfloat16, 4, 8, None) is False

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from harness.models.packing import current_spans
+from harness.ops import varlen_attention
 
 # The Transformer's attention (``build_model``): transformers' SDPA attention under a mask function that, inside
 # ``causal_rows``, leaves the mask to SDPA's causal flag. transformers decides that itself by reading the data
@@ -56,6 +57,12 @@ def register_causal_sdpa() -> str:
         spans = current_spans()
         if spans is None or query.shape[2] != key.shape[2]:
             return sdpa(module, query, key, value, attention_mask, **kwargs)
+        scale = kwargs.get("scaling")
+        if not kwargs.get("dropout") and key.shape[1] == query.shape[1] and varlen_attention.verified_on(
+                str(query.device), query.dtype, query.shape[1], query.shape[-1], scale):
+            # a GPU: every sample in one flash call
+            return varlen_attention.segmented_attention(varlen_attention.flash_varlen(scale), query, key, value,
+                                                        spans), None
         return per_sample_attention(lambda q, k, v: sdpa(module, q, k, v, None, **{**kwargs, "is_causal": True})[0],
                                     query, key, value, spans)
 
@@ -71,7 +78,8 @@ def per_sample_attention(causal, query: torch.Tensor, key: torch.Tensor, value: 
     block-diagonal mask would compute every row's whole square (SDPA cannot skip masked blocks, and a mask keeps
     it off its causal kernels: a packed Transformer step ran 0.95x the padded one on a CPU); a sample alone is
     the lower half of its own square. Positions outside every span (a row's padded tail) give zeros, which reach
-    no loss. Written by hand: varlen attention (``torch.nn.attention.varlen``) is CUDA's flash kernel only."""
+    no loss. On a GPU, ``harness.ops.varlen_attention`` computes the same in one flash call where it passes its
+    check (varlen attention is CUDA's flash kernel only: this loop is every other device's)."""
     b, _, t, _ = query.shape
     out = query.new_zeros(b, t, query.shape[1], value.shape[-1])
     for row, at, n in spans:

@@ -8,7 +8,9 @@
   splits; ``scan_tuning``: which of their tiles a launch class takes on a GPU (timed once, remembered).
 - ``causal_conv``: the depthwise causal convolution in the projections' layout; ``conv_triton``: its Triton
   kernels, checked against it.
-- ``triton_shared``: what those kernels share (a rounding store, the check a kernel passes before use).
+- ``triton_shared``: what those kernels share (a rounding store); ``checked``: the check a fast kernel passes
+  on a device before a run uses it.
+- ``varlen_attention``: packed rows' causal attention, every sample in one flash call on a GPU.
 - ``interpreter``: Triton's CPU interpreter (the tests' GPU stand-in) without the work it repeats (prefix scans
   vectorised, helpers patched once a launch).
 - ``kernels``: mamba-ssm's Triton kernels for Phi-Mamba (loaded where they run, fetched for the CPU tests).

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from harness.ops.triton_shared import agrees, store_rounded
+from harness.ops.checked import agrees
+from harness.ops.triton_shared import store_rounded
 
 BLOCK_T = 32  # steps a program owns
 BLOCK_C = 64  # channels a program owns
@@ -178,6 +179,6 @@ def verified_on(device: str, reference, dtype: str = "float32", kernel: int = 4,
             results.append([y.detach(), *torch.autograd.grad(y, used, dy.to(device, y.dtype))])
         return results
 
-    return agrees(run, TOLERANCE.get(dtype, 1e-5), "causal convolution", "PyTorch one", device,
+    return agrees(run, TOLERANCE.get(dtype, 1e-5), "Triton causal convolution", "PyTorch one", device,
                   f"{device} in {dtype}{' with packed rows' if resets else ''}",
                   "the run uses the PyTorch convolution")

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from harness.ops.scan_triton_steps import (_entering, _handed_back, _in_split, _split_ends_backward,
                                            _split_ends_forward, _steps_backward, _steps_forward)
-from harness.ops.triton_shared import agrees, store_rounded
+from harness.ops.checked import agrees
+from harness.ops.triton_shared import store_rounded
 
 # The tile a scan takes by its channels where tiles are not timed (``scan_tuning``: on a GPU each class of launch
 # times these, each in 1, 2, 4 and 8 splits, and takes the fastest): (up to this many channels, (layout, steps of
@@ -423,5 +424,5 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
             results.append([y.detach(), *torch.autograd.grad((y.float() * weight).sum(), leaves)])
         return results
 
-    return agrees(run, TOLERANCE.get(dtype, 1e-4), "selective scan", "PyTorch scan", device,
+    return agrees(run, TOLERANCE.get(dtype, 1e-4), "Triton selective scan", "PyTorch scan", device,
                   f"{device} in {dtype} with {n} states", "training uses the PyTorch scan")

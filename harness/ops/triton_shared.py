@@ -1,11 +1,7 @@
-"""What the project's Triton kernels share: a store that rounds to nearest in half precision, and the check a
-kernel passes on a device before a run uses it (``agrees``)."""
+"""What the project's Triton kernels share: a store that rounds to nearest in half precision (the check a kernel
+passes on a device before a run uses it is ``harness.ops.checked``)."""
 from __future__ import annotations
 
-import warnings
-from typing import Callable, Sequence
-
-import torch
 import triton
 import triton.language as tl
 
@@ -23,25 +19,3 @@ def store_rounded(ptr, value, mask):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         value = bits.to(tl.float32, bitcast=True)
     tl.store(ptr, value, mask=mask)
-
-
-def agrees(run: Callable[[], Sequence[Sequence[torch.Tensor]]], tolerance: float, kernel: str, reference: str,
-           device: str, where: str, fallback: str) -> bool:
-    """Whether the Triton ``kernel``'s tensors equal its ``reference``'s within ``tolerance`` (relative to each
-    one's largest value): ``run()`` returns both lists (the kernel's first), run on ``device`` outside inference
-    mode and autocast. A kernel that fails to compile or launch, or differs, gives False and one warning naming
-    ``where`` (the device and the launch class) and the ``fallback`` the run takes instead of wrong numbers."""
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type,
-                                                                               enabled=False):
-            ours, theirs = run()
-    except Exception as e:  # noqa: BLE001 (a kernel that does not compile or launch here, for any reason)
-        warnings.warn(f"the Triton {kernel} failed on {where} ({type(e).__name__}: {e}); {fallback}", stacklevel=3)
-        return False
-    worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                for a, b in zip(ours, theirs))
-    if not worst <= tolerance:
-        warnings.warn(f"the Triton {kernel} differs from the {reference} on {where} by {worst:.1e} (relative); "
-                      f"{fallback}", stacklevel=3)
-        return False
-    return True

@@ -136,7 +136,9 @@ def packing_setting(cfg, task: TrainTask, batch: int, device_type: str = "cpu") 
     # a dense block mask ran a Transformer's packed step at 0.95x the padded one, n=32 retrieval, batch 8).
     # On a GPU the Triton scan walks each row's length in turn, so fewer rows of the same width save little, and
     # the packed step ran 0.85-0.88x the padded one for the 0.5M Mamba at n=64 retrieval, batch 64, on an H100 (the
-    # hybrid: 0.45-0.72x, its attention then on a dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md)
+    # hybrid: 0.45-0.72x, its attention then on a dense block mask); 1.02-1.09x at 1M and 2M (docs/results/packing.md).
+    # Not yet timed with the scan's time in splits and packed attention in one varlen call: the quick suite's
+    # "packed rows" rows say whether a GPU should pack too.
     if cfg.packing == "off" or (cfg.packing == "auto" and device_type != "cpu"):
         return "off", None
     share = packing_share(task, batch, cfg.seed, one_row=one_row_on(device_type))
