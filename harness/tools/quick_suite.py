@@ -83,9 +83,9 @@ def sizes(cuda: bool) -> dict:
                                             ("hybrid", 16, "direct"), ("transformer", 64, "retrieval"),
                                             ("hybrid", 64, "retrieval")],
                             "draws": 8,
-                            # packed rows against the padded steps above, the scan in its timed tile (a GPU's
-                            # --packing auto pads: packed ran slower before the scan's time had splits)
-                            "packed": [("mamba", "0.5M", 64, "retrieval"), ("hybrid", "0.5M", 64, "retrieval")],
+                            # packed rows against the padded steps above, the scan in its timed tile, attention
+                            # in one varlen call (a GPU's --packing auto pads: packed ran slower before both)
+                            "packed": [(arch, "0.5M", 64, "retrieval") for arch in ("mamba", "hybrid", "transformer")],
                             # one evaluation batch of a retrieval cell's live evaluation on gold traces, timed last
                             "live": {"arch": "mamba", "size": "0.5M", "nodes": 64, "setup": "retrieval"}},
                 # the long cell the hours go to, then a launch-bound short one, K copies after one barrier (the
