@@ -300,6 +300,12 @@ def test_packed_rows_cut_into_segments_attend_as_one_sample_a_call():
                                      .transpose(1, 2), *leaves, spans)[0]
         out.append([y, *torch.autograd.grad((y * w).sum(), leaves)])
     assert out[1][0].std() > 0.1 and (out[1][0][0, 22:] == 0).all()  # varied; the tail zero
+    # the segments reach the device once a packed batch (each layer reads the same spans object), not once a layer
+    bounds = va._last[4]
+    va.segmented_attention(va.sdpa_segments(None), q, k, v, spans)
+    assert va._last[4] is bounds and bounds.tolist() == cuts
+    va.segmented_attention(va.sdpa_segments(None), q, k, v, list(spans))
+    assert va._last[4] is not bounds
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(*out))
     # flash's varlen kernel, in this torch's signature, made causal; used only on CUDA, after its check
     assert va.flash_varlen(None) is not None and va.flash_varlen(0.25).keywords["scale"] == 0.25

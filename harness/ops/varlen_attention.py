@@ -40,16 +40,28 @@ def segmented_attention(attend: Callable, query: torch.Tensor, key: torch.Tensor
     (``varlen_attn``'s form: [tokens, heads, d] each, int32 boundaries twice, the longest segment twice) computes
     it over ``packed_segments``; zeros outside every sample."""
     b, heads, t, _ = query.shape
-    cuts, inside = packed_segments(spans, b, t)
-    bounds = torch.tensor(cuts, dtype=torch.int32, device=query.device)
-    longest = max(hi - lo for lo, hi in zip(cuts, cuts[1:]))
+    bounds, inside, longest = _segments_on(spans, b, t, query.device)
 
     def flat(x):
         return x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1])
 
     out = attend(flat(query), flat(key), flat(value), bounds, bounds, longest, longest)
     out = out.reshape(b, t, heads, value.shape[-1])
-    return torch.where(inside.to(query.device)[:, :, None, None], out, out.new_zeros(()))
+    return torch.where(inside[:, :, None, None], out, out.new_zeros(()))
+
+
+_last: list = []  # the last packed batch's spans, shape and device, then its segments there
+
+
+def _segments_on(spans: list, rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``packed_segments`` on ``device`` (int32 boundaries, ``inside``) and the longest segment, made once a
+    packed batch: every attention layer of a forward reads the same spans object, and each copy to a GPU would
+    wait for the work queued before it."""
+    if not (_last and _last[0] is spans and _last[1:4] == [rows, width, device]):
+        cuts, inside = packed_segments(spans, rows, width)
+        _last[:] = [spans, rows, width, device, torch.tensor(cuts, dtype=torch.int32).to(device), inside.to(device),
+                    max(hi - lo for lo, hi in zip(cuts, cuts[1:]))]
+    return _last[4], _last[5], _last[6]
 
 
 @functools.lru_cache(maxsize=None)
