@@ -2,7 +2,8 @@
 interpreter, in a child process (``TRITON_INTERPRET=1`` must be set before triton is imported). A class is timed
 once and its choice read back from the cache file by the next process, untouched; a run takes the tile its choice
 names, equal to the step-by-step scan on every candidate; a file that cannot be read is timed again and
-rewritten; the table's tile where tiles are not timed. The candidates themselves are arithmetic."""
+rewritten; the table's tile where tiles are not timed; two processes timing at once lose no class. The
+candidates themselves are arithmetic."""
 import json
 import os
 import subprocess
@@ -151,3 +152,33 @@ def test_the_candidates_are_each_layouts_table_tile_in_splits_of_two_chunks_or_m
     # a table that changes is a new class: its choices are timed again
     monkeypatch.setattr(st, "TILES", ((None, ("chunks", 32, 4, 1, 1)),))
     assert key != tuning.launch_class((64, 128, 1100), cpu, "bfloat16", 16, True, True, False)
+
+
+RACER = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["ICR_SCAN_TILE"] = "timed"
+    import torch
+    from harness.ops import scan_triton as st, scan_tuning as tuning
+
+    st.TILES = ((None, ("chunks", 8, 4, 1, 1)),)
+    tuning.REPEATS = 1
+    shapes = [(2, 6, 32), (1, 6, 40)] if sys.argv[1] == "a" else [(1, 6, 40), (2, 6, 32)]
+    print(json.dumps({str(s): tuning.tile_for(s, torch.device("cpu"), "float32", 3)[0] for s in shapes}))
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_timing_at_once_keep_both_classes_and_one_tile_each(tmp_path):
+    """Two processes time two classes at once, in opposite orders, into one cache: the file keeps both classes
+    (merged under its lock, no update lost) and both processes run each class on the tile the file holds."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "ICR_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, who], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=REPO) for who in ("a", "b")]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    remembered = json.loads((tmp_path / "scan-tiles.json").read_text())
+    assert len(remembered) == 2 and a == b, (a, b, remembered)
+    held = {("rows 2" if "rows 2 " in key else "rows 1"): entry["tile"] for key, entry in remembered.items()}
+    assert held == {"rows 2": a["(2, 6, 32)"], "rows 1": a["(1, 6, 40)"]}
