@@ -388,6 +388,24 @@ def check_shape(tile: tuple) -> tuple[int, int, int]:
     return 2, block + 7, 2 * splits * chunk - 3
 
 
+def random_inputs(shape: tuple[int, int, int], n: int, act: torch.dtype, skip: bool, gate: bool,
+                  g: torch.Generator) -> list:
+    """[u, dt, A, B, C, D, z] of one launch class on the CPU, drawn from ``g``, laid out as the mixer hands them
+    over: u, z, B, C time-major views in the activations' dtype ``act``, dt float32 (as ``_step_sizes`` gives
+    it); D and z None without the skip or the gate. What the device check and the tiles' timing run."""
+    b, d, length = shape
+
+    def time_major(k):
+        return torch.randn(b, length, k, generator=g).transpose(1, 2).to(act)
+
+    u, z = time_major(d), time_major(d)
+    dt = torch.rand(b, d, length, generator=g) * 0.1 + 0.001
+    B, C = time_major(n), time_major(n)
+    A = -torch.rand(d, n, generator=g) * 4 - 0.5
+    D = torch.randn(d, generator=g) if skip else None
+    return [u, dt, A, B, C, D, z if gate else None]
+
+
 @functools.lru_cache(maxsize=None)
 def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, skip: bool = True,
                 gate: bool = True, resets: bool = False, tile: tuple | None = None) -> bool:
@@ -401,13 +419,7 @@ def verified_on(device: str, reference, dtype: str = "float32", n: int = 16, ski
     tile = tile or current_tile(1)
     chunk, (b, d, length) = tile[1], check_shape(tile)
     g = torch.Generator().manual_seed(0)
-    act = getattr(torch, dtype)
-    u, z = (torch.randn(b, length, d, generator=g).transpose(1, 2).to(act) for _ in range(2))
-    dt = torch.rand(b, d, length, generator=g) * 0.1 + 0.001  # float32, as _step_sizes gives it
-    B, C = (torch.randn(b, n, length, generator=g).to(act) for _ in range(2))
-    A = -torch.rand(d, n, generator=g) * 4 - 0.5
-    D = torch.randn(d, generator=g) if skip else None
-    z = z if gate else None
+    u, dt, A, B, C, D, z = random_inputs((b, d, length), n, getattr(torch, dtype), skip, gate, g)
     weight = torch.randn(b, d, length, generator=g).to(device)
     starts = None
     if resets:  # at the first step, mid-chunk, twice in a row at a chunk's start

@@ -33,7 +33,7 @@ log = logging.getLogger("harness")
 
 SPLITS = (1, 2, 4, 8)  # the split counts tried of each layout's table tile
 REPEATS = 3  # timed forward+backward passes a candidate, after one warm-up (its compile); the fastest counts
-_chosen: dict[str, tuple] = {}  # this process's choices, by launch class
+_chosen: dict[tuple, tuple] = {}  # this process's choices, by their launch class's fields
 
 
 def candidates(shape: tuple[int, int, int], states: int) -> list[tuple]:
@@ -81,16 +81,19 @@ def tile_for(shape: tuple[int, int, int], device: torch.device, dtype: str, stat
         raise ValueError(f"ICR_SCAN_TILE={how!r}: use timed or table (or leave it unset)")
     if scan_triton.forced() or how == "table":
         return scan_triton.current_tile(d), False
-    key = launch_class(shape, device, dtype, states, skip, gate, resets)
-    if key not in _chosen:
+    # every Mamba layer of every forward asks: its class's tile is looked up by the class's fields, and its key
+    # (a string) made only once
+    fields = (shape[0], d, triton.next_power_of_2(shape[2]), device, dtype, states, skip, gate, resets)
+    if fields not in _chosen:
+        key = launch_class(shape, device, dtype, states, skip, gate, resets)
         remembered = _usable(_remembered().get(key), shape, states)
         if remembered is not None:
-            _chosen[key] = remembered
+            _chosen[fields] = remembered
         elif device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return scan_triton.current_tile(d), False
         else:
-            _chosen[key] = _tune(key, shape, device, dtype, states, skip, gate, resets)
-    return _chosen[key], True
+            _chosen[fields] = _tune(key, shape, device, dtype, states, skip, gate, resets)
+    return _chosen[fields], True
 
 
 def _tune(key: str, shape, device, dtype: str, states: int, skip: bool, gate: bool, resets: bool) -> tuple:
@@ -123,19 +126,12 @@ def _tune(key: str, shape, device, dtype: str, states: int, skip: bool, gate: bo
 
 
 def _inputs(shape, device, act: torch.dtype, states: int, skip: bool, gate: bool, resets: bool) -> list:
-    """Random inputs of one launch class as the mixer hands them over (u and z time-major views, dt float32)."""
-    b, d, length = shape
+    """The device check's random inputs (``scan_triton.random_inputs``) on ``device``, and packed rows' starts."""
     g = torch.Generator().manual_seed(0)
-
-    def time_major(k):
-        return torch.randn(b, length, k, generator=g).transpose(1, 2).to(device, act)
-
-    u, z, B, C = time_major(d), time_major(d) if gate else None, time_major(states), time_major(states)
-    dt = (torch.rand(b, d, length, generator=g) * 0.1 + 0.001).to(device)
-    A = -torch.rand(d, states, generator=g).to(device) * 4 - 0.5
-    D = torch.randn(d, generator=g).to(device) if skip else None
-    starts = (torch.rand(b, length, generator=g) < 0.002).float().to(device) if resets else None
-    return [u, dt, A, B, C, D, z, starts]
+    inputs = [t.to(device) if t is not None else None
+              for t in scan_triton.random_inputs(shape, states, act, skip, gate, g)]
+    starts = (torch.rand(shape[0], shape[2], generator=g) < 0.002).float().to(device) if resets else None
+    return [*inputs, starts]
 
 
 def _time(tile: tuple, inputs: list, device: torch.device) -> float:

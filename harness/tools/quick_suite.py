@@ -243,7 +243,7 @@ def trainer_step(device: str, spec: dict, emit) -> None:
               "padded_step_s": round(padded["step_s"], 4), "packed_step_s": round(m["step_s"], 4),
               "packed_over_padded": round(padded["step_s"] / m["step_s"], 2),
               "spread": round(max(m["spread"], padded["spread"]), 2), "packing": m["packing"],
-              "scans": "; ".join(f"{r['scan']} {r.get('tile') or ''}".strip() for r in m.get("scans", []))})
+              "scans": "; ".join(f"{r['scan']} {r.get('tile') or ''}".strip() for r in m["scans"])})
     if spec.get("live"):  # last: the part whose length is least known
         cell = TrainConfig(**spec["live"], report_to="none", **spec.get("live_settings", {})).resolved()
         m = measure_live_eval(cell, dev, spec.get("live_samples"))
