@@ -1,6 +1,6 @@
-"""The harness's cache folder (``ICR_CACHE``, default ~/.cache/icr-harness) and what it remembers of files'
-SHA-256: shared by the engine (a model identified by its files' content) and the trainer (token stores checked
-whole)."""
+"""The harness's cache folder (``ICR_CACHE``, default ~/.cache/icr-harness) and what it remembers there: files'
+SHA-256, shared by the engine (a model identified by its files' content) and the trainer (token stores checked
+whole), and the choices a machine measured once (``MachineChoices``)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from harness.files import write_atomic
 from harness.hashing import file_digest
@@ -72,3 +73,48 @@ class FileHashCache:
                 write_atomic(self.path, json.dumps(entries))
         except Exception as e:  # noqa: BLE001  a cache that cannot be written only costs time
             log.debug("file-hash cache not written (%s)", e)
+
+
+class MachineChoices:
+    """Choices this machine measured once (the Triton scan's tiles, the CPU's linear kernel), kept in the cache
+    folder as one JSON object by key. Written behind a file lock and merged with what other processes wrote
+    meanwhile; for a key the first choice written stands, so every process on the machine takes the same one and
+    its runs stay reproducible bit for bit."""
+
+    def __init__(self, name: str, what: str):
+        self.name, self.what = name, what  # the file's name; what it holds, for messages
+
+    @property
+    def file(self) -> Path:
+        return cache_dir() / self.name
+
+    def read(self) -> dict:
+        """The choices on disk ({} where there are none or the file cannot be read: measured again)."""
+        try:
+            choices = json.loads(self.file.read_text())
+            if not isinstance(choices, dict):
+                raise ValueError(f"a JSON {type(choices).__name__}, not an object")
+            return choices
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("%s cannot be read (%s): %s are measured again and the file rewritten", self.file, e,
+                        self.what)
+            return {}
+
+    def remember(self, key: str, choice: dict, usable: Callable[[Any], bool]) -> dict:
+        """Adds ``choice`` under ``key``; returns the one that stands: a ``usable`` choice another process
+        remembered first, else this one."""
+        from filelock import FileLock  # lazy: only a measurement writes
+
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.file) + ".lock", timeout=30):
+                choices = self.read()
+                if usable(choices.get(key)):
+                    choice = choices[key]
+                choices[key] = choice
+                write_atomic(self.file, json.dumps(choices, indent=1, sort_keys=True))
+        except OSError as e:  # a cache that cannot be written costs a measurement a process, not a run
+            log.warning("%s could not be remembered in %s (%s)", self.what, self.file, e)
+        return choice

@@ -226,5 +226,7 @@ def test_a_divergence_is_measured_by_its_logit_gap_so_a_wrong_token_fails_and_a_
     (d,) = divergences(backend, prompts, ref, wrong)
     assert (d["row"], d["step"]) == (1, 2) and d["gap"] / d["spread"] > 10 * NEAR_TIE["bfloat16"]
     (d,) = divergences(backend, prompts, ref, [ref[0], ref[1][:2] + [second]])
-    top = logits.float().topk(2).values
-    assert ref[1][2] == int(logits.argmax()) and abs(d["gap"] - float(top[0] - top[1])) < 1e-5
+    top = logits.detach().float().topk(2).values
+    margin = float(top[0] - top[1])
+    # the check's forward and this one (other lengths, so other row counts a call) round apart in float32
+    assert ref[1][2] == int(logits.argmax()) and abs(d["gap"] - margin) < 1e-4 * margin + 5e-5

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
 
     os.environ["ICR_SCAN_TILE"] = "timed"
     out["first"] = tuning.tile_for(shape, dev, "float32", 3)
-    file = tuning._file()
+    file = tuning.CHOICES.file
     out["remembered"], remembered = json.loads(file.read_text()), json.loads(file.read_text())
     # the next process: nothing in memory, the file holding the other candidate as this machine's choice
     key = next(iter(remembered))

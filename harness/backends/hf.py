@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
-from harness.backends import fla_models, growing_cache
+from harness.backends import fla_models, growing_cache, onednn_linear
 from harness.backends.additive_mask import additive_mask
 from harness.backends.chunked_attention import chunk_attention
 from harness.backends.fused_activations import fuse_activations
@@ -44,7 +44,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
     family's state (and so how freely it batches) comes from ``harness.backends.families``. A model passed in is
     changed in place: its Python-written tanh GELUs fused (``harness.backends.fused_activations``) and, on a CPU,
-    a plain key/value family's attention set to chunk long query blocks (``harness.backends.chunked_attention``)."""
+    a plain key/value family's attention set to chunk long query blocks (``harness.backends.chunked_attention``)
+    and its float32 linear layers run by the faster kernel there (``harness.backends.onednn_linear``)."""
 
     name = "transformers"
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
@@ -73,6 +74,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             chunked = chunk_attention(self.model, self.device)
             if chunked:
                 self.fused.append(chunked)
+        self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
+        self.fused += filter(None, [onednn_linear.use_onednn(self.model, self.device, self.dtype)])
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
@@ -265,4 +268,4 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
                            family=self.family.name,
                            decode=self.graphs.describe() if self.graphs is not None else self.decode,
                            parameters=sum(p.numel() for p in self.model.parameters()), fused=self.fused or None,
-                           extra={"padding": self.family.padding})
+                           linear=self.linear, extra={"padding": self.family.padding})

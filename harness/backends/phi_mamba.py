@@ -14,6 +14,7 @@ from harness.backends.base import (
     resolve_device,
     resolve_dtype,
 )
+from harness.backends import onednn_linear
 from harness.backends.generation import logits_at_last_real
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
@@ -49,6 +50,8 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
         self.tokenizer = tok if tok is not None else load_tokenizer(tokenizer or path)
         self.model = (model or PhiMambaForCausalLM.from_pretrained(path, dtype=self.dtype)).to(self.device, self.dtype)
         self.model.eval()
+        self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
+        self.fused = onednn_linear.use_onednn(self.model, self.device, self.dtype)
         cfg = self.model.config
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
@@ -66,7 +69,7 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict:
         """The scan path, hashed before loading: the reference scan and mamba-ssm's kernels round apart, so rows
         from both never mix in one run. A loaded model's default asks for ``auto``."""
-        return {"scan": scan_path("auto", resolve_device(device))}
+        return {**super().run_identity(path, device, dtype, options), "scan": scan_path("auto", resolve_device(device))}
 
     def prefill(self, input_ids, attention_mask):
         logits, state = self.model(input_ids, attention_mask, logits_to_keep=1)
@@ -122,4 +125,5 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
                            model_class=type(self.model).__name__, max_context=self.max_context, scan=self.scan,
                            decode=self.graphs.describe() if self.graphs is not None else None,
                            parameters=sum(p.numel() for p in self.model.parameters()),
+                           fused=[self.fused] if self.fused else None, linear=self.linear,
                            extra={"attn_layers": self.model.config.attn_layers})

@@ -4,14 +4,21 @@ implements the step contract (``harness.backends.base.StepModel``), naming its o
 line."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-from harness.backends import memory, planner, scoring
-from harness.backends.base import Backend, Generation, GenRequest, ScoresText, StepModel
+from harness.backends import memory, onednn_linear, planner, scoring
+from harness.backends.base import (Backend, Generation, GenRequest, ScoresText, StepModel, resolve_device,
+                                   resolve_dtype)
 
 
 class StepBackend(Backend, StepModel):
     """The request level over the step level; nothing here decides anything of its own."""
+
+    @classmethod
+    def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
+        """The CPU's linear kernel where it is not PyTorch's own (``onednn_linear``: they round apart)."""
+        target = resolve_device(device)
+        return onednn_linear.identity(target, resolve_dtype(dtype, target, cls.float32_default))
 
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
                      prefix_reuse: str = "auto", prefix_memory: str | int = "auto", batching: str = "auto"

@@ -113,6 +113,8 @@ def _backend_settings(resolved: dict, backend) -> dict:
     out = {**resolved, "dtype": info.dtype, "device_type": torch.device(info.device).type}
     if info.scan:  # Phi-Mamba: the reference scan or mamba-ssm's kernels (and their dot precision) round apart
         out["scan"] = info.scan
+    if info.linear:  # a CPU's linear layers on oneDNN: they round apart from PyTorch's BLAS
+        out["linear"] = info.linear
     return out
 
 

@@ -308,7 +308,8 @@ def _parse(raw: bytes) -> dict | None:
 LABELS = {"model_weights": "model weights", "model_config": "model config (config.json)",
           "tokenizer_files": "tokenizer files", "software": "package versions", "data_sha256": "data file",
           "template_sha256": "template", "dtype": "dtype", "device_type": "device type", "model": "model",
-          "scan": "Phi-Mamba scan path", "vllm_engine": "vLLM (version and engine settings)"}
+          "scan": "Phi-Mamba scan path", "vllm_engine": "vLLM (version and engine settings)",
+          "linear": "CPU linear kernel (ICR_CPU_LINEAR)"}
 
 
 def describe_changes(old: dict, new: dict) -> str:

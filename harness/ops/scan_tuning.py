@@ -15,7 +15,6 @@ keeps the table's tiles; a ``scan_triton.tiled`` block (benchmarks, the quick su
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -23,10 +22,8 @@ import time
 
 import torch
 import triton
-from filelock import FileLock
 
-from harness.cache import cache_dir
-from harness.files import write_atomic
+from harness.cache import MachineChoices
 from harness.ops import scan_triton
 
 log = logging.getLogger("harness")
@@ -34,6 +31,7 @@ log = logging.getLogger("harness")
 SPLITS = (1, 2, 4, 8)  # the split counts tried of each layout's table tile
 REPEATS = 3  # timed forward+backward passes a candidate, after one warm-up (its compile); the fastest counts
 _chosen: dict[tuple, tuple] = {}  # this process's choices, by their launch class's fields
+CHOICES = MachineChoices("scan-tiles.json", "the Triton scan's tiles")
 
 
 def candidates(shape: tuple[int, int, int], states: int) -> list[tuple]:
@@ -86,7 +84,7 @@ def tile_for(shape: tuple[int, int, int], device: torch.device, dtype: str, stat
     fields = (shape[0], d, triton.next_power_of_2(shape[2]), device, dtype, states, skip, gate, resets)
     if fields not in _chosen:
         key = launch_class(shape, device, dtype, states, skip, gate, resets)
-        remembered = _usable(_remembered().get(key), shape, states)
+        remembered = _usable(CHOICES.read().get(key), shape, states)
         if remembered is not None:
             _chosen[fields] = remembered
         elif device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -150,10 +148,6 @@ def _time(tile: tuple, inputs: list, device: torch.device) -> float:
     return best
 
 
-def _file():
-    return cache_dir() / "scan-tiles.json"
-
-
 def _usable(entry, shape: tuple[int, int, int], states: int) -> tuple | None:
     """A remembered entry's tile, if it is still one this version of the table tries and fits ``shape`` (a file
     written before the table changed, or edited by hand, is timed again)."""
@@ -167,32 +161,6 @@ def _usable(entry, shape: tuple[int, int, int], states: int) -> tuple | None:
     return tile if ok else None
 
 
-def _remembered() -> dict:
-    """The choices remembered on disk ({} where there are none or the file cannot be read: tuned again)."""
-    try:
-        choices = json.loads(_file().read_text())
-        if not isinstance(choices, dict):
-            raise ValueError(f"a JSON {type(choices).__name__}, not an object")
-        return choices
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        log.warning("%s cannot be read (%s): the Triton scan's tiles are timed again and the file rewritten",
-                    _file(), e)
-        return {}
-
-
 def _remember(key: str, choice: dict, shape: tuple[int, int, int], states: int) -> tuple:
-    """Adds a choice to the file, merged with what other processes wrote meanwhile (a file lock); the tile that
-    stands: a choice another process remembered first (one tile a class on a machine), else this one."""
-    try:
-        _file().parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(_file()) + ".lock", timeout=30):
-            choices = _remembered()
-            if _usable(choices.get(key), shape, states) is not None:  # another process chose first: it stands
-                choice = choices[key]
-            choices[key] = choice
-            write_atomic(_file(), json.dumps(choices, indent=1, sort_keys=True))
-    except OSError as e:  # a cache that cannot be written costs a tuning a process, not a run
-        log.warning("the Triton scan's tile could not be remembered in %s (%s)", _file(), e)
-    return tuple(choice["tile"])
+    """Adds a choice to the file; the tile that stands: one another process remembered first, else this one."""
+    return tuple(CHOICES.remember(key, choice, lambda entry: _usable(entry, shape, states) is not None)["tile"])

@@ -1,0 +1,135 @@
+"""A CPU's float32 linear layers through oneDNN (``harness/backends/onednn_linear.py``): a model's logits and
+greedy tokens through the real backend equal the stock transformers model's within float32 rounding, with the
+oneDNN op really called; calls below the chosen row count, and calls with gradients, stay on PyTorch's own
+kernel to the bit; the choice is measured once and remembered, is part of a CPU run's settings, and names a bad
+``ICR_CPU_LINEAR`` value."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+from harness.backends import onednn_linear
+from harness.backends.hf import TransformersBackend
+from harness.backends.loading import load_backend
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """``ICR_CPU_LINEAR`` set for one test, the process's remembered choice forgotten before and after."""
+    def force(value):
+        monkeypatch.setenv("ICR_CPU_LINEAR", value)
+        onednn_linear.choice.cache_clear()
+    yield force
+    onednn_linear.choice.cache_clear()
+
+
+def _onednn_calls(fn) -> tuple[object, int]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+def test_a_backend_on_onednn_equals_the_stock_model_in_logits_and_greedy_tokens(tiny_phi_dir, forced):
+    forced("onednn")
+    backend = TransformersBackend(tiny_phi_dir, device="cpu", dtype="float32")
+    stock = AutoModelForCausalLM.from_pretrained(tiny_phi_dir, dtype=torch.float32).eval()
+    swapped = sum(type(m) is onednn_linear.OneDNNLinear for m in backend.model.modules())
+    assert swapped == sum(type(m) is nn.Linear for m in stock.modules()) > 0
+    info = backend.describe()
+    assert info.linear == "oneDNN from 1 rows a call" and any("oneDNN" in f for f in info.fused)
+    ids = torch.randint(5, 900, (3, 48), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ours, calls = _onednn_calls(lambda: backend.model(ids).logits)
+        theirs = stock(ids).logits
+        exact = stock.double()(ids).logits
+        stock.float()
+    assert calls >= swapped  # every layer ran oneDNN's op
+    assert theirs.std() > 0.1 and len({int(t) for t in theirs[:, -1].argmax(-1)}) > 1  # the rows differ
+    assert not torch.equal(ours, theirs)  # another kernel really ran ...
+    errors = [float((x.double() - exact).abs().max()) for x in (ours, theirs)]
+    assert errors[0] < 3 * errors[1] + 1e-6  # ... as close to the float64 model as the stock float32 one is
+    prompts = [ids[i:i + 1, :20 + 9 * i] for i in range(3)]
+    with torch.inference_mode():
+        greedy = [stock.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1]:].tolist() for p in prompts]
+        mine = [backend.model.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1]:].tolist()
+                for p in prompts]
+    assert len({tuple(g) for g in greedy}) == 3 and mine == greedy
+
+
+def test_calls_below_the_chosen_rows_and_calls_with_gradients_run_pytorchs_own_kernel():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    plain = nn.Linear(64, 96)
+    plain.load_state_dict(layer.state_dict())
+    layer.__class__, layer.min_rows = onednn_linear.OneDNNLinear, 4
+    few, many = torch.randn(2, 1, 64), torch.randn(3, 5, 64)
+    with torch.inference_mode():
+        out, calls = _onednn_calls(lambda: layer(few))
+        assert calls == 0 and torch.equal(out, plain(few))
+        out, calls = _onednn_calls(lambda: layer(many))
+        assert calls == 1 and torch.allclose(out, plain(many), rtol=1e-5, atol=1e-6)
+    grad_out, calls = _onednn_calls(lambda: layer(many.requires_grad_()))
+    assert calls == 0 and grad_out.requires_grad and torch.equal(grad_out, plain(many))
+    assert layer.state_dict().keys() == plain.state_dict().keys()
+
+
+@pytest.mark.parametrize("ratios, min_rows", [
+    ({1: 0.9, 4: 1.6, 16: 1.7, 64: 1.9, 256: 2.2}, 4),
+    ({1: 1.3, 4: 1.6, 16: 1.7, 64: 1.9, 256: 2.2}, 1),
+    ({1: 1.3, 4: 1.0, 16: 1.7, 64: 1.9, 256: 2.2}, 16),  # a loss at 4 rows: from the next win on
+    ({1: 1.3, 4: 1.5, 16: 1.7, 64: 1.9, 256: 1.0}, None),  # slower at the largest count: BLAS everywhere
+    ({1: 1.0, 4: 1.0, 16: 1.0, 64: 1.0, 256: 1.02}, None),  # as fast (an Intel CPU's MKL): BLAS
+])
+def test_onednn_runs_from_the_row_count_where_it_won_at_every_larger_count(ratios, min_rows):
+    chosen = onednn_linear.decide(ratios)
+    assert chosen["min_rows"] == min_rows and ("not faster" in chosen["why"]) == (min_rows is None)
+
+
+def test_the_choice_is_measured_once_a_machine_and_read_back_by_the_next_process(tmp_path):
+    env = {**os.environ, "ICR_CACHE": str(tmp_path), "ICR_CPU_LINEAR": "auto"}
+    code = ("import json; from harness.backends import onednn_linear as o; c = o.choice(); "
+            "print(json.dumps([c.min_rows, c.why, o.identity(o.torch.device('cpu'), o.torch.float32)]))")
+
+    def run():
+        return json.loads(subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                                         text=True, check=True).stdout)
+
+    first = run()
+    file = tmp_path / "cpu-linear.json"
+    remembered = json.loads(file.read_text())
+    (key, entry), = remembered.items()
+    assert key == onednn_linear.machine_key() and [entry["min_rows"], entry["why"]] == first[:2]
+    assert first[2] == ({"linear": f"oneDNN from {first[0]} rows a call"} if first[0] else {})
+    # the next process reads the file, not the machine: a choice written there (here, the other one) stands
+    entry.update({"min_rows": 2, "why": "edited"} if first[0] is None else {"min_rows": None, "why": "edited"})
+    file.write_text(json.dumps(remembered))
+    second = run()
+    assert second[:2] == [entry["min_rows"], "edited"] and json.loads(file.read_text()) == remembered
+    file.write_text("[not a choice")  # unreadable: measured again (with a warning) and rewritten
+    third = run()
+    assert third[1].startswith(("measured", "oneDNN")) and key in json.loads(file.read_text())
+
+
+def test_the_kernel_is_part_of_a_cpu_runs_settings_and_a_bad_setting_is_named(tiny_phi_dir, forced):
+    forced("onednn")
+    assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {}) == {
+        "linear": "oneDNN from 1 rows a call"}
+    assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "bfloat16", {}) == {}
+    forced("blas")
+    assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {}) == {}
+    backend = load_backend(tiny_phi_dir, device="cpu", dtype="float32")
+    assert backend.describe().linear is None and not any(
+        type(m) is onednn_linear.OneDNNLinear for m in backend.model.modules())
+    forced("fast")
+    with pytest.raises(ValueError, match="ICR_CPU_LINEAR='fast': use auto, onednn or blas"):
+        TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {})
