@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.activations import NewGELUActivation
 
-from harness.backends import memory
+from harness.backends import memory, onednn_linear
 from harness.backends.additive_mask import additive_mask
 from harness.backends.hf import TransformersBackend
 from harness.tiny import make_tiny_model
@@ -77,6 +77,7 @@ def test_the_additive_mask_is_causal_padded_and_left_to_sdpa_where_transformers_
 def test_fused_gelu_replaces_the_python_one_and_rounds_within_float32(tiny_phi_dir):
     backend = TransformersBackend(str(tiny_phi_dir), device="cpu", dtype="float32")
     stock = AutoModelForCausalLM.from_pretrained(str(tiny_phi_dir), dtype=torch.float32).eval()
+    onednn_linear.use_onednn(stock, torch.device("cpu"), torch.float32)  # the backend's linear kernel: GELU alone differs
     layers = stock.config.num_hidden_layers
     assert backend.fused[0] == f"NewGELUActivation x{layers} -> gelu(approximate='tanh')"
     assert not any(isinstance(m, NewGELUActivation) for m in backend.model.modules())
