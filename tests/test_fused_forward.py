@@ -1,7 +1,8 @@
 """What the transformers backend changes in a checkpoint's forward for speed, each measured against the forward
 it replaces: the additive 4D mask built once a forward (equal to transformers' boolean mask to the bit), GELU's
 tanh form as one kernel (equal to float32 rounding, recorded in results.json), a CPU's long query blocks attending
-in chunks (equal to float32 rounding, recorded too), and a CPU's token budget (the tree's rows decode in one batch
+in chunks (equal to float32 rounding, recorded too) or, where the machine's products take oneDNN, through them
+(equal to float32 rounding), and a CPU's token budget (the tree's rows decode in one batch
 where memory allows)."""
 import tempfile
 from pathlib import Path
@@ -120,13 +121,15 @@ def _long_paths(backend, gen):
 
 
 @pytest.mark.parametrize("name", ["phi_backend", "llama_backend", "gpt2_backend"])
-def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request):
+def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request, monkeypatch):
     """On a CPU a block of >= MIN_QUERIES queries attends one chunk at a time over the keys each chunk can see:
     the same logits as one SDPA call to float32 rounding, on a padded prefill, a padded block and an extend."""
     from torch.profiler import profile
 
+    from harness.backends import chunked_attention
     from harness.backends.chunked_attention import CHUNK, CHUNKED_SDPA, MIN_QUERIES
 
+    monkeypatch.setattr(chunked_attention, "ONEDNN_MIN_QUERIES", 10 ** 9)  # SDPA's chunks, whatever the machine
     backend = request.getfixturevalue(name)
     model = backend.model
     assert any("chunks" in f for f in backend.fused), backend.fused  # recorded in results.json
@@ -148,3 +151,73 @@ def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request):
         assert len({int(i) for i in one.argmax(-1)}) > 1 or one.shape[0] == 1  # the rows differ
         torch.testing.assert_close(chunked, one, rtol=1e-5, atol=1e-5)
         assert torch.equal(chunked.argmax(-1), one.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ["phi_backend", "llama_backend", "gpt2_backend"])
+def test_long_blocks_attending_by_onednns_products_equal_one_sdpa_call(name, request, monkeypatch):
+    """Where a machine's products take oneDNN (forced here), a float32 block of >= ONEDNN_MIN_QUERIES queries
+    attends through them, per head and chunk, with no SDPA call: the same logits as one SDPA call to float32
+    rounding on a padded prefill, a padded block and an extend; a block shorter than that stays on SDPA."""
+    from torch.profiler import profile
+
+    from harness.backends import chunked_attention
+    from harness.backends.chunked_attention import CHUNKED_SDPA, ONEDNN_MIN_QUERIES
+
+    monkeypatch.setattr(onednn_linear, "choice", lambda: onednn_linear.LinearKernel(1, "forced"))
+    backend = request.getfixturevalue(name)
+    model, out = backend.model, {}
+    try:
+        for impl in ("sdpa", CHUNKED_SDPA):
+            model.set_attn_implementation(impl)
+            with profile() as prof:
+                out[impl] = _long_paths(backend, torch.Generator().manual_seed(5))
+            calls = {e.key: e.count for e in prof.key_averages()}
+            products = calls.get("mkldnn::_linear_pointwise", 0)
+            # the unpadded 150-token prefill passes no mask (SDPA's causal flag), the three other blocks do
+            assert calls.get("aten::scaled_dot_product_attention", 0) == model.config.num_hidden_layers * (
+                1 if impl == CHUNKED_SDPA else 4)
+            heads = model.config.num_attention_heads
+            assert impl == "sdpa" or products >= 2 * heads * model.config.num_hidden_layers * 3
+    finally:
+        model.set_attn_implementation(CHUNKED_SDPA)
+    for one, ours in zip(out["sdpa"], out[CHUNKED_SDPA]):
+        assert len({int(i) for i in one.argmax(-1)}) > 1 or one.shape[0] == 1  # the rows differ
+        assert not torch.equal(ours, one)  # other kernels ran, whose sums round apart over the layers
+        torch.testing.assert_close(ours, one, rtol=1e-4, atol=1e-4)
+        assert torch.equal(ours.argmax(-1), one.argmax(-1))
+    query = torch.randn(1, 2, ONEDNN_MIN_QUERIES - 1, 8)
+    mask = torch.zeros(1, 1, ONEDNN_MIN_QUERIES - 1, ONEDNN_MIN_QUERIES - 1)
+    assert not chunked_attention._by_products(model, query, mask, {"scaling": 0.3})
+    assert chunked_attention._by_products(model, torch.randn(1, 2, ONEDNN_MIN_QUERIES, 8), mask.new_zeros(
+        1, 1, ONEDNN_MIN_QUERIES, ONEDNN_MIN_QUERIES), {"scaling": 0.3})
+    assert not chunked_attention._by_products(model, torch.randn(1, 2, ONEDNN_MIN_QUERIES, 8), mask.new_zeros(
+        1, 1, ONEDNN_MIN_QUERIES, ONEDNN_MIN_QUERIES), {"softcap": 30.0})  # anything that changes the scores
+
+
+def test_onednns_attention_equals_sdpa_in_float64_with_padding_grouped_heads_and_cached_keys():
+    """``onednn_attention`` itself, against SDPA in float64: two rows (one left-padded), 4 query heads over 2
+    key heads, 300 queries after 40 cached keys, in chunks; as close to the float64 result as SDPA in float32."""
+    import torch.nn.functional as F
+
+    from harness.backends.additive_mask import additive_mask
+    from harness.backends.chunked_attention import CHUNK, onednn_attention
+
+    g = torch.Generator().manual_seed(2)
+    past, q = 40, 300
+    query = torch.randn(2, 4, q, 16, generator=g)
+    key, value = (torch.randn(2, 2, past + q, 16, generator=g) for _ in range(2))
+    seen = torch.ones(2, past + q, dtype=torch.bool)
+    seen[1, :25] = False  # the second row's left padding
+    mask = additive_mask(seen.long(), q, torch.float32)  # the harness's own: [rows, 1, queries, keys]
+    assert q > CHUNK and not torch.equal(mask[0], mask[1])
+    ours = onednn_attention(query, key, value, mask, 0.25)
+
+    def sdpa(dtype):
+        k, v = (x.repeat_interleave(2, dim=1).to(dtype) for x in (key, value))
+        return F.scaled_dot_product_attention(query.to(dtype), k, v, attn_mask=mask.to(dtype), scale=0.25)
+
+    exact, theirs = sdpa(torch.float64).transpose(1, 2), sdpa(torch.float32).transpose(1, 2)
+    real = seen[:, past:]  # a padded query attends to nothing real: its output is not read
+    assert exact[real].std() > 0.1
+    errors = [float((x.double() - exact)[real].abs().max()) for x in (ours, theirs)]
+    assert errors[0] < 4 * errors[1] + 1e-7, errors

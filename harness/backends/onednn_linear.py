@@ -8,7 +8,8 @@ CPU build takes the same route. Which is faster is the machine's business, so it
 (``choice``: a generic layer at a few row counts, both kernels in turn) and remembered in the harness's cache
 (``cpu-linear.json``): every process on the machine then takes the same kernel, and a run's rows stay
 reproducible bit for bit. oneDNN runs a call only from the row count where it won at every larger count measured
-(one row, a batch-1 decoding step, stays on BLAS's matrix-vector code there).
+(one row, a batch-1 decoding step, stays on BLAS's matrix-vector code there). Long blocks' attention follows the
+same choice (``chunked_attention``: its products through ``product``).
 
 The two kernels round apart (an ulp of the sums' order, as SDPA's kernels do against eager attention), so the
 kernel is part of a CPU run's settings (``identity``): rows from both never mix in one run. ``ICR_CPU_LINEAR``:
@@ -52,6 +53,12 @@ class LinearKernel:
 
 def _oneDNN(x, weight, bias):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` by oneDNN (float32 on a CPU; ``weight`` contiguous): attention's products on a machine
+    whose choice is oneDNN (``chunked_attention``)."""
+    return _oneDNN(x, weight, None)
 
 
 class OneDNNLinear(nn.Linear):
