@@ -12,7 +12,7 @@ reproducible bit for bit. oneDNN runs a call only from the row count where it wo
 same choice (``chunked_attention``: its products through ``product``).
 
 The two kernels round apart (an ulp of the sums' order, as SDPA's kernels do against eager attention), so the
-kernel is part of a CPU run's settings (``identity``): rows from both never mix in one run. ``ICR_CPU_LINEAR``:
+kernel is part of a CPU run's settings (``identity``): rows from both kernels never mix in one run. ``ICR_CPU_LINEAR``:
 ``auto`` (default), ``onednn`` (every call, from one row) or ``blas`` (PyTorch's own)."""
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class LinearKernel:
     why: str
 
     def describe(self) -> str | None:
-        """How a run names it (None: PyTorch's own kernel, as before this choice existed)."""
+        """How a run's record names it (None: PyTorch's own kernel, as before this choice existed)."""
         return None if self.min_rows is None else f"oneDNN from {self.min_rows} rows a call"
 
 
@@ -92,10 +92,12 @@ def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> st
 
 
 def identity(device: torch.device, dtype: torch.dtype) -> dict:
-    """What a run's settings hold of the linear kernel, decided before the model loads: the kernel where a float32
-    run on a CPU takes oneDNN, else nothing (so other runs' settings are what they were)."""
+    """What a run's settings hold of the linear kernel, decided before the model loads: ``oneDNN`` where a float32
+    run on a CPU takes it, else nothing (so other runs' settings are what they were). The kernel, not its row
+    count: two machines of one model whose timings drew the line at another count round apart only in calls of
+    a few rows, as two CPUs' BLAS code paths do."""
     kernel = choice() if device.type == "cpu" and dtype == torch.float32 else None
-    return {"linear": kernel.describe()} if kernel is not None and kernel.min_rows is not None else {}
+    return {"linear": "oneDNN"} if kernel is not None and kernel.min_rows is not None else {}
 
 
 @functools.lru_cache(maxsize=None)
