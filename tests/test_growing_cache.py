@@ -1,11 +1,12 @@
 """``GrowingLayer``: transformers' ``DynamicLayer`` with spare capacity gives the concatenating cache's logits,
-through prefill, decode steps past its spare room, a dropped row and repeated rows."""
+through prefill, decode steps past its spare room, a dropped row and repeated rows; rows merged from several
+caches land in one buffer with room for the steps to come."""
 import torch
 from transformers import DynamicCache
 
 from harness.backends import growing_cache
 from harness.backends.base import state_nbytes
-from harness.backends.families import map_rows
+from harness.backends.families import join_rows, map_rows, merge_rows
 
 
 @torch.inference_mode()
@@ -56,3 +57,34 @@ def test_the_state_a_growing_cache_holds_is_its_filled_part_not_its_spare_room(p
     pos = state["pos"].numel() * state["pos"].element_size()
     assert phi_backend.state_bytes(40) == 40 * per_token + pos
     assert phi_backend.state_bytes(100) == 100 * per_token + pos
+
+
+@torch.inference_mode()
+def test_rows_merged_into_a_growing_layer_decode_in_its_buffer_and_equal_the_concatenated_rows(phi_backend):
+    """The prefix tree's merge (rows of other lengths, left-padded) and a join that cuts masked positions write
+    each layer's rows once into a buffer with ``SPARE`` positions past them: the next steps write in place (the
+    buffer is not reallocated), and its keys and values are the padded rows concatenated, to the bit."""
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randint(5, 900, (1, n), generator=gen) for n in (30, 41, 37)]
+    states = [phi_backend.prefill(ids, torch.ones_like(ids))[1]["cache"] for ids in rows]
+    width = max(ids.shape[1] for ids in rows)
+    expected = [torch.cat([torch.nn.functional.pad(getattr(c.layers[0], name), (0, 0, width - ids.shape[1], 0))
+                           for c, ids in zip(states, rows)]) for name in ("keys", "values")]
+    merged = merge_rows(states, [ids.shape[1] for ids in rows])
+    layer = merged.layers[0]
+    assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
+    assert expected[0][:, :, -1].std() > 0.1  # the rows' keys vary
+    assert layer._k.shape[-2] == width + growing_cache.SPARE and layer._v.shape[-2] == width + growing_cache.SPARE
+    buffer = layer._k.data_ptr()
+    step = torch.randint(5, 900, (3, 1), generator=gen)
+    phi_backend.model(input_ids=step, past_key_values=merged, use_cache=True)
+    assert layer._k.data_ptr() == buffer and layer.keys.shape[-2] == width + 1  # written in place
+    before, extra = layer.keys.clone(), phi_backend.prefill(rows[0], torch.ones_like(rows[0]))[1]["cache"]
+    extra_keys = extra.layers[0].keys.clone()
+    # a join: the running batch loses 5 positions masked in all its rows, the joining row is padded to its width
+    joined = join_rows([merged, extra], [(width + 1, 5, 0), (30, 0, width + 1 - 5 - 30)])
+    keys = joined.layers[0].keys
+    assert keys.shape[0] == 4 and keys.shape[-2] == width - 4
+    assert torch.equal(keys[:3], before[:, :, 5:])
+    assert torch.equal(keys[3:], torch.nn.functional.pad(extra_keys, (0, 0, width - 4 - 30, 0)))
+    assert joined.layers[0]._k.shape[-2] == width - 4 + growing_cache.SPARE

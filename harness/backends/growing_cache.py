@@ -74,6 +74,30 @@ def _length(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.dim() < 2 else t.shape[-2]
 
 
+def join_into(layer, name: str, parts: list[torch.Tensor], cuts: list[tuple[int, int, int]]) -> bool:
+    """A growing layer's keys or values (``name``) joined from running batches' ``parts``, each cut and padded as
+    ``families.join_rows`` says (width, cut, pad), written once into a buffer with ``SPARE`` positions to come:
+    joined by concatenation the rows' cache filled its buffer, and the first decode step after a join copied all
+    of it again into a larger one (24 rows of 2.5k tokens: 0.75 GB copied, 1.1 GB allocated). False for any other
+    layer: the caller joins it."""
+    if not isinstance(layer, GrowingLayer) or name not in ("keys", "values"):
+        return False
+    first, (_, cut, pad) = parts[0], cuts[0]
+    width = first.shape[-2] - cut + pad
+    buffer = first.new_empty((sum(t.shape[0] for t in parts), *first.shape[1:-2], width + SPARE, first.shape[-1]))
+    row = 0
+    for t, (_, cut, pad) in zip(parts, cuts):
+        rows = buffer[row:row + t.shape[0]]
+        rows[..., :pad, :].zero_()  # masked, as a left-padded prefill's pads
+        rows[..., pad:width, :].copy_(t[..., cut:, :])
+        row += t.shape[0]
+    if name == "keys":
+        layer._k, layer._n = buffer, width
+    else:
+        layer._v, layer._nv = buffer, width
+    return True
+
+
 def install(cache) -> None:
     """Put growing layers in place of a fresh ``DynamicCache``'s plain ``DynamicLayer`` ones (sliding-window and
     recurrent layers are left as they are)."""
