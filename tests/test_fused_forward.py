@@ -78,7 +78,8 @@ def test_the_additive_mask_is_causal_padded_and_left_to_sdpa_where_transformers_
 def test_fused_gelu_replaces_the_python_one_and_rounds_within_float32(tiny_phi_dir):
     backend = TransformersBackend(str(tiny_phi_dir), device="cpu", dtype="float32")
     stock = AutoModelForCausalLM.from_pretrained(str(tiny_phi_dir), dtype=torch.float32).eval()
-    onednn_linear.use_onednn(stock, torch.device("cpu"), torch.float32)  # the backend's linear kernel: GELU alone differs
+    onednn_linear.use_onednn(stock, torch.device("cpu"), torch.float32)  # the backend's linear kernel: only GELU
+    # differs between the two
     layers = stock.config.num_hidden_layers
     assert backend.fused[0] == f"NewGELUActivation x{layers} -> gelu(approximate='tanh')"
     assert not any(isinstance(m, NewGELUActivation) for m in backend.model.modules())

@@ -12,8 +12,8 @@ reproducible bit for bit. oneDNN runs a call only from the row count where it wo
 same choice (``chunked_attention``: its products through ``product``).
 
 The two kernels round apart (an ulp of the sums' order, as SDPA's kernels do against eager attention), so the
-kernel is part of a CPU run's settings (``identity``): rows from both kernels never mix in one run. ``ICR_CPU_LINEAR``:
-``auto`` (default), ``onednn`` (every call, from one row) or ``blas`` (PyTorch's own)."""
+kernel is part of a CPU run's settings (``identity``): rows from both kernels never mix in one run.
+``ICR_CPU_LINEAR``: ``auto`` (default), ``onednn`` (every call, from one row) or ``blas`` (PyTorch's own)."""
 from __future__ import annotations
 
 import functools
@@ -69,8 +69,8 @@ class OneDNNLinear(nn.Linear):
     min_rows = 1
 
     def forward(self, x):
-        if (torch.compiler.is_compiling() or x.dim() < 2 or x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
-                or x.numel() < self.min_rows * x.shape[-1]
+        if (torch.compiler.is_compiling() or x.dim() < 2 or x.device.type != "cpu" or x.dtype != torch.float32
+                or self.weight.dtype != torch.float32 or x.numel() < self.min_rows * x.shape[-1]
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         return _oneDNN(x, self.weight, self.bias)
@@ -103,7 +103,7 @@ def identity(device: torch.device, dtype: torch.dtype) -> dict:
 @functools.lru_cache(maxsize=None)
 def choice() -> LinearKernel:
     """The kernel float32 linear layers take on this CPU: ``ICR_CPU_LINEAR`` if set, else remembered, else
-    measured now (about 0.1 s) and remembered."""
+    measured now (about 0.05 s) and remembered."""
     how = os.environ.get("ICR_CPU_LINEAR") or "auto"
     if how not in ("auto", "onednn", "blas"):
         raise ValueError(f"ICR_CPU_LINEAR={how!r}: use auto, onednn or blas (or leave it unset)")
