@@ -67,7 +67,7 @@ def _by_products(module, query, attention_mask, kwargs) -> bool:
             and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == query.dtype
             and attention_mask.shape[2] == query.shape[2] and not (module.training and kwargs.get("dropout"))
             and set(kwargs) <= HARMLESS and kwargs.get("sliding_window") is None
-            and onednn_linear.choice().min_rows is not None)
+            and onednn_linear.choice().onednn)
 
 
 def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
@@ -78,18 +78,18 @@ def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Te
     b, heads, q, d = query.shape
     group, past = heads // key.shape[1], key.shape[2] - q
     scaled = query * (scaling if scaling is not None else d ** -0.5)
-    values_t = value.transpose(2, 3).contiguous()  # [b, kv heads, d, kv]: the products' second operand
     out = query.new_empty(b, q, heads, value.shape[-1])
     for row in range(b):
         for h in range(heads):
-            keys, vals = key[row, h // group], values_t[row, h // group]
+            keys, vals = key[row, h // group], value[row, h // group]
             seen = mask[row, h if mask.shape[1] > 1 else 0]
             for a in range(0, q, CHUNK):
                 e = min(a + CHUNK, q)
                 n = past + e
                 scores = onednn_linear.product(scaled[row, h, a:e], keys[:n])
                 probs = torch.softmax(scores.add_(seen[a:e, :n]), dim=-1)
-                out[row, a:e, h] = onednn_linear.product(probs, vals[:, :n].contiguous())
+                # the values the chunk sees, as the product's [d, n] second operand
+                out[row, a:e, h] = onednn_linear.product(probs, vals[:n].t().contiguous())
     return out
 
 
@@ -115,5 +115,5 @@ def chunk_attention(model, device: torch.device) -> str | None:
     except (ValueError, ImportError, AttributeError):
         return None
     products = (f"; float32 blocks of >= {ONEDNN_MIN_QUERIES} queries by oneDNN's products"
-                if onednn_linear.choice().min_rows is not None else "")
+                if onednn_linear.choice().onednn else "")
     return f"SDPA over blocks of >= {MIN_QUERIES} queries in chunks of {CHUNK}, each over the keys it can see{products}"

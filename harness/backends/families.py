@@ -239,13 +239,11 @@ def join_rows(caches: list, cuts: list[tuple[int, int, int]]):
             if kv and any(t.shape[-2] != width for t, (width, _, _) in zip(parts, cuts)):
                 raise ValueError("join_rows: a batch's keys do not cover its attention mask (or a row's, its "
                                  "whole prompt)")
-            if kv and growing_cache.join_into(box, key, parts, cuts):
-                pass  # written once into the layer's own buffer, with room for the steps to come
-            elif kv:
+            if not kv:
+                _set(box, key, torch.cat(parts))
+            elif not growing_cache.join_into(box, key, parts, cuts):  # a growing layer's rows: written once
                 _set(box, key, torch.cat([torch.nn.functional.pad(t[..., cut:, :], (0, 0, pad, 0))
                                           for t, (_, cut, pad) in zip(parts, cuts)]))
-            else:
-                _set(box, key, torch.cat(parts))
             for slots in per_cache[1:]:
                 _set(*slots[k], None)
     return out

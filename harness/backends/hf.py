@@ -75,7 +75,9 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             if chunked:
                 self.fused.append(chunked)
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
-        self.fused += filter(None, [onednn_linear.use_onednn(self.model, self.device, self.dtype)])
+        swapped = onednn_linear.use_onednn(self.model, self.device, self.dtype)
+        if swapped:
+            self.fused.append(swapped)
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")

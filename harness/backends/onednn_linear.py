@@ -46,9 +46,13 @@ class LinearKernel:
     min_rows: int | None
     why: str
 
+    @property
+    def onednn(self) -> bool:
+        return self.min_rows is not None
+
     def describe(self) -> str | None:
         """How a run's record names it (None: PyTorch's own kernel, as before this choice existed)."""
-        return None if self.min_rows is None else f"oneDNN from {self.min_rows} rows a call"
+        return f"oneDNN from {self.min_rows} rows a call" if self.onednn else None
 
 
 def _oneDNN(x, weight, bias):
@@ -79,8 +83,8 @@ class OneDNNLinear(nn.Linear):
 def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """Every plain ``nn.Linear`` of a float32 model on a CPU runs through ``OneDNNLinear`` where ``choice`` says
     so; what changed, for the run's record (None: nothing)."""
-    kernel = choice() if device.type == "cpu" and dtype == torch.float32 else None
-    if kernel is None or kernel.min_rows is None:
+    kernel = _taken(device, dtype)
+    if kernel is None:
         return None
     swapped = 0
     for module in model.modules():
@@ -96,8 +100,13 @@ def identity(device: torch.device, dtype: torch.dtype) -> dict:
     run on a CPU takes it, else nothing (so other runs' settings are what they were). The kernel, not its row
     count: two machines of one model whose timings drew the line at another count round apart only in calls of
     a few rows, as two CPUs' BLAS code paths do."""
+    return {"linear": "oneDNN"} if _taken(device, dtype) is not None else {}
+
+
+def _taken(device: torch.device, dtype: torch.dtype) -> LinearKernel | None:
+    """The machine's choice where a float32 model on a CPU takes oneDNN, else None."""
     kernel = choice() if device.type == "cpu" and dtype == torch.float32 else None
-    return {"linear": "oneDNN"} if kernel is not None and kernel.min_rows is not None else {}
+    return kernel if kernel is not None and kernel.onednn else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -51,7 +51,8 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
         self.model = (model or PhiMambaForCausalLM.from_pretrained(path, dtype=self.dtype)).to(self.device, self.dtype)
         self.model.eval()
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
-        self.fused = onednn_linear.use_onednn(self.model, self.device, self.dtype)
+        swapped = onednn_linear.use_onednn(self.model, self.device, self.dtype)
+        self.fused = [swapped] if swapped else []
         cfg = self.model.config
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
@@ -125,5 +126,5 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
                            model_class=type(self.model).__name__, max_context=self.max_context, scan=self.scan,
                            decode=self.graphs.describe() if self.graphs is not None else None,
                            parameters=sum(p.numel() for p in self.model.parameters()),
-                           fused=[self.fused] if self.fused else None, linear=self.linear,
+                           fused=self.fused or None, linear=self.linear,
                            extra={"attn_layers": self.model.config.attn_layers})
