@@ -1,6 +1,7 @@
 """A CPU's float32 linear layers through oneDNN (``harness/backends/onednn_linear.py``): a model's logits and
 greedy tokens through the real backend equal the stock transformers model's within float32 rounding, with the
-oneDNN op really called; calls below the chosen row count, and calls with gradients, stay on PyTorch's own
+oneDNN op really called and the MLPs' GELUs in their layers' epilogue (a GELU that does not take a layer's output
+alone is never folded); calls below the chosen row count, and calls with gradients, stay on PyTorch's own
 kernel to the bit; the choice is measured once and remembered, is part of a CPU run's settings, and names a bad
 ``ICR_CPU_LINEAR`` value."""
 import json
@@ -15,7 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from harness.backends import onednn_linear
+from harness.backends import fused_activations, onednn_linear
 from harness.backends.hf import TransformersBackend
 from harness.backends.loading import load_backend
 
@@ -43,10 +44,13 @@ def test_a_backend_on_onednn_equals_the_stock_model_in_logits_and_greedy_tokens(
     forced("onednn")
     backend = TransformersBackend(tiny_phi_dir, device="cpu", dtype="float32")
     stock = AutoModelForCausalLM.from_pretrained(tiny_phi_dir, dtype=torch.float32).eval()
-    swapped = sum(type(m) is onednn_linear.OneDNNLinear for m in backend.model.modules())
+    swapped = sum(isinstance(m, onednn_linear.OneDNNLinear) for m in backend.model.modules())
     assert swapped == sum(type(m) is nn.Linear for m in stock.modules()) > 0
+    folded = [layer.mlp for layer in backend.model.model.layers]  # each MLP's GELU in its fc1's epilogue
+    assert all(type(m.fc1) is onednn_linear.OneDNNLinearGELU and type(m.activation_fn) is nn.Identity for m in folded)
     info = backend.describe()
-    assert info.linear == "oneDNN" and any("oneDNN from 1 rows a call" in f for f in info.fused)
+    assert info.linear == onednn_linear.IDENTITY and any("oneDNN from 1 rows a call" in f for f in info.fused)
+    assert any("oneDNN's epilogue" in f for f in info.fused)
     ids = torch.randint(5, 900, (3, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours, calls = _onednn_calls(lambda: backend.model(ids).logits)
@@ -109,7 +113,7 @@ def test_the_choice_is_measured_once_a_machine_and_read_back_by_the_next_process
     remembered = json.loads(file.read_text())
     (key, entry), = remembered.items()
     assert key == onednn_linear.machine_key() and [entry["min_rows"], entry["why"]] == first[:2]
-    assert first[2] == ({"linear": "oneDNN"} if first[0] else {})
+    assert first[2] == ({"linear": onednn_linear.IDENTITY} if first[0] else {})
     # the next process reads the file, not the machine: a choice written there (here, the other one) stands
     entry.update({"min_rows": 2, "why": "edited"} if first[0] is None else {"min_rows": None, "why": "edited"})
     file.write_text(json.dumps(remembered))
@@ -122,7 +126,7 @@ def test_the_choice_is_measured_once_a_machine_and_read_back_by_the_next_process
 
 def test_the_kernel_is_part_of_a_cpu_runs_settings_and_a_bad_setting_is_named(tiny_phi_dir, forced):
     forced("onednn")
-    assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {}) == {"linear": "oneDNN"}
+    assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {}) == {"linear": onednn_linear.IDENTITY}
     assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "bfloat16", {}) == {}
     forced("blas")
     assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {}) == {}
@@ -132,3 +136,40 @@ def test_the_kernel_is_part_of_a_cpu_runs_settings_and_a_bad_setting_is_named(ti
     forced("fast")
     with pytest.raises(ValueError, match="ICR_CPU_LINEAR='fast': use auto, onednn or blas"):
         TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {})
+
+
+class _ReadTwice(nn.Module):
+    """An MLP whose fc1 output is read by its GELU and again after it: folding the GELU would change it."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.fc1, self.fc2, self.act, self.twice = nn.Linear(32, 64), nn.Linear(64, 32), nn.GELU("tanh"), twice
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(self.act(h)) + (h[..., :32] if self.twice else 0)
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_gelu_folds_into_its_layers_epilogue_only_where_it_alone_takes_the_layers_output(twice, forced):
+    forced("onednn")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _ReadTwice(twice), nn.GELU("tanh"))  # the last GELU: fed an MLP's sum
+    onednn_linear.use_onednn(model, torch.device("cpu"), torch.float32)
+    x = torch.randn(3, 24, 16)
+    with torch.inference_mode():
+        before = model(x)
+        folded = fused_activations.gelu_into_linear(model, lambda: model(x))
+        after, calls = _onednn_calls(lambda: model(x))
+    assert before.std() > 0.01
+    mlp = model[1]
+    assert (folded is not None) == (not twice)
+    assert type(mlp.fc1) is (onednn_linear.OneDNNLinear if twice else onednn_linear.OneDNNLinearGELU)
+    assert type(mlp.act) is (nn.GELU if twice else nn.Identity) and type(model[2]) is nn.GELU
+    assert calls == 3 and torch.allclose(after, before, rtol=1e-5, atol=1e-6)  # every layer on oneDNN
+    with torch.no_grad():  # with gradients: PyTorch's linear (then its GELU, where folded), to the bit
+        h = torch.randn(3, 24, 32)
+        plain = nn.functional.linear(h, mlp.fc1.weight, mlp.fc1.bias)
+        plain = plain if twice else nn.functional.gelu(plain, approximate="tanh")
+    grad = mlp.fc1(h.requires_grad_())
+    assert grad.requires_grad and torch.equal(grad, plain)

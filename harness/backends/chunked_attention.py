@@ -81,15 +81,15 @@ def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Te
     out = query.new_empty(b, q, heads, value.shape[-1])
     for row in range(b):
         for h in range(heads):
-            keys, vals = key[row, h // group], value[row, h // group]
+            keys, vals = key[row, h // group].contiguous(), value[row, h // group].contiguous()
             seen = mask[row, h if mask.shape[1] > 1 else 0]
             for a in range(0, q, CHUNK):
                 e = min(a + CHUNK, q)
                 n = past + e
                 scores = onednn_linear.product(scaled[row, h, a:e], keys[:n])
                 probs = torch.softmax(scores.add_(seen[a:e, :n]), dim=-1)
-                # the values the chunk sees, as the product's [d, n] second operand
-                out[row, a:e, h] = onednn_linear.product(probs, vals[:n].t().contiguous())
+                # the values the chunk sees as the product's [d, n] second operand: their transpose, not a copy
+                out[row, a:e, h] = onednn_linear.product(probs, vals[:n].t())
     return out
 
 

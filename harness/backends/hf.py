@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
-from harness.backends import fla_models, growing_cache, onednn_linear
+from harness.backends import cpu_heap, fla_models, growing_cache, onednn_linear
 from harness.backends.additive_mask import additive_mask
 from harness.backends.chunked_attention import chunk_attention
 from harness.backends.fused_activations import fuse_activations
@@ -75,9 +75,10 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             if chunked:
                 self.fused.append(chunked)
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
-        swapped = onednn_linear.use_onednn(self.model, self.device, self.dtype)
-        if swapped:
-            self.fused.append(swapped)
+        for changed in (onednn_linear.use_onednn(self.model, self.device, self.dtype),
+                        cpu_heap.keep_freed_memory(self.device)):
+            if changed:
+                self.fused.append(changed)
         if graph_decode:
             if self.device.type != "cuda":
                 raise ValueError(f"--cuda-graphs needs a CUDA device (this run is on {self.device})")
@@ -86,6 +87,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             else:
                 self.decode = f"eager ({why})"
                 log.info("%s: decoding eagerly, not from CUDA graphs: %s", self.path, why)
+        if folded := self.fold_gelu():
+            self.fused.append(folded)
 
     # -- what is exact here (harness.backends.planner decides with it) -----------------------------------
     def batches_exact(self) -> bool:

@@ -14,7 +14,7 @@ from harness.backends.base import (
     resolve_device,
     resolve_dtype,
 )
-from harness.backends import onednn_linear
+from harness.backends import cpu_heap, onednn_linear
 from harness.backends.generation import logits_at_last_real
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
@@ -51,8 +51,9 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
         self.model = (model or PhiMambaForCausalLM.from_pretrained(path, dtype=self.dtype)).to(self.device, self.dtype)
         self.model.eval()
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
-        swapped = onednn_linear.use_onednn(self.model, self.device, self.dtype)
-        self.fused = [swapped] if swapped else []
+        changes = (onednn_linear.use_onednn(self.model, self.device, self.dtype),
+                   cpu_heap.keep_freed_memory(self.device))
+        self.fused = [c for c in changes if c]
         cfg = self.model.config
         # Attention layers are Phi's (2,048 positions); a pure Mamba stack has no position limit.
         self.max_context = cfg.max_position_embeddings if cfg.attn_layers else None
@@ -65,6 +66,8 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
         decode = ("CUDA graphs, compiled" if compile_decode else "CUDA graphs") if self.graphs else "eager"
         log.info("phi-mamba: %d layers (%s attention), scan path: %s, decode: %s", cfg.n_layer,
                  cfg.attn_layers or "no", self.scan, decode)
+        if folded := self.fold_gelu():
+            self.fused.append(folded)
 
     @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict:

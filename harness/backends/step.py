@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from harness.backends import memory, onednn_linear, planner, scoring
+import torch
+
+from harness.backends import fused_activations, memory, onednn_linear, planner, scoring
 from harness.backends.base import (Backend, Generation, GenRequest, ScoresText, StepModel, resolve_device,
                                    resolve_dtype)
 
@@ -19,6 +21,18 @@ class StepBackend(Backend, StepModel):
         """The CPU's linear kernel where it is not PyTorch's own (``onednn_linear``: they round apart)."""
         target = resolve_device(device)
         return onednn_linear.identity(target, resolve_dtype(dtype, target, cls.float32_default))
+
+    @torch.inference_mode()
+    def fold_gelu(self) -> str | None:
+        """Tanh GELUs folded into the epilogue of the oneDNN linear layers they follow
+        (``fused_activations.gelu_into_linear``), checked on a prefill of this backend long enough to take oneDNN;
+        what changed, for the run's record (None: nothing)."""
+        rows = [m.min_rows for m in self.model.modules() if type(m) is onednn_linear.OneDNNLinear]
+        if not rows:
+            return None
+        n, vocab = max(16, min(rows)), max(3, len(self.tokenizer) - 1)
+        ids = (torch.arange(n, device=self.device) * 7919 % (vocab - 1) + 1)[None]
+        return fused_activations.gelu_into_linear(self.model, lambda: self.prefill(ids, torch.ones_like(ids))[0])
 
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
                      prefix_reuse: str = "auto", prefix_memory: str | int = "auto", batching: str = "auto"
