@@ -222,3 +222,37 @@ def test_onednns_attention_equals_sdpa_in_float64_with_padding_grouped_heads_and
     assert exact[real].std() > 0.1
     errors = [float((x.double() - exact)[real].abs().max()) for x in (ours, theirs)]
     assert errors[0] < 4 * errors[1] + 1e-7, errors
+
+
+@pytest.mark.parametrize("queries, kv_heads", [(1, 4), (3, 4), (1, 2), (3, 2)])
+def test_attention_over_a_shared_front_read_once_equals_sdpa_in_float64(queries, kv_heads):
+    """``front_once_attention`` against SDPA in float64: five rows whose first 200 keys are the same, each
+    padded after them to the longest rest, a step of 1 or 3 queries (causal among them), 4 query heads over 4 or
+    2 key heads; as close to the float64 result as SDPA in float32."""
+    import torch.nn.functional as F
+
+    from harness.backends.chunked_attention import front_once_attention
+
+    g = torch.Generator().manual_seed(3)
+    rows, heads, d, shared, rests = 5, 4, 16, 200, [30, 90, 57, 120, 3]
+    kv = shared + max(rests) + queries
+    key, value = (torch.randn(rows, kv_heads, kv, d, generator=g) for _ in range(2))
+    key[:, :, :shared], value[:, :, :shared] = key[:1, :, :shared], value[:1, :, :shared]
+    query = torch.randn(rows, heads, queries, d, generator=g)
+    mask = torch.zeros(rows, 1, queries, kv)
+    low = torch.finfo(torch.float32).min
+    for i, rest in enumerate(rests):
+        mask[i, :, :, shared:shared + max(rests) - rest] = low  # the pads after the front
+    for t in range(queries):
+        mask[:, :, t, kv - queries + t + 1:] = low
+    ours = front_once_attention(query, key, value, mask, shared, 0.25)
+
+    def sdpa(dtype):
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1).to(dtype) for x in (key, value))
+        return F.scaled_dot_product_attention(query.to(dtype), k, v, attn_mask=mask.to(dtype),
+                                              scale=0.25).transpose(1, 2)
+
+    exact, theirs = sdpa(torch.float64), sdpa(torch.float32)
+    assert exact.std() > 0.05 and not torch.allclose(exact[0], exact[-1], atol=1e-3)
+    errors = [float((x.double() - exact).abs().max()) for x in (ours, theirs)]
+    assert errors[0] < 4 * errors[1] + 1e-7, errors

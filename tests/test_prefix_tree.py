@@ -163,3 +163,34 @@ def test_ranks_split_into_runs_of_shared_prefixes():
     assert sorted(i.key for s in shares for i in s) == sorted(i.key for i in todo)  # every instance once
     assert [sorted({i.id for i in s}) for s in shares] == [["q0", "q1"], ["q2", "q3"]]  # a question on one rank
     assert shares[0] == [i for i in todo if i.id in ("q0", "q1")]  # instance order kept
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_rows_sharing_a_long_front_read_it_once_a_step_and_write_the_same_tokens(which, request, monkeypatch):
+    """On a CPU the tree's merged rows keep their common front in front (pads after it), and each decoding step
+    attends over it once for all rows (``chunked_attention.front_once_attention``): the same tokens as ``none``."""
+    from harness.backends import chunked_attention
+    from harness.backends.generation import common_prefix
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    assert backend.merges_shared_front()
+    calls, real = [], chunked_attention.front_once_attention
+
+    def counted(query, key, value, mask, shared, scaling):
+        calls.append((query.shape[0], shared))
+        return real(query, key, value, mask, shared, scaling)
+
+    monkeypatch.setattr(chunked_attention, "front_once_attention", counted)
+    head = "Read every paragraph first.\n" + "\n".join(UNITS * 3) + "\n"
+    prompts = [head + p for p in sweep_prompts()]
+    ids = [r.prompt_ids for r in _requests(backend, prompts)]
+    shared = len(common_prefix(ids))
+    assert shared >= chunked_attention.SHARED_MIN
+    gen = backend.generate_all(_requests(backend, prompts), batch_size=len(prompts), prefix_reuse="tree-rows")
+    rows = gen.results(len(prompts))
+    assert gen.plan.ran == "tree-rows" and calls and {s for _, s in calls} == {shared}
+    assert {b for b, _ in calls} >= {len(prompts)}  # the whole batch's rows at once
+    none = backend.generate_all(_requests(backend, prompts), batch_size=len(prompts), prefix_reuse="none")
+    none = none.results(len(prompts))
+    assert_varied([r.token_ids for r in none])
+    assert [r.token_ids for r in rows] == [r.token_ids for r in none]

@@ -328,10 +328,16 @@ class MergesRows(ABC):
     """A step model whose rows, prefilled apart, merge into one batch: what the prefix tree needs."""
 
     @abstractmethod
-    def merge(self, states: Sequence[Any], lengths: Sequence[int]) -> Any:
+    def merge(self, states: Sequence[Any], lengths: Sequence[int], shared: int = 0) -> Any:
         """One batch state from one-row, unpadded states of ``lengths`` tokens each (prompts prefilled through
         the prefix tree): attention keys and values left-padded to the longest (the mask hides the pads),
-        recurrent state stacked."""
+        recurrent state stacked. ``shared`` > 0 (only where ``merges_shared_front``): the rows' first ``shared``
+        positions, the same tokens in every row, stay in front and the pads go after them
+        (``generation.shared_front_mask``), so attention can read that part once for all rows."""
+
+    def merges_shared_front(self) -> bool:
+        """Whether ``merge`` takes ``shared`` (and its steps attend over the shared front once for all rows)."""
+        return False
 
 
 class JoinsBatches(ABC):

@@ -22,6 +22,8 @@ slower (s = 30: 1.1 against 0.6). They round apart from SDPA by ~1e-7, like the 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -29,6 +31,9 @@ import torch
 from harness.backends import onednn_linear
 
 CHUNKED_SDPA = "icr_chunked_sdpa"
+SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``shared_front``)
+SHARED_MAX_QUERIES = 16  # ... by blocks of up to this many queries (decoding steps)
+_SHARED = contextvars.ContextVar("icr_shared_front", default=0)
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
 ONEDNN_MIN_QUERIES = 128  # blocks this long or longer make their products through oneDNN where it is faster
@@ -42,6 +47,9 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
     q, kv = query.shape[2], key.shape[2]
+    shared = _SHARED.get()
+    if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
+        return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_products(module, query, attention_mask, kwargs):
         return onednn_attention(query, key, value, attention_mask[..., :kv], kwargs.get("scaling")), None
     if (query.device.type != "cpu" or q < MIN_QUERIES or attention_mask is None or attention_mask.dim() != 4
@@ -91,6 +99,57 @@ def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Te
                 # the values the chunk sees as the product's [d, n] second operand: their transpose, not a copy
                 out[row, a:e, h] = onednn_linear.product(probs, vals[:n].t())
     return out
+
+
+@contextlib.contextmanager
+def shared_front(shared: int):
+    """Within it, every key row's first ``shared`` positions are the same in every row of the batch and seen by
+    every query (a merge with ``shared``: ``StepModel.merge``); 0: nothing is known."""
+    token = _SHARED.set(shared)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _reads_front_once(module, query, key, attention_mask, kwargs, shared: int) -> bool:
+    """Whether a step attends through ``front_once_attention``: a CPU block of a few queries in two or more rows,
+    a front of ``SHARED_MIN`` or more positions with keys after it, an additive [rows, 1, queries, keys] mask,
+    nothing else that changes the scores."""
+    return (query.device.type == "cpu" and query.shape[0] > 1 and query.shape[2] <= SHARED_MAX_QUERIES
+            and SHARED_MIN <= shared < key.shape[2] and query.shape[1] % key.shape[1] == 0
+            and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[2] == query.shape[2] and attention_mask.dtype == query.dtype
+            and not (module.training and kwargs.get("dropout")) and set(kwargs) <= HARMLESS
+            and kwargs.get("sliding_window") is None)
+
+
+def front_once_attention(query, key, value, mask, shared: int, scaling: float | None) -> torch.Tensor:
+    """[b, q, heads, d] attention of [b, heads, q, d] queries where the first ``shared`` of the keys and values
+    are the same in every row and seen by every query: every row's queries (of every head a key head serves)
+    attend over the first row's front in one call, its keys and values read once, not once a row; each row's over
+    the rest of its own under its [b, 1, q, kv] mask; the two parts merged by their log-sum-exp (cascade
+    attention). Written by hand: PyTorch's SDPA reads each row's keys whole, and only its private CPU flash
+    kernel returns the log-sum-exp."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    b, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else d ** -0.5
+    # every row's queries of a key head's group as one row's: [1, kv heads, group * b * q, d]
+    folded = query.reshape(b, kv_heads, group * q, d)
+    front_q = folded.permute(1, 0, 2, 3).reshape(1, kv_heads, b * group * q, d)
+    front, front_lse = flash(front_q, key[:1, :, :shared], value[:1, :, :shared], scale=scale)
+    front, front_lse = front.reshape(kv_heads, b, group * q, -1).transpose(0, 1), \
+        front_lse.reshape(kv_heads, b, group * q).transpose(0, 1)
+    rest_mask = mask[..., shared:]
+    if group > 1:  # each query's mask row for each head of its group
+        rest_mask = rest_mask.expand(b, group, q, rest_mask.shape[-1]).reshape(b, 1, group * q, -1)
+    rest, rest_lse = flash(folded, key[:, :, shared:], value[:, :, shared:], attn_mask=rest_mask, scale=scale)
+    top = torch.maximum(front_lse, rest_lse)
+    w_front, w_rest = (front_lse - top).exp_().unsqueeze(-1), (rest_lse - top).exp_().unsqueeze(-1)
+    out = (front * w_front + rest * w_rest) / (w_front + w_rest)  # [b, kv heads, group * q, d]
+    return out.reshape(b, heads, q, -1).transpose(1, 2).contiguous()
 
 
 @functools.cache

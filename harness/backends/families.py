@@ -210,12 +210,13 @@ def mergeable(cache) -> bool:
                                 all(type(l).__name__ in MERGEABLE_LAYERS for l in c.layers) for c in caches)
 
 
-def merge_rows(caches: list, lengths: list[int]):
+def merge_rows(caches: list, lengths: list[int], shared: int = 0):
     """One cache holding the rows of ``caches`` (one row each, prefilled unpadded, ``lengths`` tokens): keys
     and values left-padded with zeros to the longest (the attention mask hides them, as it hides a left-padded
-    prefill's pads), recurrent state stacked; ``caches`` are consumed. A join of one-row batches (``join_rows``)."""
+    prefill's pads), or padded after their first ``shared`` positions; recurrent state stacked; ``caches`` are
+    consumed. A join of one-row batches (``join_rows``)."""
     width = max(lengths)
-    return join_rows(caches, [(n, 0, width - n) for n in lengths])
+    return join_rows(caches, [(n, 0, width - n) for n in lengths], at=shared)
 
 
 def key_share(cache) -> float:
@@ -225,12 +226,12 @@ def key_share(cache) -> float:
     return sum(bool(_tensors(layer, _KV)) for layer in layers) / max(1, len(layers))
 
 
-def join_rows(caches: list, cuts: list[tuple[int, int, int]]):
+def join_rows(caches: list, cuts: list[tuple[int, int, int]], at: int = 0):
     """One cache holding the rows of running batches' ``caches``, in order; each batch's (width, cut, pad) from
     ``generation.join_masks``: its keys and values (``width`` positions, as its mask) lose their first ``cut``
-    positions (masked in all its rows) and gain ``pad`` zeros in front (masked), recurrent state stacked. The first
-    cache takes the rows; the others are consumed. Written here because transformers' caches can only select or
-    repeat rows, not join caches of different lengths."""
+    positions (masked in all its rows) and gain ``pad`` zeros (masked) in front, or after the first ``at`` kept
+    positions; recurrent state stacked. The first cache takes the rows; the others are consumed. Written here
+    because transformers' caches can only select or repeat rows, not join caches of different lengths."""
     out = caches[0]
     for names, kv in ((_KV, True), (_RECURRENT, False)):
         per_cache = [_slots(c, names) for c in caches]
@@ -241,8 +242,9 @@ def join_rows(caches: list, cuts: list[tuple[int, int, int]]):
                                  "whole prompt)")
             if not kv:
                 _set(box, key, torch.cat(parts))
-            elif not growing_cache.join_into(box, key, parts, cuts):  # a growing layer's rows: written once
-                _set(box, key, torch.cat([torch.nn.functional.pad(t[..., cut:, :], (0, 0, pad, 0))
+            elif not growing_cache.join_into(box, key, parts, cuts, at):  # a growing layer's rows: written once
+                _set(box, key, torch.cat([torch.cat([t[..., cut:cut + at, :], t.new_zeros((*t.shape[:-2], pad,
+                                                     t.shape[-1])), t[..., cut + at:, :]], dim=-2)
                                           for t, (_, cut, pad) in zip(parts, cuts)]))
             for slots in per_cache[1:]:
                 _set(*slots[k], None)

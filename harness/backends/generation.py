@@ -141,6 +141,13 @@ def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
     return pad_batch(blocks, pad_id, device, "right")
 
 
+def shared_front_mask(seqs: Sequence[Sequence[int]], shared: int, device) -> torch.Tensor:
+    """The attention mask of rows merged with their first ``shared`` tokens (the same in every row) in front and
+    unpadded, each row's rest left-padded after them (``MergesRows.merge``'s layout with ``shared``)."""
+    rest = left_pad([s[shared:] for s in seqs], 0, device)[1]
+    return torch.cat([rest.new_ones((len(seqs), shared)), rest], dim=1)
+
+
 @dataclass
 class Started:
     """A batch whose prompts are prefilled already (``harness.backends.planner`` chooses how): the logits at

@@ -74,9 +74,10 @@ def _length(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.dim() < 2 else t.shape[-2]
 
 
-def join_into(layer, name: str, parts: list[torch.Tensor], cuts: list[tuple[int, int, int]]) -> bool:
+def join_into(layer, name: str, parts: list[torch.Tensor], cuts: list[tuple[int, int, int]], at: int = 0) -> bool:
     """A growing layer's keys or values (``name``) joined from running batches' ``parts``, each cut and padded as
-    ``families.join_rows`` says (width, cut, pad), written once into a buffer with ``SPARE`` positions to come:
+    ``families.join_rows`` says (width, cut, pad; the pads after the first ``at`` kept positions), written once
+    into a buffer with ``SPARE`` positions to come:
     joined by concatenation the rows' cache filled its buffer, and the first decode step after a join copied all
     of it again into a larger one (24 rows of 2.5k tokens: 0.75 GB copied, 1.1 GB allocated). False for any other
     layer: the caller joins it."""
@@ -88,8 +89,9 @@ def join_into(layer, name: str, parts: list[torch.Tensor], cuts: list[tuple[int,
     row = 0
     for t, (_, cut, pad) in zip(parts, cuts):
         rows = buffer[row:row + t.shape[0]]
-        rows[..., :pad, :].zero_()  # masked, as a left-padded prefill's pads
-        rows[..., pad:width, :].copy_(t[..., cut:, :])
+        rows[..., :at, :].copy_(t[..., cut:cut + at, :])
+        rows[..., at:at + pad, :].zero_()  # masked, as a left-padded prefill's pads
+        rows[..., at + pad:width, :].copy_(t[..., cut + at:, :])
         row += t.shape[0]
     if name == "keys":
         layer._k, layer._n = buffer, width

@@ -11,7 +11,7 @@ import harness.models.istree  # noqa: F401  registers the trainer's model types 
 from harness import hub
 from harness.backends import cpu_heap, fla_models, growing_cache, onednn_linear
 from harness.backends.additive_mask import additive_mask
-from harness.backends.chunked_attention import chunk_attention
+from harness.backends.chunked_attention import CHUNKED_SDPA, chunk_attention, shared_front
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
     BackendInfo,
@@ -131,9 +131,18 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             self._mergeable, self._key_share = mergeable(cache), key_share(cache)
         return self._mergeable
 
-    def merge(self, states, lengths):
-        return {"cache": merge_rows([s["cache"] for s in states], list(lengths)),
-                "pos": torch.cat([s["pos"] for s in states])}
+    def merge(self, states, lengths, shared=0):
+        state = {"cache": merge_rows([s["cache"] for s in states], list(lengths), shared),
+                 "pos": torch.cat([s["pos"] for s in states])}
+        if shared:  # the steps' attention reads the shared front once for all rows (chunked_attention.shared_front)
+            state["shared"] = shared
+        return state
+
+    def merges_shared_front(self) -> bool:
+        """On a CPU, where attention is ``chunked_sdpa`` (which reads a shared front once) and a mask anywhere
+        in the keys is masked in every layer; elsewhere the pads stay in front."""
+        return (self.device.type == "cpu" and self.additive_masks and self.family.padding == "masked"
+                and getattr(self.model.config, "_attn_implementation", None) == CHUNKED_SDPA)
 
     def join_unsupported(self) -> str | None:
         """New rows join a running batch where its batches are exact, its cache's layers are ones ``join_rows``
@@ -158,7 +167,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
                 "pos": torch.cat([s["pos"] for s in states])}
 
     # -- stepper ---------------------------------------------------------------------------------
-    def _forward(self, cache, input_ids, attention_mask, pos, **kw):
+    def _forward(self, cache, input_ids, attention_mask, pos, shared: int = 0, **kw):
         fam = self.family
         args = dict(input_ids=input_ids, use_cache=True, **kw)
         if attention_mask is not None:
@@ -168,7 +177,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             args["position_ids"] = pos
         if cache is not None:
             args[fam.cache_arg] = cache
-        out = self.model(**args)
+        with shared_front(shared):
+            out = self.model(**args)
         return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 
     def prefill(self, input_ids, attention_mask):
@@ -201,7 +211,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
         block_mask = attention_mask[:, -input_ids.shape[1]:]
         pos = state["pos"][:, None] + block_mask.cumsum(-1)  # pads (right of the real tokens) are masked anyway
         logits, state["cache"] = self._forward(state["cache"], input_ids,
-                                               attention_mask if self.family.step_mask else None, pos)
+                                               attention_mask if self.family.step_mask else None, pos,
+                                               shared=state.get("shared", 0))
         state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
         return logits_at_last_real(logits, block_mask).float()
 

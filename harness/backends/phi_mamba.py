@@ -105,7 +105,9 @@ class PhiMambaBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, ScoresB
     def expand(self, state, n):
         return state.repeat(n)
 
-    def merge(self, states, lengths):
+    def merge(self, states, lengths, shared=0):
+        if shared:
+            raise ValueError("phi-mamba merges rows left-padded only (merges_shared_front is False)")
         return PhiMambaState.merge(list(states), list(lengths))
 
     def join_unsupported(self) -> str | None:

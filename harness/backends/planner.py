@@ -50,6 +50,7 @@ from harness.backends.generation import (
     left_pad,
     pad_token_id,
     right_pad,
+    shared_front_mask,
 )
 from harness.backends.prefix_tree import (
     PrefixStates,
@@ -361,11 +362,14 @@ def _prefill(backend: StepModel, reqs: list[GenRequest], batch: list[int], plan:
         block = states.start_block(batch) if plan.tree_prefill == "block" else None
         if block is None:  # each prompt alone below its snapshot (counted as it ran), the rows merged
             rows = [states.start(i) for i in batch]
-            state = backend.merge([r.state for r in rows], [len(r.ids) for r in rows])
+            # the prompts' common front kept in front (read once a step where the backend can), pads after it
+            shared = len(common_prefix(ids)) if len(ids) > 1 and backend.merges_shared_front() else 0
+            state = backend.merge([r.state for r in rows], [len(r.ids) for r in rows], shared)
             logits = torch.cat([r.logits for r in rows])
             for r in rows:  # a started row is used once: the batch state replaces it
                 r.state = None
-            return Started(logits, state, left_pad(ids, pad, device)[1])
+            return Started(logits, state, shared_front_mask(ids, shared, device) if shared
+                           else left_pad(ids, pad, device)[1])
         bases, below = block
         state = backend.merge([b.state for b in bases], [len(b.ids) for b in bases])
         past = left_pad([b.ids for b in bases], pad, device)[1]
