@@ -118,6 +118,13 @@ def count(backend, key: str, n: int) -> None:
     stats[key] = stats.get(key, 0) + n
 
 
+def probe_ids(backend, rows: int, n: int) -> torch.Tensor:
+    """[rows, n] throwaway token ids, varied and never 0 or the last id, on the backend's device: the prompts of
+    a measurement or a check that is not the run's work."""
+    vocab = max(3, len(backend.tokenizer) - 1)
+    return (torch.arange(rows * n, device=backend.device) * 7919 % (vocab - 1) + 1).view(rows, n)
+
+
 def state_nbytes(state: Any) -> int:
     """Bytes of the decoding state a model holds (the paper's memory axis): every distinct tensor reachable from
     ``state`` (a transformers cache's keys, values, conv and SSM states), except that an object with an

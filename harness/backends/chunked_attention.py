@@ -19,6 +19,13 @@ another product (SDPA's CPU kernel makes its products through the BLAS). Measure
 of 64, 2 threads, AMD EPYC, medians of 25 alternating calls against the chunked SDPA): p = 1,500, s = 1,000 11.8
 ms against 15.6; p = 1,000, s = 500 3.7 against 5.3; p = 2,000, s = 100 1.5 against 1.6; below about 100 queries
 slower (s = 30: 1.1 against 0.6). They round apart from SDPA by ~1e-7, like the chunks.
+
+Decoding steps of rows merged by the prefix tree read their common front once (``front_once_attention``): the
+merge keeps the positions every row shares in front and the pads after them (``StepModel.merge`` with
+``shared``), and within ``shared_front`` a step's queries of all rows attend over the first row's copy of the
+front in one call, each row over its own rest, the two merged by their log-sum-exp (cascade attention, as in
+FlashInfer). Each SDPA call otherwise reads every row's copy of the front: 24 HotpotQA rows of ~2,400 positions
+sharing 774 read ~40k positions a layer and step instead of ~58k, and the 31 decoding steps ran ~0.17 s faster.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from harness.backends.base import StepModel, state_nbytes
+from harness.backends.base import StepModel, probe_ids, state_nbytes
 
 _STATE_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> (bytes, bytes per token) | None
 _PREFILL_PEAKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> bytes per prefilled token
@@ -23,7 +23,7 @@ def state_bytes(backend: StepModel, tokens: int) -> int | None:
         try:
             sizes = []
             for n in (8, 24):
-                ids = (torch.arange(n, device=backend.device) % max(2, len(backend.tokenizer) - 1) + 1)[None]
+                ids = probe_ids(backend, 1, n)
                 sizes.append(state_nbytes(backend.prefill(ids, torch.ones_like(ids))[1]))
             per_token = (sizes[1] - sizes[0]) / 16
             _STATE_FITS[backend] = (sizes[0] - 8 * per_token, per_token)

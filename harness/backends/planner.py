@@ -40,6 +40,7 @@ from harness.backends.base import (
     count,
     counters,
     join_refusal,
+    probe_ids,
 )
 from harness.backends.generation import (
     Prefix,
@@ -104,11 +105,10 @@ def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
     cache = _COSTS.setdefault(backend, {})
     if (length, rows) in cache:
         return cache[(length, rows)]
-    vocab = max(3, len(backend.tokenizer) - 1)
     sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda *_: None)
 
     def timed(r: int, n: int) -> float:
-        ids = (torch.arange(r * n, device=backend.device) * 7919 % (vocab - 1) + 1).view(r, n)
+        ids = probe_ids(backend, r, n)
         mask = torch.ones_like(ids)
         if r > 1:
             mask[0, 0] = 0  # one pad, so the batch takes the masked path a real padded batch takes

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 import torch
 
 from harness.backends import fused_activations, memory, onednn_linear, planner, scoring
-from harness.backends.base import (Backend, Generation, GenRequest, ScoresText, StepModel, resolve_device,
-                                   resolve_dtype)
+from harness.backends.base import (Backend, Generation, GenRequest, ScoresText, StepModel, probe_ids,
+                                   resolve_device, resolve_dtype)
 
 
 class StepBackend(Backend, StepModel):
@@ -30,8 +30,7 @@ class StepBackend(Backend, StepModel):
         rows = [m.min_rows for m in self.model.modules() if type(m) is onednn_linear.OneDNNLinear]
         if not rows:
             return None
-        n, vocab = max(16, min(rows)), max(3, len(self.tokenizer) - 1)
-        ids = (torch.arange(n, device=self.device) * 7919 % (vocab - 1) + 1)[None]
+        ids = probe_ids(self, 1, max(16, min(rows)))
         return fused_activations.gelu_into_linear(self.model, lambda: self.prefill(ids, torch.ones_like(ids))[0])
 
     def generate_all(self, requests: Sequence[GenRequest], batch_size: int | str = "auto",
