@@ -197,20 +197,20 @@ def test_long_blocks_attending_by_onednns_products_equal_one_sdpa_call(name, req
 
 def test_onednns_attention_equals_sdpa_in_float64_with_padding_grouped_heads_and_cached_keys():
     """``onednn_attention`` itself, against SDPA in float64: two rows (one left-padded), 4 query heads over 2
-    key heads, 300 queries after 40 cached keys, in chunks; as close to the float64 result as SDPA in float32."""
+    key heads, 600 queries after 40 cached keys, in chunks; as close to the float64 result as SDPA in float32."""
     import torch.nn.functional as F
 
     from harness.backends.additive_mask import additive_mask
-    from harness.backends.chunked_attention import CHUNK, onednn_attention
+    from harness.backends.chunked_attention import ONEDNN_CHUNK, onednn_attention
 
     g = torch.Generator().manual_seed(2)
-    past, q = 40, 300
+    past, q = 40, 600
     query = torch.randn(2, 4, q, 16, generator=g)
     key, value = (torch.randn(2, 2, past + q, 16, generator=g) for _ in range(2))
     seen = torch.ones(2, past + q, dtype=torch.bool)
     seen[1, :25] = False  # the second row's left padding
     mask = additive_mask(seen.long(), q, torch.float32)  # the harness's own: [rows, 1, queries, keys]
-    assert q > CHUNK and not torch.equal(mask[0], mask[1])
+    assert q > ONEDNN_CHUNK and not torch.equal(mask[0], mask[1])
     ours = onednn_attention(query, key, value, mask, 0.25)
 
     def sdpa(dtype):

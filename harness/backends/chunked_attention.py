@@ -44,6 +44,7 @@ _SHARED = contextvars.ContextVar("icr_shared_front", default=0)
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
 ONEDNN_MIN_QUERIES = 128  # blocks this long or longer make their products through oneDNN where it is faster
+ONEDNN_CHUNK = 512  # queries a product: fewer calls read the keys fewer times (prefill 3.40 s against 3.55 at 256)
 # what transformers may pass an attention function that the products can ignore (anything else: SDPA)
 HARMLESS = {"scaling", "dropout", "is_causal", "sliding_window", "position_ids", "use_cache", "cache_position"}
 
@@ -88,7 +89,7 @@ def _by_products(module, query, attention_mask, kwargs) -> bool:
 def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
     """[b, q, heads, d] attention of [b, heads, q, d] queries to [b, kv heads, kv, d] keys and values under an
     additive [b, 1 or heads, q, kv] mask, the block's queries being the last q positions: per row, head and chunk
-    of ``CHUNK`` queries, over the keys the chunk can see, the products by oneDNN (written by hand: PyTorch's
+    of ``ONEDNN_CHUNK`` queries, over the keys the chunk can see, the products by oneDNN (written by hand: PyTorch's
     batched products and SDPA's CPU kernel go through the BLAS)."""
     b, heads, q, d = query.shape
     group, past = heads // key.shape[1], key.shape[2] - q
@@ -98,8 +99,8 @@ def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Te
         for h in range(heads):
             keys, vals = key[row, h // group].contiguous(), value[row, h // group].contiguous()
             seen = mask[row, h if mask.shape[1] > 1 else 0]
-            for a in range(0, q, CHUNK):
-                e = min(a + CHUNK, q)
+            for a in range(0, q, ONEDNN_CHUNK):
+                e = min(a + ONEDNN_CHUNK, q)
                 n = past + e
                 scores = onednn_linear.product(scaled[row, h, a:e], keys[:n])
                 probs = torch.softmax(scores.add_(seen[a:e, :n]), dim=-1)
