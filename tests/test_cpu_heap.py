@@ -19,7 +19,7 @@ import json, resource, torch
 from harness.backends import cpu_heap
 kept = cpu_heap.keep_freed_memory(torch.device("cpu"))
 faults = []
-for _ in range(12):  # 200 MB taken, written and freed, twelve times; the page faults of each round
+for _ in range(24):  # 200 MB taken, written and freed, 24 times; the page faults of each round
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.empty(50 * 2 ** 20)
     t.fill_(1.0)
@@ -44,8 +44,8 @@ def test_freed_memory_is_taken_again_without_page_faults_unless_released():
     assert released is None and "mmap threshold" in kept
     pages = 200 * 2 ** 20 // 4096
     assert min(faults_released) > pages // 2  # released: every round faults its pages in again ...
-    # ... kept: the first rounds do (glibc's heap grows for a few rounds of one aligned size), then none
-    assert faults[0] > pages // 2 and max(faults[-4:]) < pages // 20
+    # ... kept: the first rounds do (glibc's heap grows for some rounds of one aligned size: 5 to 9 seen), then none
+    assert faults[0] > pages // 2 and max(faults[-6:]) < pages // 20
 
 
 def test_a_bad_setting_is_named_and_other_devices_are_left_alone(monkeypatch):

@@ -55,7 +55,7 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
     q, kv = query.shape[2], key.shape[2]
-    shared = _SHARED.get()
+    shared = 0 if torch.compiler.is_compiling() else _SHARED.get()  # a compiled step traces no context variable
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_products(module, query, attention_mask, kwargs):
