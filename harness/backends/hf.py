@@ -11,7 +11,7 @@ import harness.models.istree  # noqa: F401  registers the trainer's model types 
 from harness import hub
 from harness.backends import cpu_heap, fla_models, growing_cache, onednn_linear
 from harness.backends.additive_mask import additive_mask
-from harness.backends.chunked_attention import CHUNKED_SDPA, chunk_attention, shared_front
+from harness.backends.chunked_attention import chunk_attention, shared_front
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
     BackendInfo,
@@ -70,10 +70,11 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
         # a family that takes a prepared additive 4D mask gets one built once a forward (harness.backends.additive_mask)
         why = unsupported(self.model, self.family)
         self.additive_masks = why is None
-        if self.additive_masks:  # a plain key/value cache: long blocks attend in chunks on a CPU
-            chunked = chunk_attention(self.model, self.device)
-            if chunked:
-                self.fused.append(chunked)
+        self.chunked = None  # on a CPU, a plain key/value cache: long blocks attend in chunks (chunked_attention)
+        if self.additive_masks:
+            self.chunked = chunk_attention(self.model, self.device)
+            if self.chunked:
+                self.fused.append(self.chunked)
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
         for changed in (onednn_linear.use_onednn(self.model, self.device, self.dtype),
                         cpu_heap.keep_freed_memory(self.device)):
@@ -141,8 +142,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     def merges_shared_front(self) -> bool:
         """On a CPU, where attention is ``chunked_sdpa`` (which reads a shared front once) and a mask anywhere
         in the keys is masked in every layer; elsewhere the pads stay in front."""
-        return (self.device.type == "cpu" and self.additive_masks and self.family.padding == "masked"
-                and getattr(self.model.config, "_attn_implementation", None) == CHUNKED_SDPA)
+        return self.chunked is not None and self.family.padding == "masked"
 
     def join_unsupported(self) -> str | None:
         """New rows join a running batch where its batches are exact, its cache's layers are ones ``join_rows``
