@@ -44,8 +44,10 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     """Any ``AutoModelForCausalLM`` checkpoint, stepped through its cache. How padding is kept out of each
     family's state (and so how freely it batches) comes from ``harness.backends.families``. A model passed in is
     changed in place: its Python-written tanh GELUs fused (``harness.backends.fused_activations``) and, on a CPU,
-    a plain key/value family's attention set to chunk long query blocks (``harness.backends.chunked_attention``)
-    and its float32 linear layers run by the faster kernel there (``harness.backends.onednn_linear``)."""
+    a plain key/value family's attention set to chunk long query blocks and to read merged rows' shared front once
+    a step (``harness.backends.chunked_attention``), its float32 linear layers run by the faster kernel there
+    (``harness.backends.onednn_linear``), with a GELU that follows one in its epilogue where the model checks
+    equal, and the process's freed memory kept (``harness.backends.cpu_heap``)."""
 
     name = "transformers"
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
