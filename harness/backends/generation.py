@@ -143,7 +143,8 @@ def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
 
 def shared_front_mask(seqs: Sequence[Sequence[int]], shared: int, device) -> torch.Tensor:
     """The attention mask of rows merged with their first ``shared`` tokens (the same in every row) in front and
-    unpadded, each row's rest left-padded after them (``MergesRows.merge``'s layout with ``shared``)."""
+    unpadded, each row's rest left-padded after them (``MergesRows.merge``'s layout with ``shared``; with 0, the
+    left-padded mask)."""
     rest = left_pad([s[shared:] for s in seqs], 0, device)[1]
     return torch.cat([rest.new_ones((len(seqs), shared)), rest], dim=1)
 

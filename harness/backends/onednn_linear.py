@@ -56,8 +56,8 @@ class LinearKernel:
         return f"oneDNN from {self.min_rows} rows a call" if self.onednn else None
 
 
-def _oneDNN(x, weight, bias):
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def _oneDNN(x, weight, bias, epilogue: str = "none", algorithm: str = ""):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, epilogue, [], algorithm)
 
 
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ class OneDNNLinearGELU(OneDNNLinear):
 
     def forward(self, x):
         if self._takes(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], "tanh")
+            return _oneDNN(x, self.weight, self.bias, "gelu", "tanh")
         return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
 
 

@@ -368,8 +368,7 @@ def _prefill(backend: StepModel, reqs: list[GenRequest], batch: list[int], plan:
             logits = torch.cat([r.logits for r in rows])
             for r in rows:  # a started row is used once: the batch state replaces it
                 r.state = None
-            return Started(logits, state, shared_front_mask(ids, shared, device) if shared
-                           else left_pad(ids, pad, device)[1])
+            return Started(logits, state, shared_front_mask(ids, shared, device))  # shared 0: left-padded
         bases, below = block
         state = backend.merge([b.state for b in bases], [len(b.ids) for b in bases])
         past = left_pad([b.ids for b in bases], pad, device)[1]
