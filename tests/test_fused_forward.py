@@ -224,6 +224,62 @@ def test_onednns_attention_equals_sdpa_in_float64_with_padding_grouped_heads_and
     assert errors[0] < 4 * errors[1] + 1e-7, errors
 
 
+def test_a_built_masks_spans_are_exactly_where_it_is_not_zero():
+    """``BuiltMask.masked_spans`` against the mask itself: for rows with no pads, left pads, pads in the middle and
+    a pad at the end, and chunks of queries at the start, middle and end, the spans cover exactly the columns
+    where the chunk's rows of the mask are not zero (none more, none fewer)."""
+    from harness.backends.additive_mask import BuiltMask
+
+    keys, queries = 300, 200
+    padding = torch.ones(4, keys, dtype=torch.long)
+    padding[1, :30] = 0
+    padding[2, 40:45] = 0
+    padding[2, 120:121] = 0
+    padding[3, -1] = 0
+    mask = additive_mask(padding, queries, torch.float32)
+    known = BuiltMask(mask, padding)
+    assert known.describes(mask) and known.describes(mask[..., :250]) and not known.describes(mask.clone())
+    seen_spans = set()
+    for row in range(4):
+        for start, end in ((0, 64), (64, 128), (100, 101), (150, 200)):
+            for n in (keys - queries + end, keys):
+                spans = known.masked_spans(row, start, end, n)
+                covered = torch.zeros(n, dtype=torch.bool)
+                for lo, hi in spans:
+                    assert 0 <= lo < hi <= n and not covered[lo:hi].any()  # disjoint, inside the columns
+                    covered[lo:hi] = True
+                assert torch.equal(covered, (mask[row, 0, start:end, :n] != 0).any(0)), (row, start, end, n)
+                seen_spans.add(tuple(spans))
+    assert len(seen_spans) > 8  # the cases differ
+
+
+@pytest.mark.parametrize("name", ["phi_backend", "llama_backend"])
+def test_a_built_mask_is_added_where_it_is_not_zero_with_the_same_logits_to_the_bit(name, request, monkeypatch):
+    """Where oneDNN's products attend (forced here), the mask the backend built reaches every layer as it was
+    built (``built_mask`` describes it), is added only over its spans, and the logits of a padded prefill, a
+    padded block and an extend are those of adding it over every score, to the bit."""
+    from harness.backends import additive_mask as built, chunked_attention
+
+    monkeypatch.setattr(onednn_linear, "choice", lambda: onednn_linear.LinearKernel(1, "forced"))
+    backend = request.getfixturevalue(name)
+    described = []
+    real = built.BuiltMask.masked_spans
+
+    def spans(self, row, start, end, keys):
+        out = real(self, row, start, end, keys)
+        described.append(sum(hi - lo for lo, hi in out) / keys)  # the share of the scores the mask is added to
+        return out
+
+    monkeypatch.setattr(built.BuiltMask, "masked_spans", spans)
+    ours = _long_paths(backend, torch.Generator().manual_seed(8))
+    assert len(described) >= 3 * backend.model.config.num_hidden_layers and min(described) < 0.5
+    monkeypatch.setattr(chunked_attention, "built_mask", lambda mask: None)
+    whole = _long_paths(backend, torch.Generator().manual_seed(8))
+    for a, b in zip(ours, whole):
+        assert b.shape[0] == 1 or (b[0] - b[-1]).abs().max() > 1e-3  # the rows differ
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("queries, kv_heads", [(1, 4), (3, 4), (1, 2), (3, 2)])
 def test_attention_over_a_shared_front_read_once_equals_sdpa_in_float64(queries, kv_heads):
     """``front_once_attention`` against SDPA in float64: five rows whose first 200 keys are the same, each

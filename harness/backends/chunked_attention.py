@@ -36,6 +36,7 @@ import functools
 import torch
 
 from harness.backends import onednn_linear
+from harness.backends.additive_mask import BuiltMask, built_mask
 
 CHUNKED_SDPA = "icr_chunked_sdpa"
 SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``shared_front``)
@@ -59,7 +60,8 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_products(module, query, attention_mask, kwargs):
-        return onednn_attention(query, key, value, attention_mask[..., :kv], kwargs.get("scaling")), None
+        mask = attention_mask[..., :kv]
+        return onednn_attention(query, key, value, mask, kwargs.get("scaling"), built_mask(mask)), None
     if (query.device.type != "cpu" or q < MIN_QUERIES or attention_mask is None or attention_mask.dim() != 4
             or attention_mask.shape[2] != q or kwargs.get("position_bias") is not None
             or kwargs.get("cache") is not None):
@@ -86,24 +88,31 @@ def _by_products(module, query, attention_mask, kwargs) -> bool:
             and onednn_linear.choice().onednn)
 
 
-def onednn_attention(query, key, value, mask, scaling: float | None) -> torch.Tensor:
+def onednn_attention(query, key, value, mask, scaling: float | None, known: BuiltMask | None = None) -> torch.Tensor:
     """[b, q, heads, d] attention of [b, heads, q, d] queries to [b, kv heads, kv, d] keys and values under an
     additive [b, 1 or heads, q, kv] mask, the block's queries being the last q positions: per row, head and chunk
     of ``ONEDNN_CHUNK`` queries, over the keys the chunk can see, the products by oneDNN (written by hand: PyTorch's
-    batched products and SDPA's CPU kernel go through the BLAS)."""
+    batched products and SDPA's CPU kernel go through the BLAS). ``known``: what is known of ``mask``
+    (``additive_mask.built_mask``): it is added only where it is not zero (the same sums: adding 0 changes no
+    score)."""
     b, heads, q, d = query.shape
     group, past = heads // key.shape[1], key.shape[2] - q
     scaled = query * (scaling if scaling is not None else d ** -0.5)
     out = query.new_empty(b, q, heads, value.shape[-1])
     for row in range(b):
+        spans = {}  # each chunk's columns where the mask is not zero, for every head
         for h in range(heads):
             keys, vals = key[row, h // group].contiguous(), value[row, h // group].contiguous()
             seen = mask[row, h if mask.shape[1] > 1 else 0]
             for a in range(0, q, ONEDNN_CHUNK):
                 e = min(a + ONEDNN_CHUNK, q)
                 n = past + e
+                if a not in spans:
+                    spans[a] = known.masked_spans(row, a, e, n) if known is not None else [(0, n)]
                 scores = onednn_linear.product(scaled[row, h, a:e], keys[:n])
-                probs = torch.softmax(scores.add_(seen[a:e, :n]), dim=-1)
+                for lo, hi in spans[a]:
+                    scores[:, lo:hi].add_(seen[a:e, lo:hi])
+                probs = torch.softmax(scores, dim=-1)
                 # the values the chunk sees as the product's [d, n] second operand: their transpose, not a copy
                 out[row, a:e, h] = onednn_linear.product(probs, vals[:n].t())
     return out

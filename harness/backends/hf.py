@@ -1,6 +1,7 @@
 """transformers backend: any ``AutoModelForCausalLM`` checkpoint (Phi-1.5, Llama, GPT-2, ...)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
 from harness.backends import cpu_heap, fla_models, growing_cache, onednn_linear
-from harness.backends.additive_mask import additive_mask
+from harness.backends.additive_mask import additive_mask, built
 from harness.backends.chunked_attention import chunk_attention, shared_front
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
@@ -172,14 +173,17 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     def _forward(self, cache, input_ids, attention_mask, pos, shared: int = 0, **kw):
         fam = self.family
         args = dict(input_ids=input_ids, use_cache=True, **kw)
+        known = contextlib.nullcontext()
         if attention_mask is not None:
-            args["attention_mask"] = additive_mask(attention_mask, input_ids.shape[1], self.model.dtype) \
-                if self.additive_masks and attention_mask.dim() == 2 else attention_mask
+            args["attention_mask"] = attention_mask
+            if self.additive_masks and attention_mask.dim() == 2:
+                args["attention_mask"] = additive_mask(attention_mask, input_ids.shape[1], self.model.dtype)
+                known = built(args["attention_mask"], attention_mask)  # where attention may skip adding it
         if fam.positions:
             args["position_ids"] = pos
         if cache is not None:
             args[fam.cache_arg] = cache
-        with shared_front(shared):
+        with shared_front(shared), known:
             out = self.model(**args)
         return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 
