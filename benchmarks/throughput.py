@@ -16,7 +16,8 @@ baseline is the harness's own plan ``none`` (one sample at a time, nothing share
 ``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
 off, each in a child process (``VLLMChild``) with the same thread count as the harness; engine start-up is
 reported apart from generation. The harness's default plan and vLLM then run in turn, ``--repeats`` rounds
-each (medians compared: this machine's speed drifts by minutes, and runs in turn see the same drift), and with
+each (medians compared, and round by round: this machine's speed drifts by minutes, and runs in turn see the
+same drift), and with
 prefix caching on each one's prefill alone as often, so the line under the table says where a difference lies:
 prompts or new tokens.
 ``transformers.generate`` runs the checkpoint as transformers loads it, so "identical" also checks what the
@@ -213,6 +214,7 @@ def side_by_side(backend, model_dir: str, prompts: list[str], a, caching: bool, 
     and vLLM in turn, and with prefix caching on, of each one's prefill alone (one new token a prompt)."""
     engine = VLLMChild(model_dir, prompts, caching)
     news = (a.max_new_tokens, 1) if caching else (a.max_new_tokens,)
+    paired = []  # vLLM's time over the harness's, round by round: the two ran back to back, under the same drift
     for _ in range(a.repeats):
         for new in news:
             out = run_harness(backend, prompts, new, "auto")
@@ -220,8 +222,10 @@ def side_by_side(backend, model_dir: str, prompts: list[str], a, caching: bool, 
             times.setdefault(key, []).append(out[1])
             if key == "auto":
                 plans["auto"] = (out[0], median(times["auto"]), out[2])
-            engine.run(new)
-    return engine.close(a.max_new_tokens)
+            theirs = engine.run(new)
+            if key == "auto":
+                paired.append(theirs / out[1])
+    return {**engine.close(a.max_new_tokens), "paired": paired}
 
 
 def spread(times: list[float]) -> str:
@@ -348,6 +352,11 @@ def main():
               else "")
         print(f"\nharness default ({auto[2].ran}) vs vLLM: {on}{vllm[False]['generate_s'] / auto[1]:.2f}x with "
               "it off (> 1: the harness is faster)")
+        for caching, v in vllm.items():
+            if len(v["paired"]) > 1:
+                r = sorted(v["paired"])
+                print(f"  round by round (each harness run beside the vLLM run after it), prefix caching "
+                      f"{'on' if caching else 'off'}: median {median(r):.2f}x, {r[0]:.2f}-{r[-1]:.2f}x over {len(r)}")
         if vllm.get(True, {}).get("prefill_times"):  # where each system's time goes: its prompts, its new tokens
             mine, theirs = median(times["auto prefill"]), median(vllm[True]["prefill_times"])
             print(f"prefill alone (1 new token a prompt), median of {a.repeats}: harness {mine:.2f} s, vLLM (prefix "

@@ -472,7 +472,7 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
                           "--output", str(run)], cwd=tmp_path, wait=False)
     bench = user_venv(["python", str(root / "benchmarks" / "throughput.py"), "--backend", "vllm", "--plans", "auto",
                        "--questions", "1", "--positions", "first", "--distractors", "2", "--max-new-tokens", "4",
-                       "--hidden", "128", "--layers", "1"], cwd=tmp_path, wait=False)
+                       "--hidden", "128", "--layers", "1", "--repeats", "2"], cwd=tmp_path, wait=False)
     res = finished(eval_run)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     results = json.loads((run / "results.json").read_text())
@@ -488,3 +488,4 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     rows = [line for line in res.stdout.splitlines() if line.startswith("vllm-cpu")]
     assert len(rows) == 2 and all("1/1" in r for r in rows), res.stdout[-2000:]
     assert "harness default" in res.stdout
+    assert len([line for line in res.stdout.splitlines() if "round by round" in line and "over 2" in line]) == 2
