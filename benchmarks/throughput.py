@@ -17,9 +17,8 @@ baseline is the harness's own plan ``none`` (one sample at a time, nothing share
 off, each in a child process (``VLLMChild``) with the same thread count as the harness; engine start-up is
 reported apart from generation. The harness's default plan and vLLM then run in turn, ``--repeats`` rounds
 each (medians compared, and round by round: this machine's speed drifts by minutes, and runs in turn see the
-same drift), and with
-prefix caching on each one's prefill alone as often, so the line under the table says where a difference lies:
-prompts or new tokens.
+same drift), and with prefix caching on each one's prefill alone as often, so the line under the table says
+where a difference lies: prompts or new tokens.
 ``transformers.generate`` runs the checkpoint as transformers loads it, so "identical" also checks what the
 harness changes in the forward for speed (harness/backends/fused_activations.py).
 
