@@ -256,9 +256,9 @@ def test_a_built_masks_spans_are_exactly_where_it_is_not_zero():
 @pytest.mark.parametrize("name", ["phi_backend", "llama_backend"])
 def test_a_built_mask_is_added_where_it_is_not_zero_with_the_same_logits_to_the_bit(name, request, monkeypatch):
     """Where oneDNN's products attend (forced here), the mask the backend built reaches every layer as it was
-    built (``built_mask`` describes it), is added only over its spans, and the logits of a padded prefill, a
+    built (its ``BuiltMask`` describes it), is added only over its spans, and the logits of a padded prefill, a
     padded block and an extend are those of adding it over every score, to the bit."""
-    from harness.backends import additive_mask as built, chunked_attention
+    from harness.backends import additive_mask as built
 
     monkeypatch.setattr(onednn_linear, "choice", lambda: onednn_linear.LinearKernel(1, "forced"))
     backend = request.getfixturevalue(name)
@@ -273,7 +273,7 @@ def test_a_built_mask_is_added_where_it_is_not_zero_with_the_same_logits_to_the_
     monkeypatch.setattr(built.BuiltMask, "masked_spans", spans)
     ours = _long_paths(backend, torch.Generator().manual_seed(8))
     assert len(described) >= 3 * backend.model.config.num_hidden_layers and min(described) < 0.5
-    monkeypatch.setattr(chunked_attention, "built_mask", lambda mask: None)
+    monkeypatch.setattr(built.BuiltMask, "describes", lambda self, mask: False)
     whole = _long_paths(backend, torch.Generator().manual_seed(8))
     for a, b in zip(ours, whole):
         assert b.shape[0] == 1 or (b[0] - b[-1]).abs().max() > 1e-3  # the rows differ

@@ -12,20 +12,16 @@ The mask's values are 0 and the dtype's minimum, not -inf: a query with no key t
 then averages instead of returning NaN, and every other row is the boolean mask's result to the bit (the minimum
 underflows to exactly 0 in the softmax, as -inf does).
 
-Within ``built``, attention that computes its scores itself (``chunked_attention.onednn_attention``) knows where
-such a mask is not zero (``BuiltMask.masked_spans``: the row's pads and each chunk's own triangle) and adds it
-there only: an unpadded 1,400-token segment after 850 cached tokens added its mask over every score, 14% of the
+Told of the mask as a ``BuiltMask`` (``chunked_attention.known``), attention that computes its scores itself
+(``chunked_attention.onednn_attention``) knows where such a mask is not zero (``BuiltMask.masked_spans``: the
+row's pads and each chunk's own triangle) and adds it there only: an unpadded 1,400-token segment after 850 cached tokens added its mask over every score, 14% of the
 attention's time, where a chunk of 512 queries needs it over its last 512 keys.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, field
 
 import torch
-
-_BUILT = contextvars.ContextVar("icr_built_mask", default=None)
 
 
 def additive_mask(attention_mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.Tensor:
@@ -83,22 +79,3 @@ class BuiltMask:
             self._pads[row] = list(zip(edges[::2], edges[1::2]))
         return self._pads[row]
 
-
-@contextlib.contextmanager
-def built(mask: torch.Tensor, padding: torch.Tensor):
-    """Within it, ``built_mask`` tells attention that ``mask`` is ``additive_mask(padding, ...)`` (nothing where
-    ``mask`` is the 2D mask passed on)."""
-    token = _BUILT.set(BuiltMask(mask, padding) if mask.dim() == 4 and padding.dim() == 2 else None)
-    try:
-        yield
-    finally:
-        _BUILT.reset(token)
-
-
-def built_mask(mask: torch.Tensor) -> BuiltMask | None:
-    """What is known of ``mask`` (an attention function's, maybe sliced to its keys): a ``BuiltMask`` if it is the
-    one ``built`` holds, else None (a compiled step traces no context variable)."""
-    if torch.compiler.is_compiling():
-        return None
-    known = _BUILT.get()
-    return known if known is not None and known.describes(mask) else None

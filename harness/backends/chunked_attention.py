@@ -22,7 +22,7 @@ slower (s = 30: 1.1 against 0.6). They round apart from SDPA by ~1e-7, like the 
 
 Decoding steps of rows merged by the prefix tree read their common front once (``front_once_attention``): the
 merge keeps the positions every row shares in front and the pads after them (``StepModel.merge`` with
-``shared``), and within ``shared_front`` a step's queries of all rows attend over the first row's copy of the
+``shared``), and within ``known(shared)`` a step's queries of all rows attend over the first row's copy of the
 front in one call, each row over its own rest, the two merged by their log-sum-exp (cascade attention, as in
 FlashInfer). Each SDPA call otherwise reads every row's copy of the front: 24 HotpotQA rows of ~2,400 positions
 sharing 774 read ~40k positions a layer and step instead of ~58k, and the 31 decoding steps ran ~0.17 s faster.
@@ -36,12 +36,12 @@ import functools
 import torch
 
 from harness.backends import onednn_linear
-from harness.backends.additive_mask import BuiltMask, built_mask
+from harness.backends.additive_mask import BuiltMask
 
 CHUNKED_SDPA = "icr_chunked_sdpa"
-SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``shared_front``)
+SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``known``)
 SHARED_MAX_QUERIES = 16  # ... by blocks of up to this many queries (decoding steps)
-_SHARED = contextvars.ContextVar("icr_shared_front", default=0)
+_KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None))  # (shared front, BuiltMask | None)
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
 ONEDNN_MIN_QUERIES = 128  # blocks this long or longer make their products through oneDNN where it is faster
@@ -56,12 +56,14 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
     q, kv = query.shape[2], key.shape[2]
-    shared = 0 if torch.compiler.is_compiling() else _SHARED.get()  # a compiled step traces no context variable
+    # a compiled step traces no context variable
+    shared, built = (0, None) if torch.compiler.is_compiling() else _KNOWN.get()
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_products(module, query, attention_mask, kwargs):
         mask = attention_mask[..., :kv]
-        return onednn_attention(query, key, value, mask, kwargs.get("scaling"), built_mask(mask)), None
+        built = built if built is not None and built.describes(mask) else None
+        return onednn_attention(query, key, value, mask, kwargs.get("scaling"), built), None
     if (query.device.type != "cpu" or q < MIN_QUERIES or attention_mask is None or attention_mask.dim() != 4
             or attention_mask.shape[2] != q or kwargs.get("position_bias") is not None
             or kwargs.get("cache") is not None):
@@ -92,8 +94,8 @@ def onednn_attention(query, key, value, mask, scaling: float | None, known: Buil
     """[b, q, heads, d] attention of [b, heads, q, d] queries to [b, kv heads, kv, d] keys and values under an
     additive [b, 1 or heads, q, kv] mask, the block's queries being the last q positions: per row, head and chunk
     of ``ONEDNN_CHUNK`` queries, over the keys the chunk can see, the products by oneDNN (written by hand: PyTorch's
-    batched products and SDPA's CPU kernel go through the BLAS). ``known``: what is known of ``mask``
-    (``additive_mask.built_mask``): it is added only where it is not zero (the same sums: adding 0 changes no
+    batched products and SDPA's CPU kernel go through the BLAS). ``known``: ``mask`` as the backend built it
+    (``additive_mask.BuiltMask``): it is added only where it is not zero (the same sums: adding 0 changes no
     score)."""
     b, heads, q, d = query.shape
     group, past = heads // key.shape[1], key.shape[2] - q
@@ -119,14 +121,15 @@ def onednn_attention(query, key, value, mask, scaling: float | None, known: Buil
 
 
 @contextlib.contextmanager
-def shared_front(shared: int):
-    """Within it, every key row's first ``shared`` positions are the same in every row of the batch and seen by
-    every query (a merge with ``shared``: ``StepModel.merge``); 0: nothing is known."""
-    token = _SHARED.set(shared)
+def known(shared: int = 0, mask: BuiltMask | None = None):
+    """Within it, what attention may know of a forward: every key row's first ``shared`` positions are the same in
+    every row of the batch and seen by every query (a merge with ``shared``: ``StepModel.merge``; 0: nothing is
+    known), and ``mask`` is the mask the backend built (read where it ``describes`` the mask attention gets)."""
+    token = _KNOWN.set((shared, mask))
     try:
         yield
     finally:
-        _SHARED.reset(token)
+        _KNOWN.reset(token)
 
 
 def _reads_front_once(module, query, key, attention_mask, kwargs, shared: int) -> bool:

@@ -1,7 +1,6 @@
 """transformers backend: any ``AutoModelForCausalLM`` checkpoint (Phi-1.5, Llama, GPT-2, ...)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 
@@ -11,8 +10,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
 from harness.backends import cpu_heap, fla_models, growing_cache, onednn_linear
-from harness.backends.additive_mask import additive_mask, built
-from harness.backends.chunked_attention import chunk_attention, shared_front
+from harness.backends.additive_mask import BuiltMask, additive_mask
+from harness.backends.chunked_attention import chunk_attention, known
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
     BackendInfo,
@@ -138,7 +137,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     def merge(self, states, lengths, shared=0):
         state = {"cache": merge_rows([s["cache"] for s in states], list(lengths), shared),
                  "pos": torch.cat([s["pos"] for s in states])}
-        if shared:  # the steps' attention reads the shared front once for all rows (chunked_attention.shared_front)
+        if shared:  # the steps' attention reads the shared front once for all rows (chunked_attention.known)
             state["shared"] = shared
         return state
 
@@ -173,17 +172,18 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     def _forward(self, cache, input_ids, attention_mask, pos, shared: int = 0, **kw):
         fam = self.family
         args = dict(input_ids=input_ids, use_cache=True, **kw)
-        known = contextlib.nullcontext()
+        built = None
         if attention_mask is not None:
             args["attention_mask"] = attention_mask
             if self.additive_masks and attention_mask.dim() == 2:
                 args["attention_mask"] = additive_mask(attention_mask, input_ids.shape[1], self.model.dtype)
-                known = built(args["attention_mask"], attention_mask)  # where attention may skip adding it
+                if args["attention_mask"].dim() == 4:  # where attention may skip adding it
+                    built = BuiltMask(args["attention_mask"], attention_mask)
         if fam.positions:
             args["position_ids"] = pos
         if cache is not None:
             args[fam.cache_arg] = cache
-        with shared_front(shared), known:
+        with known(shared, built):
             out = self.model(**args)
         return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 
