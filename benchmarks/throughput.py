@@ -51,6 +51,7 @@ from harness.backends.planner import forget_costs
 from harness.engine.prompting import PromptTemplate
 from harness.tiny import make_tiny_model
 from harness.tools.bench import benchmark_parser
+from harness.tools.gpu_suite import NEAR_TIE
 
 STOP = HotpotQA.stop
 
@@ -75,7 +76,8 @@ def run_harness(backend, prompts, max_new, plan: str):
 
 
 def run_generate(model, tok, prompts, max_new):
-    out = []
+    """Per-sample ``generate``: the texts, the seconds, and the new tokens (where another engine parts from them)."""
+    out, ids = [], []
     t0 = time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
@@ -84,7 +86,8 @@ def run_generate(model, tok, prompts, max_new):
                                  pad_token_id=tok.pad_token_id)
             # a run cut by the length limit inside a multi-byte character ends in U+FFFD, here and in the harness
             out.append(cut(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)))
-    return out, time.perf_counter() - t0
+            ids.append(gen[0, enc["input_ids"].shape[1]:].tolist())
+    return out, time.perf_counter() - t0, ids
 
 
 def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf", stop=STOP):
@@ -134,16 +137,30 @@ def run_lm_eval(model_dir, prompts, max_new, batch_size, model="hf", stop=STOP):
 
 
 @torch.inference_mode()
-def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float]:
-    """Where ``other`` (another engine's greedy tokens) first parts from this model's greedy choice, and the gap
-    between this model's top two logits there."""
+def near_tie(backend, prompt: str, other: list[int]) -> tuple[int, float, float]:
+    """Where ``other`` (another engine's greedy tokens) first parts from this model's greedy choice, the gap
+    between this model's top two logits there, and its logits' spread (their standard deviation)."""
     ids = backend.tokenizer(prompt)["input_ids"]
     logits = backend.sequence_logits(torch.tensor([ids + other]))[0, len(ids) - 1:].double()
     for j, tok in enumerate(other):
         top = logits[j].topk(2)
         if int(top.indices[0]) != tok:
-            return j, float(top.values[0] - top.values[1])
-    return len(other), float("nan")
+            return j, float(top.values[0] - top.values[1]), float(logits[j].std())
+    return len(other), float("nan"), float("nan")
+
+
+def explain_differences(backend, prompts, texts, reference, reference_ids, whose: str) -> None:
+    """A line for each prompt whose text is not the reference's: where the reference's tokens part from this
+    model's greedy choice and whether that is a near-tie (the top two logits within ``NEAR_TIE`` of their spread,
+    as the GPU suite judges: float32 kernels that sum in another order can flip one; a masking bug moves a
+    logit by the spread itself)."""
+    for i, (ours, theirs) in enumerate(zip(texts, reference)):
+        if ours != theirs:
+            j, gap, spread = near_tie(backend, prompts[i], reference_ids[i])
+            ratio = gap / spread
+            kind = "a near-tie" if ratio <= NEAR_TIE["float32"] else "NOT a near-tie"
+            print(f"  prompt {i} differs from {whose}'s token {j} on, where the harness's top two logits are "
+                  f"{gap:.1e} apart, {ratio:.1e} of their spread: {kind} (<= {NEAR_TIE['float32']:g})")
 
 
 class VLLMChild:
@@ -308,8 +325,8 @@ def main():
             lme = lmi = t_lme = t_lmi = None
         else:
             stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # as a user loads it
-            gen, t_gen = progress("transformers.generate, one sample at a time", run_generate, stock,
-                                  backend.tokenizer, prompts, a.max_new_tokens)
+            gen, t_gen, gen_ids = progress("transformers.generate, one sample at a time", run_generate, stock,
+                                           backend.tokenizer, prompts, a.max_new_tokens)
             lme, t_lme = progress("lm-eval's hf model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
                                   a.lm_eval_batch_size)
             lmi, t_lmi = progress("lm-eval's icr model", run_lm_eval, model_dir, prompts, a.max_new_tokens,
@@ -325,6 +342,8 @@ def main():
         label = f"icr-harness generate_all, plan {p}" + (f" -> {info.ran}" if p == "auto" else "")
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} "
               f"{info.prefill_tokens:10d} {out == gen}{spread(times[p])}")
+        if not own:
+            explain_differences(backend, prompts, out, gen, gen_ids, "generate")
     if own:
         print(f"transformers.generate and lm-eval: cannot load a {a.arch} checkpoint - rows left out")
     elif lme is None:
@@ -334,17 +353,15 @@ def main():
                                 (f"lm-eval icr (this harness), batch_size {a.icr_batch_size}", lmi, t_lmi)):
             print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
                   f"{texts == gen}")
+            if "icr" in label:
+                explain_differences(backend, prompts, texts, gen, gen_ids, "generate")
     for caching, v in vllm.items():
         t = v["generate_s"]
         label = f"{v['vllm']}, prefix caching {'on' if caching else 'off'}"
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
               f"{sum(a == b for a, b in zip(v['texts'], gen))}/{n}  (engine start {v['start_s']:.1f} s apart; "
               f"{v['threads']} threads{spread(v['times'])})")
-        for i, (theirs, ours) in enumerate(zip(v["texts"], gen)):
-            if theirs != ours:
-                j, gap = near_tie(backend, prompts[i], v["ids"][i])
-                print(f"  prompt {i} differs from generated token {j} on, where transformers' top two logits are "
-                      f"{gap:.1e} apart (float32 kernels that sum in another order can flip a near-tie)")
+        explain_differences(backend, prompts, gen, v["texts"], v["ids"], "vLLM")
     auto = plans.get("auto")
     if auto is not None and vllm:
         on = (f"{vllm[True]['generate_s'] / auto[1]:.2f}x vLLM's speed with prefix caching on, " if True in vllm

@@ -47,7 +47,8 @@ def _paths(backend, gen):
 
 
 @pytest.mark.parametrize("name", ["phi_backend", "llama_backend", "gpt2_backend"])
-def test_the_additive_mask_built_once_gives_transformers_masks_logits_to_the_bit(name, request):
+def test_the_additive_mask_built_once_gives_transformers_masks_logits_to_the_bit(name, request, monkeypatch):
+    monkeypatch.setenv("ICR_CPU_FLASH", "off")  # the same kernels on both sides: the mask is what is compared
     backend = request.getfixturevalue(name)
     assert backend.additive_masks
     out = {}
@@ -125,6 +126,7 @@ def _long_paths(backend, gen):
 def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request, monkeypatch):
     """On a CPU a block of >= MIN_QUERIES queries attends one chunk at a time over the keys each chunk can see:
     the same logits as one SDPA call to float32 rounding, on a padded prefill, a padded block and an extend."""
+    monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
     from torch.profiler import profile
 
     from harness.backends import chunked_attention
@@ -159,6 +161,7 @@ def test_long_blocks_attending_by_onednns_products_equal_one_sdpa_call(name, req
     """Where a machine's products take oneDNN (forced here), a float32 block of >= ONEDNN_MIN_QUERIES queries
     attends through them, per head and chunk, with no SDPA call: the same logits as one SDPA call to float32
     rounding on a padded prefill, a padded block and an extend; a block shorter than that stays on SDPA."""
+    monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
     from torch.profiler import profile
 
     from harness.backends import chunked_attention
@@ -258,6 +261,7 @@ def test_a_built_mask_is_added_where_it_is_not_zero_with_the_same_logits_to_the_
     """Where oneDNN's products attend (forced here), the mask the backend built reaches every layer as it was
     built (its ``BuiltMask`` describes it), is added only over its spans, and the logits of a padded prefill, a
     padded block and an extend are those of adding it over every score, to the bit."""
+    monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
     from harness.backends import additive_mask as built
 
     monkeypatch.setattr(onednn_linear, "choice", lambda: onednn_linear.LinearKernel(1, "forced"))

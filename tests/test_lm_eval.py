@@ -49,10 +49,12 @@ def test_icr_matches_lm_eval_hf_at_batch_size_1(tiny_llama_dir):
     ref = _run(HFLM(pretrained=tiny_llama_dir, dtype="float32", device="cpu", batch_size=1, max_length=48))
     got = _run(_icr(tiny_llama_dir, 1, max_length=48))
     assert len({round(s, 3) for s, _ in ref[0]}) == len(ref[0]) and len(set(ref[1])) > 1  # they vary
-    assert max(abs(a[0] - b[0]) for a, b in zip(ref[0], got[0])) <= 1e-5
+    # the harness attends through its CPU flash kernel, lm-eval's hf through SDPA: they round apart, so the scores
+    # (sums of up to thousands of float32 log-probabilities) agree to float32 rounding, not to the bit
+    assert [s for s, _ in got[0]] == pytest.approx([s for s, _ in ref[0]], rel=1e-6, abs=1e-5)
     assert [g for _, g in ref[0]] == [g for _, g in got[0]]
     assert got[1] == ref[1]
-    assert max(abs(a - b) for a, b in zip(ref[2], got[2])) <= 1e-5
+    assert got[2] == pytest.approx(ref[2], rel=1e-6, abs=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["mamba", "mamba2", "phi-mamba", "hybrid-phi-mamba"])

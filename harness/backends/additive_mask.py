@@ -59,7 +59,7 @@ class BuiltMask:
         """The column spans, sorted and disjoint, where the mask's queries ``start..end-1`` (indices among its
         queries) have a nonzero entry among its first ``keys`` columns: every other column is zero there."""
         past = self.mask.shape[3] - self.mask.shape[2]
-        spans = [(lo, min(hi, keys)) for lo, hi in self._pad_runs(row) if lo < keys]
+        spans = [(lo, min(hi, keys)) for lo, hi in self.pad_runs(row) if lo < keys]
         if past + start + 1 < keys:  # the first query sees no key after its own; the last sees up to its own
             spans.append((past + start + 1, keys))
         merged: list[tuple[int, int]] = []
@@ -70,7 +70,7 @@ class BuiltMask:
                 merged.append((lo, hi))
         return merged
 
-    def _pad_runs(self, row: int) -> list[tuple[int, int]]:
+    def pad_runs(self, row: int) -> list[tuple[int, int]]:
         """The row's runs of pads, as [lo, hi) spans (once a row)."""
         if row not in self._pads:
             pad = torch.cat([torch.zeros(1, dtype=torch.int8), (self.padding[row] == 0).to("cpu", torch.int8),

@@ -95,12 +95,13 @@ class BackendInfo:
     decode: str | None = None  # eager, or the CUDA graphs' description
     fused: list[str] | None = None  # modules swapped for fused kernels (harness.backends.fused_activations)
     linear: str | None = None  # a CPU's float32 linear kernel where not PyTorch's own (harness.backends.onednn_linear)
+    attention: str | None = None  # a CPU's attention kernel where not PyTorch's own (harness.ops.cpu_flash)
     parameters: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # what one backend alone reports (vLLM's engine settings)
 
     def to_json(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in ("backend", "device", "dtype", "model_class", "max_context", "family",
-                                             "scan", "decode", "fused", "linear", "parameters")}
+                                             "scan", "decode", "fused", "linear", "attention", "parameters")}
         return {**{k: v for k, v in out.items() if v is not None or k == "max_context"}, **self.extra}
 
 

@@ -37,6 +37,7 @@ import torch
 
 from harness.backends import onednn_linear
 from harness.backends.additive_mask import BuiltMask
+from harness.ops import cpu_flash
 
 CHUNKED_SDPA = "icr_chunked_sdpa"
 SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``known``)
@@ -44,6 +45,7 @@ SHARED_MAX_QUERIES = 16  # ... by blocks of up to this many queries (decoding st
 _KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None))  # (shared front, BuiltMask | None)
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
+FLASH_MIN_QUERIES = 16  # blocks this long or longer attend through the CPU flash kernel where it is built
 ONEDNN_MIN_QUERIES = 128  # blocks this long or longer make their products through oneDNN where it is faster
 ONEDNN_CHUNK = 512  # queries a product: fewer calls read the keys fewer times (prefill 3.40 s against 3.55 at 256)
 # what transformers may pass an attention function that the products can ignore (anything else: SDPA)
@@ -60,6 +62,15 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     shared, built = (0, None) if torch.compiler.is_compiling() else _KNOWN.get()
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
+    if _by_flash(module, query, key, value, kwargs):
+        scale = kwargs.get("scaling")
+        scale = scale if scale is not None else query.shape[-1] ** -0.5
+        if attention_mask is None and q == kv and kwargs.get("is_causal", getattr(module, "is_causal", True)):
+            return cpu_flash.attention(query, key, value, None, [[]] * query.shape[0], scale), None  # SDPA's causal
+        mask = None if attention_mask is None else attention_mask[..., :kv]
+        if built is not None and mask is not None and built.describes(mask) and built.mask.shape[3] == kv:
+            pads = [built.pad_runs(row) for row in range(query.shape[0])]
+            return cpu_flash.attention(query, key, value, built.mask, pads, scale), None
     if _by_products(module, query, attention_mask, kwargs):
         mask = attention_mask[..., :kv]
         built = built if built is not None and built.describes(mask) else None
@@ -77,6 +88,18 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
                       mask[:, :, a:b, :past + b], **kwargs)
         parts.append(out)  # [batch, queries, heads, dim]
     return torch.cat(parts, dim=1), None
+
+
+def _by_flash(module, query, key, value, kwargs) -> bool:
+    """Whether a block may attend through the CPU flash kernel (``harness/ops/cpu_flash.py``): float32 on a CPU,
+    ``FLASH_MIN_QUERIES`` or more queries, no dropout, nothing else that changes the scores; its mask is then
+    either none where SDPA would take its causal flag over as many queries as keys, or the one the backend built
+    over exactly these keys (causal, and elsewhere nonzero only at the rows' pads: ``BuiltMask``)."""
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and query.shape[2] >= FLASH_MIN_QUERIES and query.shape[-1] == value.shape[-1]
+            and query.shape[1] % key.shape[1] == 0 and not (module.training and kwargs.get("dropout"))
+            and set(kwargs) <= HARMLESS and kwargs.get("sliding_window") is None
+            and cpu_flash.available(query.shape[-1]))
 
 
 def _by_products(module, query, attention_mask, kwargs) -> bool:
@@ -195,4 +218,10 @@ def chunk_attention(model, device: torch.device) -> str | None:
         return None
     products = (f"; float32 blocks of >= {ONEDNN_MIN_QUERIES} queries by oneDNN's products"
                 if onednn_linear.choice().onednn else "")
-    return f"SDPA over blocks of >= {MIN_QUERIES} queries in chunks of {CHUNK}, each over the keys it can see{products}"
+    config = model.config
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    flash = (f"; causal float32 blocks of >= {FLASH_MIN_QUERIES} queries by the CPU flash attention kernel"
+             if model.dtype == torch.float32 and cpu_flash.available(dim) else "")
+    return (f"SDPA over blocks of >= {MIN_QUERIES} queries in chunks of {CHUNK}, each over the keys it can see"
+            f"{products}{flash}")
+

@@ -36,6 +36,7 @@ from harness.backends.generation import last_real_index, logits_at_last_real
 from harness.backends.kv_decode_graphs import GraphedKVDecode, unsupported
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
+from harness.ops import cpu_flash
 
 log = logging.getLogger("harness")
 
@@ -50,6 +51,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     equal, and the process's freed memory kept (``harness.backends.cpu_heap``)."""
 
     name = "transformers"
+    flash_attention = True  # on a CPU, its float32 attention may take the flash kernel (chunked_attention)
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -77,6 +79,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             self.chunked = chunk_attention(self.model, self.device)
             if self.chunked:
                 self.fused.append(self.chunked)
+        self.attention = cpu_flash.identity(self.device, self.dtype).get("attention")
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
         for changed in (onednn_linear.use_onednn(self.model, self.device, self.dtype),
                         cpu_heap.keep_freed_memory(self.device)):
@@ -290,4 +293,4 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
                            family=self.family.name,
                            decode=self.graphs.describe() if self.graphs is not None else self.decode,
                            parameters=sum(p.numel() for p in self.model.parameters()), fused=self.fused or None,
-                           linear=self.linear, extra={"padding": self.family.padding})
+                           linear=self.linear, attention=self.attention, extra={"padding": self.family.padding})

@@ -11,16 +11,21 @@ import torch
 from harness.backends import fused_activations, memory, onednn_linear, planner, scoring
 from harness.backends.base import (Backend, Generation, GenRequest, ScoresText, StepModel, probe_ids,
                                    resolve_device, resolve_dtype)
+from harness.ops import cpu_flash
 
 
 class StepBackend(Backend, StepModel):
     """The request level over the step level; nothing here decides anything of its own."""
 
+    flash_attention = False  # whether the model's attention may take the CPU flash kernel (``harness.ops.cpu_flash``)
+
     @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
-        """The CPU's linear kernel where it is not PyTorch's own (``onednn_linear``: they round apart)."""
+        """The CPU's linear and attention kernels where they are not PyTorch's own (``onednn_linear``,
+        ``cpu_flash``: they round apart)."""
         target = resolve_device(device)
-        return onednn_linear.identity(target, resolve_dtype(dtype, target, cls.float32_default))
+        dt = resolve_dtype(dtype, target, cls.float32_default)
+        return {**onednn_linear.identity(target, dt), **(cpu_flash.identity(target, dt) if cls.flash_attention else {})}
 
     @torch.inference_mode()
     def fold_gelu(self) -> str | None:

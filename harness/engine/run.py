@@ -115,6 +115,8 @@ def _backend_settings(resolved: dict, backend) -> dict:
         out["scan"] = info.scan
     if info.linear:  # a CPU's linear layers on oneDNN: they round apart from PyTorch's BLAS
         out["linear"] = info.linear
+    if info.attention:  # a CPU's attention by the flash kernel: it rounds apart from SDPA
+        out["attention"] = info.attention
     return out
 
 

@@ -1,0 +1,188 @@
+"""A CPU's causal attention over a block of queries after cached keys, float32, in one pass: the flash attention
+kernel in ``cpu_flash_attention.cpp``, compiled here on first use and kept in the cache folder.
+
+Why by hand: on a CPU, PyTorch's attention makes the scores, adds the mask, takes the softmax and sums the values
+as separate passes over a [queries, keys] matrix per head, too large for the core's cache (a 512-query chunk
+over 2,000 keys: 4 MB a head), and its fused SDPA kernel goes through the BLAS (MKL's AVX2 code on an AMD CPU).
+Neither PyTorch nor a well-kept package ships a fused CPU attention that skips a block's unseen keys after
+cached ones (vLLM's is inside its own engine; inductor's FlexAttention template ran 1.4x slower than the
+separate passes here). Measured on one layer's segments (4 heads of 64, 2 threads, AMD EPYC, AVX-512):
+1,000 queries after 1,500 keys 5.8 ms against 8.1 through oneDNN's products, 1,600 after 774 7.3 against 11.2.
+
+The kernel is compiled with the machine's own vector width (``-march=native``), so the library is cached under a
+key of its source, the compiler, the head size and this CPU's flags; no compiler, a failed build or a result
+that differs from SDPA's (``checked.agrees``) leaves attention as it was, saying why once.
+``ICR_CPU_FLASH=off`` turns it off. Each query's tile and keys are fixed by its position, not by the number of
+threads, so a result does not change with the thread count.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from harness.cache import cache_dir
+from harness.ops.checked import agrees
+
+log = logging.getLogger("harness")
+
+SOURCE = Path(__file__).with_name("cpu_flash_attention.cpp")
+ENV = "ICR_CPU_FLASH"  # "off" turns the kernel off
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+TOLERANCE = 1e-5  # against SDPA in float32, relative to the output's largest value (they round apart by ~1e-7)
+PROBE_HEAD_DIM = 64  # the head size built to learn whether the kernel builds here at all (``identity``)
+CALLS = {"attention": 0}  # calls made, so a test can see the kernel ran
+_ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + \
+    [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_long] * 3 + \
+    [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+
+
+def enabled() -> bool:
+    """Unless ``ICR_CPU_FLASH`` says ``off`` (or 0, false, no)."""
+    return os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def available(head_dim: int) -> bool:
+    """Whether attention with heads of ``head_dim`` may take the kernel: turned on, a multiple of 16 up to 256,
+    and built and checked here (once a process and head size)."""
+    return enabled() and head_dim % 16 == 0 and head_dim <= 256 and _library(head_dim) is not None
+
+
+def identity(device: torch.device, dtype: torch.dtype) -> dict:
+    """What a run's settings hold of the kernel, decided before the model loads (it rounds apart from SDPA): its
+    source's hash where a float32 run on a CPU may take it (turned on, and it builds here: ``PROBE_HEAD_DIM``
+    tried), else nothing. The machine's, not the model's, as with the linear kernel: a model whose heads cannot
+    take it is recorded with it all the same, so a run and its resume always agree."""
+    if device.type != "cpu" or dtype != torch.float32 or not available(PROBE_HEAD_DIM):
+        return {}
+    return {"attention": f"CPU flash attention {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"}
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              pads: list[list[tuple[int, int]]], scale: float) -> torch.Tensor:
+    """[b, q, heads, d] causal attention of [b, heads, q, d] float32 queries, the block's last q positions, to
+    [b, kv heads, kv, d] keys and values: query i sees key j iff j <= kv - q + i, and over each row's ``pads``
+    (runs of key positions, [lo, hi)) the additive [b, 1, q, kv] ``mask`` is added to its scores (a mask that
+    is 0 everywhere else it is seen: ``additive_mask``'s). Call ``available`` first."""
+    out = _run(_library(query.shape[-1]), query, key, value, mask, pads, scale)
+    CALLS["attention"] += 1
+    return out
+
+
+def _run(lib, query, key, value, mask, pads, scale) -> torch.Tensor:
+    b, heads, q, d = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    width = -(-keys // 16) * 16  # the kernel reads the transposed keys 16 at a time
+    keys_t = key.new_empty(b, kv_heads, d, width)
+    keys_t[..., :keys] = key.transpose(-1, -2)
+    keys_t[..., keys:] = 0  # read, never used
+    most = max((len(p) for p in pads), default=0)
+    runs = torch.zeros(b, max(most, 1), 2, dtype=torch.int32)
+    for row, spans in enumerate(pads):
+        if spans:
+            runs[row, :len(spans)] = torch.tensor(spans, dtype=torch.int32)
+    counts = torch.tensor([len(p) for p in pads], dtype=torch.int32)
+    if mask is None or not most:
+        mask = query.new_zeros(1, 1, 1, 1)  # never read: no row has pads
+    elif mask.stride(-1) != 1 or mask.shape[1] != 1:
+        raise ValueError(f"the mask must be [rows, 1, queries, keys] with contiguous keys, not {tuple(mask.shape)}")
+    out = query.new_empty(b, q, heads, value.shape[-1])
+    lib.icr_flash_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
+        keys_t.data_ptr(), keys_t.stride(0), keys_t.stride(1), keys_t.stride(2),
+        value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+        mask.data_ptr(), mask.stride(0), mask.stride(2), runs.data_ptr(), counts.data_ptr(), runs.shape[1],
+        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+        b, heads, kv_heads, q, keys, scale, torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _library(head_dim: int) -> ctypes.CDLL | None:
+    """The kernel for ``head_dim`` built (or found built) and checked against SDPA; None, said once, where not."""
+    try:
+        lib = ctypes.CDLL(str(_built(head_dim)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.warning("the CPU flash attention kernel is not available here (%s); attention runs as before",
+                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None
+    lib.icr_flash_attention.argtypes = _ARGS
+    lib.icr_flash_attention.restype = None
+    if lib.icr_flash_head_dim() != head_dim:
+        log.warning("the CPU flash attention kernel built for head size %d reports %d; not used", head_dim,
+                    lib.icr_flash_head_dim())
+        return None
+    if not agrees(lambda: _check(lib, head_dim), TOLERANCE, "CPU flash attention kernel", "SDPA", "cpu",
+                  f"the CPU (head size {head_dim})", "attention runs as before"):
+        return None
+    return lib
+
+
+def _check(lib, head_dim: int):
+    """The kernel and SDPA on one case of each kind it meets: two rows, one left-padded, grouped heads, a block
+    after cached keys whose length is no multiple of the kernel's tiles."""
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, q, keys = 2, 4, 2, 37, 300
+    query, key, value = (torch.randn(b, n, length, head_dim, generator=gen)
+                         for n, length in ((heads, q), (kv_heads, keys), (kv_heads, keys)))
+    padding = torch.ones(b, keys, dtype=torch.bool)
+    padding[1, :40] = False
+    seen = padding[:, None, None, :] & torch.ones(q, keys, dtype=torch.bool).tril(keys - q)
+    mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)
+    pads = [[], [(0, 40)]]
+    with torch.no_grad():
+        ours = _run(lib, query, key, value, mask, pads, head_dim ** -0.5)
+        theirs = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
+            attn_mask=mask, scale=head_dim ** -0.5).transpose(1, 2)
+    return [ours], [theirs]
+
+
+def _built(head_dim: int) -> Path:
+    """The shared library for ``head_dim``: from the cache folder, else compiled into it (atomically)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (install g++, or name one in CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), str(head_dim),
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"cpu_flash_attention-d{head_dim}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, f"-DHEAD_DIM={head_dim}", str(SOURCE), "-o", str(built)],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip() or done.stdout.strip()}")
+        os.replace(built, target)
+    log.info("compiled the CPU flash attention kernel (head size %d) in %.1f s: %s", head_dim,
+             time.perf_counter() - t0, target)
+    return target
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction sets (what ``-march=native`` compiles for), so a shared cache folder never hands one
+    machine another's build."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,207 @@
+// Causal attention of a block of queries after cached keys, float32, on a CPU, in one pass (flash attention):
+// per row, head and tile of TILE queries, the keys the tile can see in blocks of KEYS, each block's scores
+// kept in the core's cache, their softmax taken online (a running maximum and sum) and the values summed at
+// once. Compiled on the machine that runs it (harness/ops/cpu_flash.py: -march=native, HEAD_DIM fixed), so the
+// vector type below is the widest the CPU has. Called through ctypes: plain C types only.
+//
+// Query i of a row sees key j iff j <= past + i (past = keys - queries); a key outside that is left out (its
+// weight exactly 0), and inside the row's pad runs the additive mask's entry is added to the score (the 0/min
+// mask additive_mask.py builds), so every query with a key to see weighs its keys as the masked softmax does.
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#ifndef HEAD_DIM
+#error "compile with -DHEAD_DIM=<the attention head's size, a multiple of 16>"
+#endif
+static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 16, at most 256");
+
+constexpr int D = HEAD_DIM;
+constexpr int TILE = 12;  // queries a work item (two groups of GROUP)
+constexpr int GROUP = 6;  // query rows a product step holds in registers
+constexpr int KEYS = 256;  // keys a block: its scores stay in the core's cache
+
+typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats
+typedef int ivec __attribute__((vector_size(64)));
+
+static inline vec load(const float* p) { vec r; std::memcpy(&r, p, sizeof r); return r; }
+static inline void store(float* p, vec x) { std::memcpy(p, &x, sizeof x); }
+static inline vec splat(float x) { return vec{} + x; }
+
+// exp(x) for x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for
+// exp(r) (about 1 ulp), 2^n put into the exponent; below -87.3 (where expf turns subnormal) exactly 0.
+static inline vec exp_nonpositive(vec x) {
+  const vec low = splat(-87.3f);
+  vec clamped = x < low ? low : x;
+  vec n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  vec r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < low ? splat(0.f) : p * two_n;
+}
+
+struct Tile {  // one thread's scratch
+  alignas(64) float q[TILE][D];
+  alignas(64) float s[TILE][KEYS];
+  alignas(64) float o[TILE][D];
+  float max[TILE], sum[TILE];
+};
+
+// scores[i][j0 + t] = q_i . k_{j0 + t} * scale for the tile's rows, keys transposed ([D][keys], stride kt_d)
+static void scores(Tile& w, const float* kt, long kt_d, int j0, int nk, float scale) {
+  for (int g = 0; g < TILE; g += GROUP) {
+    for (int t = 0; t < nk; t += 32) {
+      vec a[GROUP][2];
+      for (int i = 0; i < GROUP; ++i) a[i][0] = a[i][1] = splat(0.f);
+      const float* k = kt + j0 + t;
+      if (t + 16 < nk) {
+#pragma GCC unroll 4
+        for (int c = 0; c < D; ++c) {
+          vec k0 = load(k + c * kt_d), k1 = load(k + c * kt_d + 16);
+#pragma GCC unroll 6
+          for (int i = 0; i < GROUP; ++i) {
+            vec qi = splat(w.q[g + i][c]);
+            a[i][0] += qi * k0;
+            a[i][1] += qi * k1;
+          }
+        }
+      } else {
+        for (int c = 0; c < D; ++c) {
+          vec k0 = load(k + c * kt_d);
+#pragma GCC unroll 6
+          for (int i = 0; i < GROUP; ++i) a[i][0] += splat(w.q[g + i][c]) * k0;
+        }
+      }
+      for (int i = 0; i < GROUP; ++i) {
+        store(&w.s[g + i][t], a[i][0] * scale);
+        if (t + 16 < nk) store(&w.s[g + i][t + 16], a[i][1] * scale);
+      }
+    }
+  }
+}
+
+// o[i] += sum_t s[i][t] v_{j0 + t}, D/16 vectors a row at a time in chunks of four
+template <int V>
+static void values_chunk(Tile& w, const float* v, long v_n, int nk, int d0) {
+  for (int g = 0; g < TILE; g += GROUP) {
+    vec a[GROUP][V];
+    for (int i = 0; i < GROUP; ++i)
+      for (int u = 0; u < V; ++u) a[i][u] = load(&w.o[g + i][d0 + 16 * u]);
+    for (int t = 0; t < nk; ++t) {
+      vec x[V];
+      for (int u = 0; u < V; ++u) x[u] = load(v + t * v_n + d0 + 16 * u);
+#pragma GCC unroll 6
+      for (int i = 0; i < GROUP; ++i) {
+        vec p = splat(w.s[g + i][t]);
+        for (int u = 0; u < V; ++u) a[i][u] += p * x[u];
+      }
+    }
+    for (int i = 0; i < GROUP; ++i)
+      for (int u = 0; u < V; ++u) store(&w.o[g + i][d0 + 16 * u], a[i][u]);
+  }
+}
+
+static void values(Tile& w, const float* v, long v_n, int nk) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) values_chunk<4>(w, v, v_n, nk, d0);
+  if (D - d0 == 48) values_chunk<3>(w, v, v_n, nk, d0);
+  if (D - d0 == 32) values_chunk<2>(w, v, v_n, nk, d0);
+  if (D - d0 == 16) values_chunk<1>(w, v, v_n, nk, d0);
+}
+
+// the tile's softmax over one key block, online: masked entries added, unseen keys out, maxima and sums carried
+static void softmax_block(Tile& w, int rows, int past, int q0, int j0, int nk, const float* mask, long m_q,
+                          const int* pads, int npads) {
+  const int padded = (nk + 15) / 16 * 16;
+  for (int i = 0; i < rows; ++i) {
+    float* s = w.s[i];
+    int seen = past + q0 + i + 1 - j0;  // keys of this block the query sees
+    seen = seen < 0 ? 0 : (seen > nk ? nk : seen);
+    for (int p = 0; p < npads; ++p) {
+      int lo = pads[2 * p] - j0, hi = pads[2 * p + 1] - j0;
+      lo = lo < 0 ? 0 : lo;
+      hi = hi > seen ? seen : hi;
+      const float* m = mask + (long)(q0 + i) * m_q + j0;
+      for (int t = lo; t < hi; ++t) s[t] += m[t];
+    }
+    for (int t = seen; t < padded; ++t) s[t] = -INFINITY;
+    vec top = splat(-INFINITY);
+    for (int t = 0; t < padded; t += 16) {
+      vec x = load(s + t);
+      top = x > top ? x : top;
+    }
+    float m = w.max[i];
+    for (int u = 0; u < 16; ++u) m = top[u] > m ? top[u] : m;
+    const float rescale = std::exp(w.max[i] - m);
+    w.max[i] = m;
+    vec total = splat(0.f), mv = splat(m);
+    for (int t = 0; t < padded; t += 16) {
+      vec p = exp_nonpositive(load(s + t) - mv);
+      store(s + t, p);
+      total += p;
+    }
+    float sum = 0.f;
+    for (int u = 0; u < 16; ++u) sum += total[u];
+    w.sum[i] = w.sum[i] * rescale + sum;
+    if (rescale != 1.f)
+      for (int d = 0; d < D; d += 16) store(&w.o[i][d], load(&w.o[i][d]) * rescale);
+  }
+  for (int i = rows; i < TILE; ++i)  // rows past the block's last query: nothing to add
+    for (int t = 0; t < padded; ++t) w.s[i][t] = 0.f;
+}
+
+extern "C" int icr_flash_head_dim() { return D; }
+
+// q [rows, heads, queries, D] (strides q_b, q_h, q_n), kt [rows, kv heads, D, keys] (kt_b, kt_h, kt_d),
+// v [rows, kv heads, keys, D] (v_b, v_h, v_n), out [rows, queries, heads, D] (o_b, o_n, o_h), mask [rows, 1,
+// queries, keys] (m_b, m_q; any pointer where no row has pads), pads [rows][max_pads][2] key runs with npads[row]
+// of them. The last dimension of each is contiguous.
+extern "C" void icr_flash_attention(const float* q, long q_b, long q_h, long q_n, const float* kt, long kt_b,
+                                    long kt_h, long kt_d, const float* v, long v_b, long v_h, long v_n,
+                                    const float* mask, long m_b, long m_q, const int* pads, const int* npads,
+                                    int max_pads, float* out, long o_b, long o_n, long o_h, int rows, int heads,
+                                    int kv_heads, int queries, int keys, float scale, int threads) {
+  const int tiles = (queries + TILE - 1) / TILE, group = heads / kv_heads, past = keys - queries;
+  const long items = (long)rows * heads * tiles;
+#pragma omp parallel num_threads(threads)
+  {
+    Tile w;
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < items; ++item) {
+      const int tile = tiles - 1 - (int)(item / ((long)rows * heads));  // the longest tiles first
+      const int b = (int)(item % ((long)rows * heads)) / heads, h = (int)(item % heads);
+      const int q0 = tile * TILE, n = queries - q0 < TILE ? queries - q0 : TILE;
+      const float* qb = q + b * q_b + h * q_h + q0 * q_n;
+      for (int i = 0; i < TILE; ++i)
+        for (int d = 0; d < D; d += 16) store(&w.q[i][d], i < n ? load(qb + i * q_n + d) : splat(0.f));
+      for (int i = 0; i < TILE; ++i) {
+        w.max[i] = -FLT_MAX;
+        w.sum[i] = 0.f;
+        for (int d = 0; d < D; d += 16) store(&w.o[i][d], splat(0.f));
+      }
+      const float* ktb = kt + b * kt_b + (h / group) * kt_h;
+      const float* vb = v + b * v_b + (h / group) * v_h;
+      const int end = past + q0 + n;  // keys the tile's last query sees
+      for (int j0 = 0; j0 < end; j0 += KEYS) {
+        const int nk = end - j0 < KEYS ? end - j0 : KEYS;
+        scores(w, ktb, kt_d, j0, nk, scale);
+        softmax_block(w, n, past, q0, j0, nk, mask + b * m_b, m_q, pads + (long)b * max_pads * 2, npads[b]);
+        values(w, vb + (long)j0 * v_n, v_n, nk);
+      }
+      for (int i = 0; i < n; ++i) {
+        float* o = out + b * o_b + (long)(q0 + i) * o_n + h * o_h;
+        const vec inverse = splat(1.f / w.sum[i]);
+        for (int d = 0; d < D; d += 16) store(o + d, load(&w.o[i][d]) * inverse);
+      }
+    }
+  }
+}

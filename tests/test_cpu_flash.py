@@ -1,0 +1,169 @@
+"""The CPU flash attention kernel (``harness/ops/cpu_flash.py``), compiled here for real: against SDPA in float64
+over the masks it meets (pads, grouped heads, cached keys, SDPA's causal flag), the same to the bit whatever the
+thread count and whether a row runs alone or in a batch, taken by the models' forwards with the same tokens as
+transformers' ``generate``, and left out, saying why, where it cannot be built or does not agree."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness.backends import chunked_attention
+from harness.backends.additive_mask import BuiltMask, additive_mask
+from harness.ops import cpu_flash
+from tests.helpers import assert_varied, sweep_prompts
+
+
+def _case(rows, heads, kv_heads, queries, past, dim, pads, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = past + queries
+    query = 3 * torch.randn(rows, heads, queries, dim, generator=g)  # peaked weights: outputs that vary
+    key, value = (torch.randn(rows, kv_heads, keys, dim, generator=g) for _ in range(2))
+    seen = torch.ones(rows, keys, dtype=torch.long)
+    for row, (lo, hi) in pads.items():
+        seen[row, lo:hi] = 0
+    return query, key, value, seen
+
+
+def _reference(query, key, value, mask, scale, dtype=torch.float64):
+    group = query.shape[1] // key.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1).to(dtype) for x in (key, value))
+    return F.scaled_dot_product_attention(query.to(dtype), k, v, attn_mask=mask.to(dtype), scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("rows,heads,kv_heads,queries,past,pads", [
+    (1, 4, 4, 37, 0, {}),                       # a whole prompt, as SDPA's causal flag takes it
+    (2, 4, 2, 300, 41, {1: (0, 60)}),          # grouped heads, a left-padded row, keys cached before the block
+    (3, 2, 1, 17, 700, {0: (0, 5), 2: (300, 340)}),  # one key head, pads at the front and in the middle
+    (2, 4, 4, 270, 530, {1: (790, 800)}),      # the second row's block ends in pads (right padding)
+])
+def test_the_kernel_equals_sdpa_in_float64_as_closely_as_sdpa_in_float32(dim, rows, heads, kv_heads, queries, past,
+                                                                         pads):
+    assert cpu_flash.available(dim)
+    query, key, value, seen = _case(rows, heads, kv_heads, queries, past, dim, pads)
+    mask = additive_mask(seen, queries, torch.float32)
+    scale = dim ** -0.5
+    if mask.dim() == 2:  # no pads, as many queries as keys: transformers passes no mask, SDPA is causal
+        ours = cpu_flash.attention(query, key, value, None, [[]] * rows, scale)
+    else:
+        built = BuiltMask(mask, seen)
+        ours = cpu_flash.attention(query, key, value, mask, [built.pad_runs(r) for r in range(rows)], scale)
+    causal = seen.bool()[:, None, None, :] & torch.ones(queries, past + queries, dtype=torch.bool).tril(past)
+    mask = torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+    exact, theirs = _reference(query, key, value, mask, scale), _reference(query, key, value, mask, scale,
+                                                                           torch.float32)
+    real = seen[:, past:].bool()  # a pad's own query sees no real key: its output is never read
+    assert exact[real].std() > 0.1  # the outputs vary
+    errors = [float((x.double() - exact)[real].abs().max()) for x in (ours, theirs)]
+    assert errors[0] < 4 * errors[1] + 1e-6, errors
+    assert torch.isfinite(ours).all()  # pads' own queries included
+
+
+def test_a_row_is_the_same_to_the_bit_alone_or_batched_and_with_one_thread_or_two():
+    query, key, value, seen = _case(3, 4, 2, 200, 300, 64, {1: (0, 30)}, seed=1)
+    mask = additive_mask(seen, 200, torch.float32)
+    built = BuiltMask(mask, seen)
+    pads = [built.pad_runs(r) for r in range(3)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = cpu_flash.attention(query, key, value, mask, pads, 0.125)
+        torch.set_num_threads(1)
+        single = cpu_flash.attention(query, key, value, mask, pads, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(batched[0], batched[2])
+    assert torch.equal(batched, single)
+    for row in range(3):
+        alone = cpu_flash.attention(query[row:row + 1], key[row:row + 1], value[row:row + 1], mask[row:row + 1],
+                                    pads[row:row + 1], 0.125)
+        assert torch.equal(alone[0], batched[row])
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_the_models_attend_through_it_and_write_transformers_generate_s_tokens(which, request):
+    """Padded batches, prefix-tree rows and blocks after cached keys (each plan), through the kernel: the tokens of
+    transformers' own ``generate``, one prompt at a time."""
+    from harness.backends.base import GenRequest
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    prompts = [p + " " + p for p in sweep_prompts()]  # long enough for the kernel's blocks
+    assert backend.describe().attention.startswith("CPU flash attention")  # in the run's settings hash
+    assert type(backend).run_identity("x", "cpu", "float32", {})["attention"] == backend.describe().attention
+    assert any("flash" in f for f in backend.fused)  # and its record
+    expected = []
+    for p in prompts:
+        ids = backend.tokenizer(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = backend.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                         pad_token_id=backend.tokenizer.eos_token_id or 0)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    assert_varied(expected)
+    for plan in ("none", "batch", "tree-rows", "tree-block"):
+        before = cpu_flash.CALLS["attention"]
+        gen = backend.generate_all([GenRequest(p, 12, stop=()) for p in prompts], batch_size=4, prefix_reuse=plan)
+        got = [r.token_ids[:12] for r in gen.results(len(prompts))]
+        assert cpu_flash.CALLS["attention"] > before, plan
+        assert got == expected, plan
+
+
+def test_turned_off_unbuildable_or_wrong_it_is_left_out_saying_why(tmp_path, monkeypatch, caplog):
+    real = cpu_flash.SOURCE
+    monkeypatch.setenv("ICR_CACHE", str(tmp_path))
+    monkeypatch.setenv(cpu_flash.ENV, "off")
+    assert not cpu_flash.available(64)
+    monkeypatch.delenv(cpu_flash.ENV)
+    try:
+        cpu_flash._library.cache_clear()
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        with caplog.at_level(logging.WARNING, logger="harness"):
+            assert not cpu_flash.available(48)
+        assert "not available" in caplog.text and "no-such-compiler" in caplog.text
+        monkeypatch.delenv("CXX")
+        cpu_flash._library.cache_clear()
+        wrong = tmp_path / "wrong.cpp"  # a kernel that scales its scores a little wrong
+        wrong.write_text(cpu_flash.SOURCE.read_text().replace("a[i][0] * scale", "a[i][0] * (scale * 1.01f)"))
+        monkeypatch.setattr(cpu_flash, "SOURCE", wrong)
+        with pytest.warns(UserWarning, match="differs from the SDPA"):
+            assert not cpu_flash.available(48)
+        monkeypatch.setattr(cpu_flash, "SOURCE", real)
+        cpu_flash._library.cache_clear()
+        assert cpu_flash.available(48)  # the real kernel, built into this cache once
+        built = list((tmp_path / "kernels").glob("cpu_flash_attention-d48-*.so"))
+        stamp = [p.stat().st_mtime_ns for p in built]
+        cpu_flash._library.cache_clear()
+        assert cpu_flash.available(48)  # found, not built again
+        assert [p.stat().st_mtime_ns for p in built] == stamp
+    finally:
+        cpu_flash._library.cache_clear()
+
+
+def test_blocks_without_the_built_mask_or_with_anything_that_changes_the_scores_keep_their_path():
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    module = Module().eval()
+    query, key, value, _ = _case(1, 2, 2, 32, 0, 16, {})
+    assert chunked_attention._by_flash(module, query, key, value, {"scaling": 0.25})
+    assert not chunked_attention._by_flash(module, query[:, :, :8], key, value, {})  # a few queries: SDPA
+    assert not chunked_attention._by_flash(module, query, key, value, {"softcap": 30.0})
+    assert not chunked_attention._by_flash(module, query.double(), key.double(), value.double(), {})
+
+
+def test_the_kernel_is_in_a_cpu_float32_runs_settings_so_rows_with_and_without_it_never_mix(tiny_phi_dir, tmp_path,
+                                                                                           monkeypatch):
+    from harness.backends.hf import TransformersBackend
+    from harness.backends.phi_mamba import PhiMambaBackend
+    from harness.engine import run_eval
+    from harness.engine.runlog import ResumeMismatchError
+    from tests.helpers import run_config
+
+    assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {})["attention"].startswith("CPU flash")
+    assert "attention" not in TransformersBackend.run_identity(tiny_phi_dir, "cpu", "bfloat16", {})
+    assert "attention" not in PhiMambaBackend.run_identity(tiny_phi_dir, "cpu", "float32", {})  # never takes it
+    run_eval(run_config(tiny_phi_dir, tmp_path, limit=1), progress=False)
+    monkeypatch.setenv(cpu_flash.ENV, "off")
+    assert "attention" not in TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {})
+    with pytest.raises(ResumeMismatchError, match=r"CPU attention kernel \(ICR_CPU_FLASH\) changed"):
+        run_eval(run_config(tiny_phi_dir, tmp_path, limit=2), progress=False)
