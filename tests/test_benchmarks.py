@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
     "context_fit.py": (["--distractors", "0,10"], "| 10 |"),
-    "cpu_attention.py": (["--shapes", "0:40,30:70", "--repeats", "1"], "flash kernel"),
+    "cpu_attention.py": (["--shapes", "0:40,30:70", "--step", "3:20:60", "--repeats", "1"], "flash kernel"),
     "decode_bound.py": (["--lengths", "32,64", "--steps", "2"], "of bound"),
     "decode_scaling.py": (["--lengths", "32,64", "--steps", "2", "--hidden", "32", "--layers", "2"],
                           "decode-state memory"),

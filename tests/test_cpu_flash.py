@@ -60,6 +60,38 @@ def test_the_kernel_equals_sdpa_in_float64_as_closely_as_sdpa_in_float32(dim, ro
     assert torch.isfinite(ours).all()  # pads' own queries included
 
 
+@pytest.mark.parametrize("dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("rows,heads,kv_heads,queries,shared", [
+    (1, 4, 4, 1, 0),      # one row's decoding step, no mask
+    (5, 4, 2, 1, 200),    # five merged rows behind a shared front, pads after it, grouped heads
+    (3, 2, 1, 7, 37),     # a short block a row (a tool's result fed back), one key head
+    (4, 4, 4, 16, 0),     # the most queries the pass takes, no shared front
+])
+def test_the_decoding_pass_equals_sdpa_in_float64_with_a_front_read_from_the_first_row(dim, rows, heads, kv_heads,
+                                                                                       queries, shared):
+    g = torch.Generator().manual_seed(dim + queries)
+    keys = 300 + queries
+    query = 3 * torch.randn(rows, heads, queries, dim, generator=g)
+    key, value = (torch.randn(rows, kv_heads, keys, dim, generator=g) for _ in range(2))
+    mask = None
+    if queries > 1 or rows > 1:  # pads after the front, a causal block at the end
+        seen = torch.ones(rows, keys, dtype=torch.long)
+        for row in range(1, rows):
+            seen[row, shared:shared + 11 * row] = 0
+        mask = additive_mask(seen, queries, torch.float32)
+    for x in (key, value):  # what the pass reads of other rows' fronts must not matter: they differ here
+        x[1:, :, :shared] = torch.randn(rows - 1, kv_heads, shared, dim, generator=g) if rows > 1 else x[1:, :, :shared]
+    ours = cpu_flash.decode(query, key, value, mask, shared, dim ** -0.5)
+    front = key.clone(), value.clone()
+    for x in front:
+        x[:, :, :shared] = x[:1, :, :shared]
+    full = mask if mask is not None else torch.zeros(rows, 1, queries, keys)
+    exact, theirs = (_reference(query, *front, full, dim ** -0.5, dtype) for dtype in (torch.float64, torch.float32))
+    assert exact.std() > 0.1
+    errors = [float((x.double() - exact).abs().max()) for x in (ours, theirs)]
+    assert errors[0] < 4 * errors[1] + 1e-6, errors
+
+
 def test_a_row_is_the_same_to_the_bit_alone_or_batched_and_with_one_thread_or_two():
     query, key, value, seen = _case(3, 4, 2, 200, 300, 64, {1: (0, 30)}, seed=1)
     mask = additive_mask(seen, 200, torch.float32)
@@ -78,6 +110,18 @@ def test_a_row_is_the_same_to_the_bit_alone_or_batched_and_with_one_thread_or_tw
     for row in range(3):
         alone = cpu_flash.attention(query[row:row + 1], key[row:row + 1], value[row:row + 1], mask[row:row + 1],
                                     pads[row:row + 1], 0.125)
+        assert torch.equal(alone[0], batched[row])
+    step = query[:, :, -1:], mask[:, :, -1:]  # the decoding pass likewise
+    try:
+        torch.set_num_threads(1)
+        single = cpu_flash.decode(step[0], key, value, step[1], 0, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    batched = cpu_flash.decode(step[0], key, value, step[1], 0, 0.125)
+    assert not torch.equal(batched[0], batched[2]) and torch.equal(batched, single)
+    for row in range(3):
+        alone = cpu_flash.decode(step[0][row:row + 1], key[row:row + 1], value[row:row + 1], step[1][row:row + 1], 0,
+                                 0.125)
         assert torch.equal(alone[0], batched[row])
 
 
@@ -101,10 +145,10 @@ def test_the_models_attend_through_it_and_write_transformers_generate_s_tokens(w
         expected.append(out[0, ids.shape[1]:].tolist())
     assert_varied(expected)
     for plan in ("none", "batch", "tree-rows", "tree-block"):
-        before = cpu_flash.CALLS["attention"]
+        before = dict(cpu_flash.CALLS)
         gen = backend.generate_all([GenRequest(p, 12, stop=()) for p in prompts], batch_size=4, prefix_reuse=plan)
         got = [r.token_ids[:12] for r in gen.results(len(prompts))]
-        assert cpu_flash.CALLS["attention"] > before, plan
+        assert all(cpu_flash.CALLS[k] > before[k] for k in ("attention", "decode")), plan
         assert got == expected, plan
 
 
@@ -167,3 +211,35 @@ def test_the_kernel_is_in_a_cpu_float32_runs_settings_so_rows_with_and_without_i
     assert "attention" not in TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {})
     with pytest.raises(ResumeMismatchError, match=r"CPU attention kernel \(ICR_CPU_FLASH\) changed"):
         run_eval(run_config(tiny_phi_dir, tmp_path, limit=2), progress=False)
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_merged_rows_decode_with_their_shared_front_read_from_one_row_and_write_the_same_tokens(which, request,
+                                                                                               monkeypatch):
+    """The prefix tree's merged rows keep their common front in front: each decoding step's pass reads it from the
+    first row (``shared``), and the tokens are those of ``none``, where nothing is shared."""
+    from harness.backends.base import GenRequest
+    from harness.backends.generation import common_prefix
+    from tests.helpers import UNITS
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    fronts, real = [], cpu_flash.decode
+
+    def counted(query, key, value, mask, shared, scale):
+        fronts.append((query.shape[0], shared))
+        return real(query, key, value, mask, shared, scale)
+
+    monkeypatch.setattr(cpu_flash, "decode", counted)
+    head = "Read every paragraph first.\n" + "\n".join(UNITS * 3) + "\n"
+    prompts = [head + p for p in sweep_prompts()]
+    shared = len(common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts]))
+
+    def run(plan):
+        gen = backend.generate_all([GenRequest(p, 14) for p in prompts], batch_size=len(prompts), prefix_reuse=plan)
+        return [r.token_ids for r in gen.results(len(prompts))]
+
+    rows = run("tree-rows")
+    assert (len(prompts), shared) in fronts  # the whole batch's rows at once, the front read from one
+    none = run("none")
+    assert_varied(none)
+    assert rows == none

@@ -172,6 +172,7 @@ def test_rows_sharing_a_long_front_read_it_once_a_step_and_write_the_same_tokens
     from harness.backends import chunked_attention
     from harness.backends.generation import common_prefix
 
+    monkeypatch.setenv("ICR_CPU_FLASH", "off")  # PyTorch's kernels; the flash kernel's pass: tests/test_cpu_flash.py
     backend = request.getfixturevalue(f"{which}_backend")
     assert backend.merges_shared_front()
     calls, real = [], chunked_attention.front_once_attention

@@ -20,6 +20,11 @@ of 64, 2 threads, AMD EPYC, medians of 25 alternating calls against the chunked 
 ms against 15.6; p = 1,000, s = 500 3.7 against 5.3; p = 2,000, s = 100 1.5 against 1.6; below about 100 queries
 slower (s = 30: 1.1 against 0.6). They round apart from SDPA by ~1e-7, like the chunks.
 
+Where the project's CPU flash kernel is built (``harness/ops/cpu_flash.py``), it takes a causal float32 block of
+``FLASH_MIN_QUERIES`` or more queries (one pass over the scores, the block's unseen keys never computed) and a
+step of up to ``SHARED_MAX_QUERIES`` queries a row (its decoding pass, the merged rows' front read from the first
+row); the paths below are every other case's.
+
 Decoding steps of rows merged by the prefix tree read their common front once (``front_once_attention``): the
 merge keeps the positions every row shares in front and the pads after them (``StepModel.merge`` with
 ``shared``), and within ``known(shared)`` a step's queries of all rows attend over the first row's copy of the
@@ -60,6 +65,12 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     q, kv = query.shape[2], key.shape[2]
     # a compiled step traces no context variable
     shared, built = (0, None) if torch.compiler.is_compiling() else _KNOWN.get()
+    if _by_decode_kernel(module, query, key, value, attention_mask, kwargs):
+        scale = kwargs.get("scaling")
+        mask = None if attention_mask is None else attention_mask[..., :kv]
+        front = shared if 0 < shared < kv and query.shape[0] > 1 else 0  # read from the first row, once
+        return cpu_flash.decode(query, key, value, mask, front,
+                                scale if scale is not None else query.shape[-1] ** -0.5), None
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_flash(module, query, key, value, kwargs):
@@ -91,15 +102,36 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 def _by_flash(module, query, key, value, kwargs) -> bool:
-    """Whether a block may attend through the CPU flash kernel (``harness/ops/cpu_flash.py``): float32 on a CPU,
-    ``FLASH_MIN_QUERIES`` or more queries, no dropout, nothing else that changes the scores; its mask is then
-    either none where SDPA would take its causal flag over as many queries as keys, or the one the backend built
-    over exactly these keys (causal, and elsewhere nonzero only at the rows' pads: ``BuiltMask``)."""
+    """Whether a block may attend through the CPU flash kernel (``harness/ops/cpu_flash.py``): ``FLASH_MIN_QUERIES``
+    or more queries whose scores the kernel computes as SDPA would (``_kernel_scores``); its mask is then either
+    none where SDPA would take its causal flag over as many queries as keys, or the one the backend built over
+    exactly these keys (causal, and elsewhere nonzero only at the rows' pads: ``BuiltMask``)."""
+    return query.shape[2] >= FLASH_MIN_QUERIES and _kernel_scores(module, query, key, value, kwargs)
+
+
+def _by_decode_kernel(module, query, key, value, attention_mask, kwargs) -> bool:
+    """Whether a step attends through the CPU flash kernel's decoding pass (``cpu_flash.decode``): up to
+    ``SHARED_MAX_QUERIES`` queries a row, under an additive [rows, 1, queries, keys] mask (or none, for one query
+    a row), scores as SDPA would compute them (``_kernel_scores``)."""
+    if query.shape[2] > SHARED_MAX_QUERIES:
+        return False
+    if attention_mask is None:
+        fits = query.shape[2] == 1
+    else:
+        fits = (attention_mask.dim() == 4 and attention_mask.dtype == query.dtype and attention_mask.shape[1] == 1
+                and attention_mask.shape[0] == query.shape[0] and attention_mask.shape[2] == query.shape[2]
+                and attention_mask.shape[3] >= key.shape[2])
+    return fits and _kernel_scores(module, query, key, value, kwargs)
+
+
+def _kernel_scores(module, query, key, value, kwargs) -> bool:
+    """float32 on a CPU, as many key heads as divide the query heads, values of the queries' size, no dropout,
+    nothing else that changes the scores, and the kernel built for this head size."""
     return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
-            and query.shape[2] >= FLASH_MIN_QUERIES and query.shape[-1] == value.shape[-1]
-            and query.shape[1] % key.shape[1] == 0 and not (module.training and kwargs.get("dropout"))
-            and set(kwargs) <= HARMLESS and kwargs.get("sliding_window") is None
-            and cpu_flash.available(query.shape[-1]))
+            and not torch.compiler.is_compiling()  # a compiled step traces no C call: it keeps SDPA
+            and query.shape[-1] == value.shape[-1] and query.shape[1] % key.shape[1] == 0
+            and not (module.training and kwargs.get("dropout")) and set(kwargs) <= HARMLESS
+            and kwargs.get("sliding_window") is None and cpu_flash.available(query.shape[-1]))
 
 
 def _by_products(module, query, attention_mask, kwargs) -> bool:

@@ -1,5 +1,7 @@
-"""A CPU's causal attention over a block of queries after cached keys, float32, in one pass: the flash attention
-kernel in ``cpu_flash_attention.cpp``, compiled here on first use and kept in the cache folder.
+"""A CPU's float32 attention in one pass: a causal block of queries after cached keys (``attention``) and a few
+queries a row under an additive mask, decoding steps (``decode``: the merged rows' shared front read from one
+row), by the flash attention kernels in ``cpu_flash_attention.cpp``, compiled here on first use and kept in the
+cache folder.
 
 Why by hand: on a CPU, PyTorch's attention makes the scores, adds the mask, takes the softmax and sums the values
 as separate passes over a [queries, keys] matrix per head, too large for the core's cache (a 512-query chunk
@@ -7,7 +9,9 @@ over 2,000 keys: 4 MB a head), and its fused SDPA kernel goes through the BLAS (
 Neither PyTorch nor a well-kept package ships a fused CPU attention that skips a block's unseen keys after
 cached ones (vLLM's is inside its own engine; inductor's FlexAttention template ran 1.4x slower than the
 separate passes here). Measured on one layer's segments (4 heads of 64, 2 threads, AMD EPYC, AVX-512):
-1,000 queries after 1,500 keys 5.8 ms against 8.1 through oneDNN's products, 1,600 after 774 7.3 against 11.2.
+1,000 queries after 1,500 keys 5.8 ms against 8.1 through oneDNN's products, 1,600 after 774 7.3 against 11.2;
+a decoding step of 24 merged rows (a front of 774, 2,500 keys) 2.2 ms against 3.0 by PyTorch's flash kernel
+(``benchmarks/cpu_attention.py``).
 
 The kernel is compiled with the machine's own vector width (``-march=native``), so the library is cached under a
 key of its source, the compiler, the head size and this CPU's flags; no compiler, a failed build or a result
@@ -41,10 +45,12 @@ ENV = "ICR_CPU_FLASH"  # "off" turns the kernel off
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 TOLERANCE = 1e-5  # against SDPA in float32, relative to the output's largest value (they round apart by ~1e-7)
 PROBE_HEAD_DIM = 64  # the head size built to learn whether the kernel builds here at all (``identity``)
-CALLS = {"attention": 0}  # calls made, so a test can see the kernel ran
+CALLS = {"attention": 0, "decode": 0}  # calls made, so a test can see the kernel ran
 _ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + \
     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_long] * 3 + \
     [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+_DECODE_ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + \
+    [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
 def enabled() -> bool:
@@ -74,8 +80,37 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     [b, kv heads, kv, d] keys and values: query i sees key j iff j <= kv - q + i, and over each row's ``pads``
     (runs of key positions, [lo, hi)) the additive [b, 1, q, kv] ``mask`` is added to its scores (a mask that
     is 0 everywhere else it is seen: ``additive_mask``'s). Call ``available`` first."""
-    out = _run(_library(query.shape[-1]), query, key, value, mask, pads, scale)
+    with torch.profiler.record_function("icr::cpu_flash_attention"):  # a profile's event (no ATen op runs it)
+        out = _run(_library(query.shape[-1]), query, key, value, mask, pads, scale)
     CALLS["attention"] += 1
+    return out
+
+
+def decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, shared: int,
+           scale: float) -> torch.Tensor:
+    """[b, q, heads, d] attention of a few float32 queries a row (decoding steps) to all of [b, kv heads, kv, d]
+    keys and values under an additive [b, 1, q, kv] ``mask`` (None: every key seen), the first ``shared`` keys
+    read from the first row (every row holds the same there: the rows a prefix tree merged). One pass a row and
+    head over keys and values, an online softmax, 16 keys at a time. Call ``available`` first."""
+    with torch.profiler.record_function("icr::cpu_flash_attention_decode"):
+        out = _decode(_library(query.shape[-1]), query, key, value, mask, shared, scale)
+    CALLS["decode"] += 1
+    return out
+
+
+def _decode(lib, query, key, value, mask, shared, scale) -> torch.Tensor:
+    b, heads, q, d = query.shape
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    if mask is not None and (mask.stride(-1) != 1 or mask.shape[1] != 1):
+        raise ValueError(f"the mask must be [rows, 1, queries, keys] with contiguous keys, not {tuple(mask.shape)}")
+    out = query.new_empty(b, q, heads, value.shape[-1])
+    lib.icr_decode_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
+        key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
+        value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+        mask.data_ptr() if mask is not None else None, *(mask.stride(0), mask.stride(2)) if mask is not None else (0, 0),
+        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+        b, heads, key.shape[1], q, key.shape[2], shared, scale, torch.get_num_threads())
     return out
 
 
@@ -119,8 +154,8 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
         log.warning("the CPU flash attention kernel is not available here (%s); attention runs as before",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
-    lib.icr_flash_attention.argtypes = _ARGS
-    lib.icr_flash_attention.restype = None
+    lib.icr_flash_attention.argtypes, lib.icr_decode_attention.argtypes = _ARGS, _DECODE_ARGS
+    lib.icr_flash_attention.restype = lib.icr_decode_attention.restype = None
     if lib.icr_flash_head_dim() != head_dim:
         log.warning("the CPU flash attention kernel built for head size %d reports %d; not used", head_dim,
                     lib.icr_flash_head_dim())
@@ -148,7 +183,19 @@ def _check(lib, head_dim: int):
         theirs = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
             attn_mask=mask, scale=head_dim ** -0.5).transpose(1, 2)
-    return [ours], [theirs]
+        # decoding steps: three rows merged behind a shared front of 100 keys, the second padded after it
+        key, value = (torch.cat([x[:1, :, :100].expand(3, -1, -1, -1), torch.randn(3, kv_heads, 150, head_dim,
+                                                                                   generator=gen)], 2)
+                      for x in (key, value))
+        query = torch.randn(3, heads, 2, head_dim, generator=gen)
+        step_mask = torch.zeros(3, 1, 2, 250)
+        step_mask[1, ..., 100:120] = torch.finfo(torch.float32).min
+        step_mask[:, :, 0, -1] = torch.finfo(torch.float32).min
+        ours_step = _decode(lib, query, key, value, step_mask, 100, 0.3)
+        theirs_step = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
+            attn_mask=step_mask, scale=0.3).transpose(1, 2)
+    return [ours, ours_step], [theirs, theirs_step]
 
 
 def _built(head_dim: int) -> Path:

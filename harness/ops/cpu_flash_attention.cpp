@@ -159,7 +159,98 @@ static void softmax_block(Tile& w, int rows, int past, int q0, int j0, int nk, c
     for (int t = 0; t < padded; ++t) w.s[i][t] = 0.f;
 }
 
+// lane t of the result: the sum of v[t]'s lanes (four rounds of pairwise sums, each halving the vectors)
+static inline vec pair_sums(vec a, vec b, ivec even, ivec odd) {
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+static inline vec lane_sums(const vec* v) {
+  const ivec e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const ivec o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const ivec e2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const ivec o2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const ivec e3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const ivec o3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const ivec e4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const ivec o4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  vec w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k) w[k] = pair_sums(v[2 * k], v[2 * k + 1], e1, o1);
+  for (int k = 0; k < 4; ++k) x[k] = pair_sums(w[2 * k], w[2 * k + 1], e2, o2);
+  for (int k = 0; k < 2; ++k) y[k] = pair_sums(x[2 * k], x[2 * k + 1], e3, o3);
+  return pair_sums(y[0], y[1], e4, o4);
+}
+
+struct Query {  // one query's state over the keys it has read
+  vec q[D / 16], o[D / 16];
+  float max, sum;
+};
+
+// one query over keys [j0, j1) (rows of k and v, strides k_n and v_n), 16 at a time, the mask row added
+static void decode_over(Query& a, const float* k, long k_n, const float* v, long v_n, const float* mask, int j0,
+                        int j1, float scale) {
+  for (int j = j0; j < j1; j += 16) {
+    const int n = j1 - j < 16 ? j1 - j : 16;
+    vec part[16];
+    for (int t = 0; t < 16; ++t) {
+      part[t] = splat(0.f);
+      if (t < n) {
+        const float* key = k + (long)(j + t) * k_n;
+        for (int c = 0; c < D / 16; ++c) part[t] += a.q[c] * load(key + 16 * c);
+      }
+    }
+    vec s = lane_sums(part) * scale;
+    for (int t = 0; t < 16; ++t) s[t] = t < n ? (mask ? s[t] + mask[j + t] : s[t]) : -INFINITY;
+    float top = a.max;
+    for (int t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
+    const float rescale = std::exp(a.max - top);
+    a.max = top;
+    const vec p = exp_nonpositive(s - top);
+    float sum = 0.f;
+    for (int t = 0; t < 16; ++t) sum += p[t];
+    a.sum = a.sum * rescale + sum;
+    if (rescale != 1.f)
+      for (int c = 0; c < D / 16; ++c) a.o[c] *= rescale;
+    for (int t = 0; t < n; ++t) {
+      const float* value = v + (long)(j + t) * v_n;
+      const vec weight = splat(p[t]);
+      for (int c = 0; c < D / 16; ++c) a.o[c] += weight * load(value + 16 * c);
+    }
+  }
+}
+
 extern "C" int icr_flash_head_dim() { return D; }
+
+// A few queries a row (decoding steps) over all their keys under an additive mask: q [rows, heads, queries, D],
+// k and v [rows, kv heads, keys, D], mask [rows, 1, queries, keys] (m_b, m_q; null: none), out [rows, queries,
+// heads, D]. The first ``shared`` keys are every row's and are read from the first row (the rows a prefix tree
+// merged share their front: read once into the cache, not once a row). One work item a row and key head.
+extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_n, const float* k, long k_b,
+                                     long k_h, long k_n, const float* v, long v_b, long v_h, long v_n,
+                                     const float* mask, long m_b, long m_q, float* out, long o_b, long o_n, long o_h,
+                                     int rows, int heads, int kv_heads, int queries, int keys, int shared,
+                                     float scale, int threads) {
+  const int group = heads / kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (long item = 0; item < (long)rows * kv_heads; ++item) {
+    const int b = (int)(item / kv_heads), kh = (int)(item % kv_heads);
+    for (int g = 0; g < group; ++g) {
+      for (int i = 0; i < queries; ++i) {
+        const int h = kh * group + g;
+        Query a;
+        for (int c = 0; c < D / 16; ++c) {
+          a.q[c] = load(q + b * q_b + h * q_h + i * q_n + 16 * c);
+          a.o[c] = splat(0.f);
+        }
+        a.max = -FLT_MAX;
+        a.sum = 0.f;
+        const float* m = mask ? mask + b * m_b + i * m_q : nullptr;
+        decode_over(a, k + kh * k_h, k_n, v + kh * v_h, v_n, m, 0, shared, scale);
+        decode_over(a, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, m, shared, keys, scale);
+        float* o = out + b * o_b + i * o_n + h * o_h;
+        for (int c = 0; c < D / 16; ++c) store(o + 16 * c, a.o[c] * (1.f / a.sum));
+      }
+    }
+  }
+}
 
 // q [rows, heads, queries, D] (strides q_b, q_h, q_n), kt [rows, kv heads, D, keys] (kt_b, kt_h, kt_d),
 // v [rows, kv heads, keys, D] (v_b, v_h, v_n), out [rows, queries, heads, D] (o_b, o_n, o_h), mask [rows, 1,

@@ -93,8 +93,9 @@ def profile_decode(backend, length: int, batch: int = 1, steps: int = 4, top: in
     if gpu:
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         own = lambda e: e.self_device_time_total  # noqa: E731
-    else:  # an ATen op that computes, most of its time in itself (not a composite like linear: its addmm)
-        kernels = [e for e in prof.events() if e.name.startswith("aten::") and e.name not in NOT_KERNELS
+    else:  # an ATen op that computes, most of its time in itself (not a composite like linear: its addmm), or
+        # one of the project's own CPU kernels (``icr::``, harness/ops/cpu_flash.py: a C call no ATen op shows)
+        kernels = [e for e in prof.events() if e.name.startswith(("aten::", "icr::")) and e.name not in NOT_KERNELS
                    and e.self_cpu_time_total >= 0.5 * e.cpu_time_total]
         own = lambda e: e.self_cpu_time_total  # noqa: E731
     by_name: dict[str, list] = {}
