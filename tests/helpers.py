@@ -338,6 +338,28 @@ def sweep_prompts(n_slots=5):
     return prompts
 
 
+def long_front_prompts(tokenizer) -> tuple[list[str], int]:
+    """The sweep behind a front long enough for a CPU's decoding steps to read it once for all merged rows, and
+    how many leading tokens the prompts share."""
+    from harness.backends.generation import common_prefix
+
+    head = "Read every paragraph first.\n" + "\n".join(UNITS * 3) + "\n"
+    prompts = [head + p for p in sweep_prompts()]
+    return prompts, len(common_prefix([tokenizer(p)["input_ids"] for p in prompts]))
+
+
+def spy(monkeypatch, owner, name: str, record: Callable) -> list:
+    """``owner.name`` replaced by itself, each call's ``record(*args)`` appended to the list returned."""
+    calls, real = [], getattr(owner, name)
+
+    def counted(*args):
+        calls.append(record(*args))
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def stop_window(text: str, start: int) -> str:
     """Three characters the model writes, from ``start`` on, none of them U+FFFD: a stop string is matched
     against whole characters (vLLM's incremental detokenizer, like the harness, holds back a cut UTF-8 byte;

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from harness.backends import chunked_attention
 from harness.backends.additive_mask import BuiltMask, additive_mask
 from harness.ops import cpu_flash
-from tests.helpers import assert_varied, sweep_prompts
+from tests.helpers import assert_varied, long_front_prompts, spy, sweep_prompts
 
 
 def _case(rows, heads, kv_heads, queries, past, dim, pads, seed=0):
@@ -219,20 +219,10 @@ def test_merged_rows_decode_with_their_shared_front_read_from_one_row_and_write_
     """The prefix tree's merged rows keep their common front in front: each decoding step's pass reads it from the
     first row (``shared``), and the tokens are those of ``none``, where nothing is shared."""
     from harness.backends.base import GenRequest
-    from harness.backends.generation import common_prefix
-    from tests.helpers import UNITS
 
     backend = request.getfixturevalue(f"{which}_backend")
-    fronts, real = [], cpu_flash.decode
-
-    def counted(query, key, value, mask, shared, scale):
-        fronts.append((query.shape[0], shared))
-        return real(query, key, value, mask, shared, scale)
-
-    monkeypatch.setattr(cpu_flash, "decode", counted)
-    head = "Read every paragraph first.\n" + "\n".join(UNITS * 3) + "\n"
-    prompts = [head + p for p in sweep_prompts()]
-    shared = len(common_prefix([backend.tokenizer(p)["input_ids"] for p in prompts]))
+    fronts = spy(monkeypatch, cpu_flash, "decode", lambda q, k, v, m, front, s: (q.shape[0], front))
+    prompts, shared = long_front_prompts(backend.tokenizer)
 
     def run(plan):
         gen = backend.generate_all([GenRequest(p, 14) for p in prompts], batch_size=len(prompts), prefix_reuse=plan)

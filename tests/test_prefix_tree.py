@@ -10,7 +10,7 @@ from harness.backends.prefix_tree import PrefixTree, parse_bytes
 from harness.engine import run_eval
 from harness.engine.config import ConfigError, RunConfig
 from retrieval import RetrievalTool
-from tests.helpers import assert_varied, sweep_prompts
+from tests.helpers import assert_varied, long_front_prompts, spy, sweep_prompts
 from tests.helpers import UNITS
 
 
@@ -170,22 +170,12 @@ def test_rows_sharing_a_long_front_read_it_once_a_step_and_write_the_same_tokens
     """On a CPU the tree's merged rows keep their common front in front (pads after it), and each decoding step
     attends over it once for all rows (``chunked_attention.front_once_attention``): the same tokens as ``none``."""
     from harness.backends import chunked_attention
-    from harness.backends.generation import common_prefix
 
     monkeypatch.setenv("ICR_CPU_FLASH", "off")  # PyTorch's kernels; the flash kernel's pass: tests/test_cpu_flash.py
     backend = request.getfixturevalue(f"{which}_backend")
     assert backend.merges_shared_front()
-    calls, real = [], chunked_attention.front_once_attention
-
-    def counted(query, key, value, mask, shared, scaling):
-        calls.append((query.shape[0], shared))
-        return real(query, key, value, mask, shared, scaling)
-
-    monkeypatch.setattr(chunked_attention, "front_once_attention", counted)
-    head = "Read every paragraph first.\n" + "\n".join(UNITS * 3) + "\n"
-    prompts = [head + p for p in sweep_prompts()]
-    ids = [r.prompt_ids for r in _requests(backend, prompts)]
-    shared = len(common_prefix(ids))
+    calls = spy(monkeypatch, chunked_attention, "front_once_attention", lambda q, k, v, m, front, s: (q.shape[0], front))
+    prompts, shared = long_front_prompts(backend.tokenizer)
     assert shared >= chunked_attention.SHARED_MIN
     gen = backend.generate_all(_requests(backend, prompts), batch_size=len(prompts), prefix_reuse="tree-rows")
     rows = gen.results(len(prompts))

@@ -99,27 +99,22 @@ def decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 
 
 def _decode(lib, query, key, value, mask, shared, scale) -> torch.Tensor:
-    b, heads, q, d = query.shape
-    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    if mask is not None and (mask.stride(-1) != 1 or mask.shape[1] != 1):
-        raise ValueError(f"the mask must be [rows, 1, queries, keys] with contiguous keys, not {tuple(mask.shape)}")
+    b, heads, q, _ = query.shape
+    query, key, value = (_last_contiguous(x) for x in (query, key, value))
     out = query.new_empty(b, q, heads, value.shape[-1])
-    lib.icr_decode_attention(
-        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
-        key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
-        value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
-        mask.data_ptr() if mask is not None else None, *(mask.stride(0), mask.stride(2)) if mask is not None else (0, 0),
-        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
-        b, heads, key.shape[1], q, key.shape[2], shared, scale, torch.get_num_threads())
+    masked = _checked(mask) if mask is not None else None
+    lib.icr_decode_attention(*_strided(query), *_strided(key), *_strided(value),
+                             *((masked.data_ptr(), masked.stride(0), masked.stride(2)) if masked is not None
+                               else (None, 0, 0)),
+                             *_strided(out), b, heads, key.shape[1], q, key.shape[2], shared, scale,
+                             torch.get_num_threads())
     return out
 
 
 def _run(lib, query, key, value, mask, pads, scale) -> torch.Tensor:
     b, heads, q, d = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
+    query, value = _last_contiguous(query), _last_contiguous(value)
     width = -(-keys // 16) * 16  # the kernel reads the transposed keys 16 at a time
     keys_t = key.new_empty(b, kv_heads, d, width)
     keys_t[..., :keys] = key.transpose(-1, -2)
@@ -130,19 +125,28 @@ def _run(lib, query, key, value, mask, pads, scale) -> torch.Tensor:
         if spans:
             runs[row, :len(spans)] = torch.tensor(spans, dtype=torch.int32)
     counts = torch.tensor([len(p) for p in pads], dtype=torch.int32)
-    if mask is None or not most:
-        mask = query.new_zeros(1, 1, 1, 1)  # never read: no row has pads
-    elif mask.stride(-1) != 1 or mask.shape[1] != 1:
-        raise ValueError(f"the mask must be [rows, 1, queries, keys] with contiguous keys, not {tuple(mask.shape)}")
+    mask = _checked(mask) if mask is not None and most else query.new_zeros(1, 1, 1, 1)  # never read without pads
     out = query.new_empty(b, q, heads, value.shape[-1])
-    lib.icr_flash_attention(
-        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
-        keys_t.data_ptr(), keys_t.stride(0), keys_t.stride(1), keys_t.stride(2),
-        value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
-        mask.data_ptr(), mask.stride(0), mask.stride(2), runs.data_ptr(), counts.data_ptr(), runs.shape[1],
-        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
-        b, heads, kv_heads, q, keys, scale, torch.get_num_threads())
+    lib.icr_flash_attention(*_strided(query), *_strided(keys_t), *_strided(value),
+                            mask.data_ptr(), mask.stride(0), mask.stride(2), runs.data_ptr(), counts.data_ptr(),
+                            runs.shape[1], *_strided(out), b, heads, kv_heads, q, keys, scale,
+                            torch.get_num_threads())
     return out
+
+
+def _strided(x: torch.Tensor) -> tuple:
+    """A 4D tensor as the kernels take it: its address and its first three strides (the last is 1)."""
+    return x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _checked(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.stride(-1) != 1:
+        raise ValueError(f"the mask must be [rows, 1, queries, keys] with contiguous keys, not {tuple(mask.shape)}")
+    return mask
 
 
 @functools.cache
