@@ -193,6 +193,12 @@ def test_blocks_without_the_built_mask_or_with_anything_that_changes_the_scores_
     assert not chunked_attention._by_flash(module, query[:, :, :8], key, value, {})  # a few queries: SDPA
     assert not chunked_attention._by_flash(module, query, key, value, {"softcap": 30.0})
     assert not chunked_attention._by_flash(module, query.double(), key.double(), value.double(), {})
+    step = torch.randn(1, 8, 1, 16)  # a step's query of 8 heads, over 2 key heads (4 a key head) or 1 (8)
+    assert chunked_attention._by_decode_kernel(module, step, key, value, None, {})
+    assert not chunked_attention._by_decode_kernel(module, step, key[:, :1], value[:, :1], None, {})
+    pair = torch.randn(1, 2, 2, 16)  # two queries a row with no mask: SDPA's causal flag, not a step's
+    assert not chunked_attention._by_decode_kernel(module, pair, key, value, None, {})
+    assert chunked_attention._by_decode_kernel(module, pair, key, value, torch.zeros(1, 1, 2, 32), {})
 
 
 def test_the_kernel_is_in_a_cpu_float32_runs_settings_so_rows_with_and_without_it_never_mix(tiny_phi_dir, tmp_path,

@@ -22,8 +22,8 @@ slower (s = 30: 1.1 against 0.6). They round apart from SDPA by ~1e-7, like the 
 
 Where the project's CPU flash kernel is built (``harness/ops/cpu_flash.py``), it takes a causal float32 block of
 ``FLASH_MIN_QUERIES`` or more queries (one pass over the scores, the block's unseen keys never computed) and a
-step of up to ``SHARED_MAX_QUERIES`` queries a row (its decoding pass, the merged rows' front read from the first
-row); the paths below are every other case's.
+step of up to ``DECODE_MAX_QUERIES`` queries a key head and row (its decoding pass, the merged rows' front read
+from the first row); the paths below are every other case's.
 
 Decoding steps of rows merged by the prefix tree read their common front once (``front_once_attention``): the
 merge keeps the positions every row shares in front and the pads after them (``StepModel.merge`` with
@@ -50,6 +50,9 @@ SHARED_MAX_QUERIES = 16  # ... by blocks of up to this many queries (decoding st
 _KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None))  # (shared front, BuiltMask | None)
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
+# queries a key head and row (grouped heads x queries) the decoding pass takes: it computes each query's scores on
+# its own, which beat PyTorch's kernels up to 4 (1.1-1.5x on merged rows' steps) and lost from 8 (0.9x)
+DECODE_MAX_QUERIES = 4
 FLASH_MIN_QUERIES = 16  # blocks this long or longer attend through the CPU flash kernel where it is built
 ONEDNN_MIN_QUERIES = 128  # blocks this long or longer make their products through oneDNN where it is faster
 ONEDNN_CHUNK = 512  # queries a product: fewer calls read the keys fewer times (prefill 3.40 s against 3.55 at 256)
@@ -111,9 +114,9 @@ def _by_flash(module, query, key, value, kwargs) -> bool:
 
 def _by_decode_kernel(module, query, key, value, attention_mask, kwargs) -> bool:
     """Whether a step attends through the CPU flash kernel's decoding pass (``cpu_flash.decode``): up to
-    ``SHARED_MAX_QUERIES`` queries a row, under an additive [rows, 1, queries, keys] mask (or none, for one query
-    a row), scores as SDPA would compute them (``_kernel_scores``)."""
-    if query.shape[2] > SHARED_MAX_QUERIES:
+    ``DECODE_MAX_QUERIES`` queries a key head and row, under an additive [rows, 1, queries, keys] mask (or none,
+    for one query a row), scores as SDPA would compute them (``_kernel_scores``)."""
+    if query.shape[2] * (query.shape[1] // key.shape[1]) > DECODE_MAX_QUERIES:
         return False
     if attention_mask is None:
         fits = query.shape[2] == 1

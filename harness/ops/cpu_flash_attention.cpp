@@ -181,38 +181,44 @@ static inline vec lane_sums(const vec* v) {
 
 struct Query {  // one query's state over the keys it has read
   vec q[D / 16], o[D / 16];
+  const float* mask;  // its row of the additive mask, or null
   float max, sum;
 };
+constexpr int QUERIES = 32;  // queries a pass over one row's keys takes at once (a key head's group, a block)
 
-// one query over keys [j0, j1) (rows of k and v, strides k_n and v_n), 16 at a time, the mask row added
-static void decode_over(Query& a, const float* k, long k_n, const float* v, long v_n, const float* mask, int j0,
-                        int j1, float scale) {
+// queries qs[0..count) over keys [j0, j1) (rows of k and v, strides k_n and v_n), 16 keys at a time: each block
+// read once for all of them (it stays in the core's cache while they take it in turn)
+static void decode_over(Query* qs, int count, const float* k, long k_n, const float* v, long v_n, int j0, int j1,
+                        float scale) {
   for (int j = j0; j < j1; j += 16) {
     const int n = j1 - j < 16 ? j1 - j : 16;
-    vec part[16];
-    for (int t = 0; t < 16; ++t) {
-      part[t] = splat(0.f);
-      if (t < n) {
-        const float* key = k + (long)(j + t) * k_n;
-        for (int c = 0; c < D / 16; ++c) part[t] += a.q[c] * load(key + 16 * c);
+    for (int qi = 0; qi < count; ++qi) {
+      Query& a = qs[qi];
+      vec part[16];
+      for (int t = 0; t < 16; ++t) {
+        part[t] = splat(0.f);
+        if (t < n) {
+          const float* key = k + (long)(j + t) * k_n;
+          for (int c = 0; c < D / 16; ++c) part[t] += a.q[c] * load(key + 16 * c);
+        }
       }
-    }
-    vec s = lane_sums(part) * scale;
-    for (int t = 0; t < 16; ++t) s[t] = t < n ? (mask ? s[t] + mask[j + t] : s[t]) : -INFINITY;
-    float top = a.max;
-    for (int t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
-    const float rescale = std::exp(a.max - top);
-    a.max = top;
-    const vec p = exp_nonpositive(s - top);
-    float sum = 0.f;
-    for (int t = 0; t < 16; ++t) sum += p[t];
-    a.sum = a.sum * rescale + sum;
-    if (rescale != 1.f)
-      for (int c = 0; c < D / 16; ++c) a.o[c] *= rescale;
-    for (int t = 0; t < n; ++t) {
-      const float* value = v + (long)(j + t) * v_n;
-      const vec weight = splat(p[t]);
-      for (int c = 0; c < D / 16; ++c) a.o[c] += weight * load(value + 16 * c);
+      vec s = lane_sums(part) * scale;
+      for (int t = 0; t < 16; ++t) s[t] = t < n ? (a.mask ? s[t] + a.mask[j + t] : s[t]) : -INFINITY;
+      float top = a.max;
+      for (int t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
+      const float rescale = std::exp(a.max - top);
+      a.max = top;
+      const vec p = exp_nonpositive(s - top);
+      float sum = 0.f;
+      for (int t = 0; t < 16; ++t) sum += p[t];
+      a.sum = a.sum * rescale + sum;
+      if (rescale != 1.f)
+        for (int c = 0; c < D / 16; ++c) a.o[c] *= rescale;
+      for (int t = 0; t < n; ++t) {
+        const float* value = v + (long)(j + t) * v_n;
+        const vec weight = splat(p[t]);
+        for (int c = 0; c < D / 16; ++c) a.o[c] += weight * load(value + 16 * c);
+      }
     }
   }
 }
@@ -232,21 +238,25 @@ extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (long item = 0; item < (long)rows * kv_heads; ++item) {
     const int b = (int)(item / kv_heads), kh = (int)(item % kv_heads);
-    for (int g = 0; g < group; ++g) {
-      for (int i = 0; i < queries; ++i) {
-        const int h = kh * group + g;
-        Query a;
+    Query qs[QUERIES];
+    for (int first = 0; first < group * queries; first += QUERIES) {  // the key head's queries, QUERIES at a time
+      const int count = group * queries - first < QUERIES ? group * queries - first : QUERIES;
+      for (int u = 0; u < count; ++u) {
+        const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
         for (int c = 0; c < D / 16; ++c) {
-          a.q[c] = load(q + b * q_b + h * q_h + i * q_n + 16 * c);
-          a.o[c] = splat(0.f);
+          qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + 16 * c);
+          qs[u].o[c] = splat(0.f);
         }
-        a.max = -FLT_MAX;
-        a.sum = 0.f;
-        const float* m = mask ? mask + b * m_b + i * m_q : nullptr;
-        decode_over(a, k + kh * k_h, k_n, v + kh * v_h, v_n, m, 0, shared, scale);
-        decode_over(a, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, m, shared, keys, scale);
+        qs[u].mask = mask ? mask + b * m_b + i * m_q : nullptr;
+        qs[u].max = -FLT_MAX;
+        qs[u].sum = 0.f;
+      }
+      decode_over(qs, count, k + kh * k_h, k_n, v + kh * v_h, v_n, 0, shared, scale);
+      decode_over(qs, count, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, shared, keys, scale);
+      for (int u = 0; u < count; ++u) {
+        const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
         float* o = out + b * o_b + i * o_n + h * o_h;
-        for (int c = 0; c < D / 16; ++c) store(o + 16 * c, a.o[c] * (1.f / a.sum));
+        for (int c = 0; c < D / 16; ++c) store(o + 16 * c, qs[u].o[c] * (1.f / qs[u].sum));
       }
     }
   }
