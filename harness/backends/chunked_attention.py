@@ -68,17 +68,14 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     q, kv = query.shape[2], key.shape[2]
     # a compiled step traces no context variable
     shared, built = (0, None) if torch.compiler.is_compiling() else _KNOWN.get()
+    scale = kwargs.get("scaling") if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5
     if _by_decode_kernel(module, query, key, value, attention_mask, kwargs):
-        scale = kwargs.get("scaling")
         mask = None if attention_mask is None else attention_mask[..., :kv]
         front = shared if 0 < shared < kv and query.shape[0] > 1 else 0  # read from the first row, once
-        return cpu_flash.decode(query, key, value, mask, front,
-                                scale if scale is not None else query.shape[-1] ** -0.5), None
+        return cpu_flash.decode(query, key, value, mask, front, scale), None
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_flash(module, query, key, value, kwargs):
-        scale = kwargs.get("scaling")
-        scale = scale if scale is not None else query.shape[-1] ** -0.5
         if attention_mask is None and q == kv and kwargs.get("is_causal", getattr(module, "is_causal", True)):
             return cpu_flash.attention(query, key, value, None, [[]] * query.shape[0], scale), None  # SDPA's causal
         mask = None if attention_mask is None else attention_mask[..., :kv]

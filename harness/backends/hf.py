@@ -79,7 +79,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             self.chunked = chunk_attention(self.model, self.device)
             if self.chunked:
                 self.fused.append(self.chunked)
-        self.attention = cpu_flash.identity(self.device, self.dtype).get("attention")
+        self.attention = cpu_flash.identity(self.device, self.dtype).get("attention") if self.flash_attention else None
         self.linear = onednn_linear.identity(self.device, self.dtype).get("linear")
         for changed in (onednn_linear.use_onednn(self.model, self.device, self.dtype),
                         cpu_heap.keep_freed_memory(self.device)):

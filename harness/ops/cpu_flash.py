@@ -207,7 +207,7 @@ def _built(head_dim: int) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++, or name one in CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = _version(compiler)
     key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), str(head_dim),
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_flash_attention-d{head_dim}-{key}.so"
@@ -225,6 +225,12 @@ def _built(head_dim: int) -> Path:
     log.info("compiled the CPU flash attention kernel (head size %d) in %.1f s: %s", head_dim,
              time.perf_counter() - t0, target)
     return target
+
+
+@functools.cache
+def _version(compiler: str) -> str:
+    """What ``compiler --version`` prints (once a process: every head size's build key holds it)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
 
 
 def _cpu_flags() -> str:
