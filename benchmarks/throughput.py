@@ -14,8 +14,9 @@ baseline is the harness's own plan ``none`` (one sample at a time, nothing share
 ``hf`` model cannot load these checkpoints.
 
 ``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
-off, each in a child process (``VLLMChild``) with the same thread count as the harness; engine start-up is
-reported apart from generation. The harness's default plan and vLLM then run in turn, ``--repeats`` rounds
+off, each in a child process (``VLLMChild``) with the same thread count as the harness and the same heap (freed
+memory kept for reuse, ``cpu_heap``: without it vLLM's prefill faulted its activations in again each run in some
+starts, 1.6x slower); engine start-up is reported apart from generation. The harness's default plan and vLLM then run in turn, ``--repeats`` rounds
 each (medians compared, and round by round: this machine's speed drifts by minutes, and runs in turn see the
 same drift), and with prefix caching on each one's prefill alone as often, so the line under the table says
 where a difference lies: prompts or new tokens.
@@ -43,6 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from evals.hotpotqa import HotpotQA, load_rows, parse_positions
+from harness.backends import cpu_heap
 from harness.backends.base import GenRequest
 from harness.backends.generation import first_stop
 from harness.backends.prefix_tree import PrefixTree
@@ -178,7 +180,8 @@ t0 = time.perf_counter()
 engine = VLLMBackend(model_dir, device="cpu", dtype="float32", engine_args={"enable_prefix_caching": caching})
 start = time.perf_counter() - t0
 engine.generate([GenRequest("A warm-up prompt that shares nothing.", 4, stop)])
-print("READY " + json.dumps({"start_s": start, "threads": torch.get_num_threads(), "vllm": engine.settings["vllm"]}),
+print("READY " + json.dumps({"start_s": start, "threads": torch.get_num_threads(), "vllm": engine.settings["vllm"],
+                            "heap": engine.describe().extra.get("heap")}),
       flush=True)
 last = {}
 for line in sys.stdin:
@@ -307,7 +310,8 @@ def main():
         prompt_tokens, tree_tokens = sum(map(len, ids)), PrefixTree(ids).tree_tokens
         print(f"{len(prompts)} prompts (4-shot, {a.distractors} distractors), {min(map(len, ids))}-{max(map(len, ids))} "
               f"tokens, max {a.max_new_tokens} new; random {a.arch} d={a.hidden} L={a.layers}, CPU, "
-              f"{torch.get_num_threads()} threads\n")
+              f"{torch.get_num_threads()} threads, freed memory "
+              f"{'kept' if cpu_heap.keep_freed_memory(torch.device('cpu')) else 'given back'} (cpu_heap)\n")
         cachings = (False,) if own else (True, False)
         progress = Progress(len(a.plans.split(",")) + (0 if own else 3)
                             + (len(cachings) - ("auto" in a.plans.split(",")) if a.backend == "vllm" else 0))
@@ -360,7 +364,7 @@ def main():
         label = f"{v['vllm']}, prefix caching {'on' if caching else 'off'}"
         print(f"{label:48s} {t:8.2f} {n / t:10.2f} {t_gen / t:11.2f}x {t_gen / t / bound:9.0%} {'':>10s} "
               f"{sum(a == b for a, b in zip(v['texts'], gen))}/{n}  (engine start {v['start_s']:.1f} s apart; "
-              f"{v['threads']} threads{spread(v['times'])})")
+              f"{v['threads']} threads, freed memory {'kept' if v['heap'] else 'given back'}{spread(v['times'])})")
         explain_differences(backend, prompts, gen, v["texts"], v["ids"], "vLLM")
     auto = plans.get("auto")
     if auto is not None and vllm:

@@ -132,6 +132,8 @@ def test_free_generation_and_long_prompts_equal_transformers(engine, references,
     assert_varied([r.text for r in ref])
     assert [_fields(r) for r in got] == [_fields(r) for r in ref]
     assert vl.describe().extra["prefix_caching"] == (arch in ("phi", "llama", "gpt2"))
+    # the in-process engine keeps freed memory for reuse, as the harness's own CPU backends do (cpu_heap)
+    assert vl.describe().extra["heap"].startswith("heap: freed memory kept for reuse")
 
 
 @pytest.mark.parametrize("arch", ["phi", "llama", "falcon_h1", *PHI_MAMBAS])
@@ -479,6 +481,7 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     assert results["audit"]["rows"] == 2 and results["audit"]["agree"] == 2
     assert results["audit"]["reference"]["backend"] == "transformers"
     assert results["audit"]["reference"]["process"] == "child"
+    assert results["backend"]["heap"].startswith("heap: freed memory kept")  # as the harness's own CPU backends
     logged = [line for line in (res.stdout + res.stderr).splitlines() if " INFO " in line]
     assert any("engine started" in line for line in logged)
     assert not [line for line in logged if "vllm." in line.split(" INFO ")[-1][:12] or line.startswith("(")], \
@@ -486,6 +489,7 @@ def test_a_venv_user_runs_the_documented_vllm_commands_through_the_script(user_v
     res = finished(bench)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("vllm-cpu")]
-    assert len(rows) == 2 and all("1/1" in r for r in rows), res.stdout[-2000:]
+    assert len(rows) == 2 and all("1/1" in r and "freed memory kept" in r for r in rows), res.stdout[-2000:]
+    assert "threads, freed memory kept (cpu_heap)" in res.stdout  # the harness's side: the same heap
     assert "harness default" in res.stdout
     assert len([line for line in res.stdout.splitlines() if "round by round" in line and "over 2" in line]) == 2
