@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.activations import NewGELUActivation
 
-from harness.backends import memory, onednn_linear
+from harness.backends import kept_positions, memory, onednn_linear
 from harness.backends.additive_mask import additive_mask
 from harness.backends.hf import TransformersBackend
 from harness.tiny import make_tiny_model
@@ -127,6 +127,8 @@ def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request, monk
     """On a CPU a block of >= MIN_QUERIES queries attends one chunk at a time over the keys each chunk can see:
     the same logits as one SDPA call to float32 rounding, on a padded prefill, a padded block and an extend."""
     monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
+    # every layer's whole block, the last one's too (a prefill's kept position alone: tests/test_kept_positions.py)
+    monkeypatch.setattr(kept_positions, "kept_queries", lambda module, queries: 0)
     from torch.profiler import profile
 
     from harness.backends import chunked_attention
@@ -162,6 +164,8 @@ def test_long_blocks_attending_by_onednns_products_equal_one_sdpa_call(name, req
     attends through them, per head and chunk, with no SDPA call: the same logits as one SDPA call to float32
     rounding on a padded prefill, a padded block and an extend; a block shorter than that stays on SDPA."""
     monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
+    # every layer's whole block, the last one's too (a prefill's kept position alone: tests/test_kept_positions.py)
+    monkeypatch.setattr(kept_positions, "kept_queries", lambda module, queries: 0)
     from torch.profiler import profile
 
     from harness.backends import chunked_attention

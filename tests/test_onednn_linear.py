@@ -126,6 +126,7 @@ def test_the_choice_is_measured_once_a_machine_and_read_back_by_the_next_process
 
 def test_the_kernel_is_part_of_a_cpu_runs_settings_and_a_bad_setting_is_named(tiny_phi_dir, forced, monkeypatch):
     monkeypatch.setenv("ICR_CPU_FLASH", "off")  # the attention kernel's own entry: tests/test_cpu_flash.py
+    monkeypatch.setenv("ICR_KEPT_POSITIONS", "off")  # and the kept positions': tests/test_kept_positions.py
     forced("onednn")
     assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "float32", {}) == {"linear": onednn_linear.IDENTITY}
     assert TransformersBackend.run_identity(tiny_phi_dir, "cpu", "bfloat16", {}) == {}

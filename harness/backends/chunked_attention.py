@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from harness.backends import onednn_linear
+from harness.backends import kept_positions, onednn_linear
 from harness.backends.additive_mask import BuiltMask
 from harness.ops import cpu_flash
 
@@ -69,6 +69,9 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     # a compiled step traces no context variable
     shared, built = (0, None) if torch.compiler.is_compiling() else _KNOWN.get()
     scale = kwargs.get("scaling") if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5
+    kept = kept_positions.kept_queries(module, q)
+    if kept and (attention_mask.dim() == 4 if attention_mask is not None else kept == 1):
+        return _last_queries(module, query, key, value, attention_mask, kept, kwargs), None
     if _by_decode_kernel(module, query, key, value, attention_mask, kwargs):
         mask = None if attention_mask is None else attention_mask[..., :kv]
         front = shared if 0 < shared < kv and query.shape[0] > 1 else 0  # read from the first row, once
@@ -99,6 +102,17 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
                       mask[:, :, a:b, :past + b], **kwargs)
         parts.append(out)  # [batch, queries, heads, dim]
     return torch.cat(parts, dim=1), None
+
+
+def _last_queries(module, query, key, value, attention_mask, n: int, kwargs) -> torch.Tensor:
+    """[b, q, heads, d]: the block's last ``n`` queries attend (the positions a forward keeps, ``kept_positions``),
+    each over the keys it sees (its rows of the mask, or every key for the last query alone); the other rows of
+    the output are zero."""
+    mask = None if attention_mask is None else attention_mask[:, :, -n:]
+    out, _ = chunked_sdpa(module, query[:, :, -n:], key, value, mask, **{**kwargs, "is_causal": False})
+    full = out.new_zeros(out.shape[0], query.shape[2], *out.shape[2:])
+    full[:, -n:] = out
+    return full
 
 
 def _by_flash(module, query, key, value, kwargs) -> bool:

@@ -9,9 +9,10 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import harness.models.istree  # noqa: F401  registers the trainer's model types (icr_hybrid) with the Auto classes
 from harness import hub
-from harness.backends import cpu_heap, fla_models, growing_cache, onednn_linear
+from harness.backends import cpu_heap, fla_models, growing_cache, kept_positions, onednn_linear
 from harness.backends.additive_mask import BuiltMask, additive_mask
 from harness.backends.chunked_attention import chunk_attention, known
+from harness.backends.kept_positions import keeping
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
     BackendInfo,
@@ -19,6 +20,7 @@ from harness.backends.base import (
     MergesRows,
     ScoresBlocks,
     ScoresText,
+    probe_ids,
     resolve_device,
     resolve_dtype,
 )
@@ -52,6 +54,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
 
     name = "transformers"
     flash_attention = True  # on a CPU, its float32 attention may take the flash kernel (chunked_attention)
+    keeps_positions = True  # on a CPU, a prefill's last layer for its kept positions only (kept_positions)
     graph_decode_capable = True  # attention families (harness.backends.kv_decode_graphs); others eager, logged
 
     def __init__(self, path: str, tokenizer: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -95,6 +98,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
                 log.info("%s: decoding eagerly, not from CUDA graphs: %s", self.path, why)
         if folded := self.fold_gelu():
             self.fused.append(folded)
+        if self.chunked and (kept := kept_positions.install(self.model, self.family, self._probe_prefill)):
+            self.fused.append(kept)
 
     # -- what is exact here (harness.backends.planner decides with it) -----------------------------------
     def batches_exact(self) -> bool:
@@ -186,7 +191,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             args["position_ids"] = pos
         if cache is not None:
             args[fam.cache_arg] = cache
-        with known(shared, built):
+        with known(shared, built), keeping(kw.get("logits_to_keep", 0)):
             out = self.model(**args)
         return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 
@@ -198,6 +203,14 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             growing_cache.install(cache)  # decode steps write in place instead of copying the cache
         logits, cache = self._forward(cache, input_ids, attention_mask, pos, logits_to_keep=1)
         return logits[:, -1].float(), {"cache": cache, "pos": pos[:, -1]}
+
+    def _probe_prefill(self) -> torch.Tensor:
+        """Two rows' prefill logits, one row left-padded: what ``kept_positions`` checks itself on."""
+        ids = probe_ids(self, 2, 40)
+        mask = torch.ones_like(ids)
+        mask[1, :7] = 0
+        with torch.inference_mode():
+            return self.prefill(ids, mask)[0]
 
     def step(self, state, input_ids, attention_mask):
         n = input_ids.shape[1]

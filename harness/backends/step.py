@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.backends import fused_activations, memory, onednn_linear, planner, scoring
+from harness.backends import fused_activations, kept_positions, memory, onednn_linear, planner, scoring
 from harness.backends.base import (Backend, Generation, GenRequest, ScoresText, StepModel, probe_ids,
                                    resolve_device, resolve_dtype)
 from harness.ops import cpu_flash
@@ -18,14 +18,17 @@ class StepBackend(Backend, StepModel):
     """The request level over the step level; nothing here decides anything of its own."""
 
     flash_attention = False  # whether the model's attention may take the CPU flash kernel (``harness.ops.cpu_flash``)
+    keeps_positions = False  # whether a CPU prefill may compute its last layer for the kept positions only
 
     @classmethod
     def run_identity(cls, path: str, device: str, dtype: str, options: dict) -> dict[str, Any]:
         """The CPU's linear and attention kernels where they are not PyTorch's own (``onednn_linear``,
-        ``cpu_flash``: they round apart)."""
+        ``cpu_flash``), and a prefill's last layer computed for its kept positions (``kept_positions``): each
+        rounds apart."""
         target = resolve_device(device)
         dt = resolve_dtype(dtype, target, cls.float32_default)
-        return {**onednn_linear.identity(target, dt), **(cpu_flash.identity(target, dt) if cls.flash_attention else {})}
+        return {**onednn_linear.identity(target, dt), **(cpu_flash.identity(target, dt) if cls.flash_attention else {}),
+                **(kept_positions.identity(target) if cls.keeps_positions else {})}
 
     @torch.inference_mode()
     def fold_gelu(self) -> str | None:

@@ -309,7 +309,8 @@ LABELS = {"model_weights": "model weights", "model_config": "model config (confi
           "tokenizer_files": "tokenizer files", "software": "package versions", "data_sha256": "data file",
           "template_sha256": "template", "dtype": "dtype", "device_type": "device type", "model": "model",
           "scan": "Phi-Mamba scan path", "vllm_engine": "vLLM (version and engine settings)",
-          "linear": "CPU linear kernel (ICR_CPU_LINEAR)", "attention": "CPU attention kernel (ICR_CPU_FLASH)"}
+          "linear": "CPU linear kernel (ICR_CPU_LINEAR)", "attention": "CPU attention kernel (ICR_CPU_FLASH)",
+          "kept_positions": "a prefill's last layer for its kept positions only (ICR_KEPT_POSITIONS)"}
 
 
 def describe_changes(old: dict, new: dict) -> str:

@@ -1,0 +1,119 @@
+"""A forward that keeps only its last positions' logits computes its last layer for those positions alone.
+
+A prefill (and a prefix-tree extend) keeps the last position's logits; every other position of the last layer
+feeds nothing but logits nobody reads, while its keys and values, made before attention, are cached whole. So
+within ``keeping(n)`` the last layer's attention computes its last ``n`` queries (``chunked_attention`` asks
+``kept_queries``) and its MLP takes its last ``n`` rows; the other rows come out as zeros. llama.cpp's graphs do
+the same (their output ids). On the 24 HotpotQA prompts it cut the prefill by 10% (docs/results/cpu.md).
+
+Installed on a CPU, where attention goes through ``chunked_attention.chunked_sdpa``, on an attention-only stack
+(a masked-padding family, ``Family.padding``) whose last decoder layer has one attention module and an ``mlp``;
+kept only where a probe prefill's last logits match the whole layer's. The kept position's attention is then one
+query's and its MLP one row's, which round apart from the whole block's, so it is part of a CPU run's settings
+(``identity``); ``ICR_KEPT_POSITIONS=off`` computes every position.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger("harness")
+
+ENV = "ICR_KEPT_POSITIONS"
+IDENTITY = "the last layer for the kept positions only"
+TOLERANCE = 1e-4  # the probe's last logits against the whole layer's, relative to their largest value
+_KEPT = contextvars.ContextVar("icr_kept_positions", default=0)
+_MARK = "_icr_last_attention"  # set on the last layer's attention module
+
+
+def enabled() -> bool:
+    value = os.environ.get(ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: use on or off (or leave it unset)")
+    return value == "on"
+
+
+def identity(device: torch.device) -> dict:
+    """What a run's settings hold of it, decided before the model loads: on a CPU, where it may be installed."""
+    return {"kept_positions": IDENTITY} if device.type == "cpu" and enabled() else {}
+
+
+@contextlib.contextmanager
+def keeping(n: int):
+    """Within it, a forward's caller reads only the last ``n`` positions' logits (0: every position)."""
+    token = _KEPT.set(n)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def _kept() -> int:
+    return 0 if torch.compiler.is_compiling() else _KEPT.get()  # a compiled step traces no context variable
+
+
+def kept_queries(module: nn.Module, queries: int) -> int:
+    """How many last queries of ``module``'s block are needed: the kept positions in the last layer's attention,
+    else 0 (all of them)."""
+    n = _kept()
+    return n if n and n < queries and getattr(module, _MARK, False) else 0
+
+
+def install(model: nn.Module, family, probe: Callable[[], torch.Tensor]) -> str | None:
+    """Mark the last layer's attention and hook its MLP (see the module docstring); ``probe`` returns the logits a
+    forward keeps (it enters ``keeping`` itself). What changed, for the run's record (None: nothing; said why
+    where the probe refused it)."""
+    if not enabled() or family.padding != "masked" or family.module_state or family.own_cache:
+        return None
+    last = _last_layer(model)
+    attention = ([m for name, m in last.named_modules() if name and getattr(m, "layer_idx", None) is not None]
+                 if last is not None else [])
+    mlp = getattr(last, "mlp", None)
+    if len(attention) != 1 or not isinstance(mlp, nn.Module):
+        return None
+    whole = probe().float()
+    setattr(attention[0], _MARK, True)
+    hooks = [mlp.register_forward_pre_hook(_kept_rows), mlp.register_forward_hook(_padded_back)]
+    kept = probe().float()
+    if not torch.allclose(kept, whole, rtol=0, atol=TOLERANCE * whole.abs().max().item()):
+        delattr(attention[0], _MARK)
+        for hook in hooks:
+            hook.remove()
+        log.info("the last layer computes every position: on a probe its kept logits moved by %.2e",
+                 (kept - whole).abs().max().item())
+        return None
+    return f"{IDENTITY}: its attention's last queries, its MLP's last rows (verified on a probe prefill)"
+
+
+def _last_layer(model: nn.Module) -> nn.Module | None:
+    """The decoder's last layer: the last of the first module list as long as the config's layer count."""
+    count = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and count and len(module) == count:
+            return module[-1]
+    return None
+
+
+def _kept_rows(mlp, args):
+    n = _kept()
+    if n and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 3 and args[0].shape[1] > n:
+        mlp._icr_positions = args[0].shape[1]
+        return (args[0][:, -n:], *args[1:])
+    if not torch.compiler.is_compiling():
+        mlp._icr_positions = 0
+    return None
+
+
+def _padded_back(mlp, args, out):
+    positions = 0 if torch.compiler.is_compiling() else getattr(mlp, "_icr_positions", 0)
+    if not positions:
+        return None
+    full = out.new_zeros(out.shape[0], positions, *out.shape[2:])
+    full[:, -out.shape[1]:] = out
+    return full
