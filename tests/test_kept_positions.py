@@ -92,6 +92,32 @@ def test_a_last_layer_whose_other_positions_are_read_is_refused_by_the_probe(tmp
     assert not layer.mlp._forward_pre_hooks and not hasattr(layer.self_attn, "_icr_last_attention")
 
 
+def test_an_mlp_that_cannot_take_the_kept_rows_alone_is_left_as_it_is(tmp_path, monkeypatch, caplog):
+    """An MLP that fails on the kept rows alone (as one returning more than a tensor, a mixture of experts' router
+    logits beside its rows, fails to be padded back): the probe's error is caught, the hooks go, and the backend
+    computes every position as before."""
+
+    class WholeOnly(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if x.shape[1] == 1:
+                raise RuntimeError("this MLP needs the whole block")
+            return self.inner(x)
+
+    backend = _backend(make_tiny_model(tmp_path / "llama", "llama", hidden=64, layers=2), monkeypatch, False)
+    layer = backend.model.model.layers[-1]
+    layer.mlp = WholeOnly(layer.mlp)
+    monkeypatch.setenv(kept_positions.ENV, "on")
+    with caplog.at_level("INFO", logger="harness"):
+        assert kept_positions.install(backend.model, backend.family, backend._probe_prefill) is None
+    assert "a probe failed (RuntimeError: this MLP needs the whole block)" in caplog.text
+    assert not layer.mlp._forward_pre_hooks and not hasattr(layer.self_attn, "_icr_last_attention")
+    backend._probe_prefill()  # and prefills run as before
+
+
 def test_it_is_part_of_a_cpu_runs_settings_and_its_switch_is_checked(monkeypatch):
     from harness.backends.hf import TransformersBackend
 
