@@ -16,9 +16,9 @@ baseline is the harness's own plan ``none`` (one sample at a time, nothing share
 ``--backend vllm`` adds vLLM, the engine a user would pick instead, on the same prompts: prefix caching on and
 off, each in a child process (``VLLMChild``) with the same thread count as the harness and the same heap (freed
 memory kept for reuse, ``cpu_heap``: without it vLLM's prefill faulted its activations in again each run in some
-starts, 1.6x slower); engine start-up is reported apart from generation. The harness's default plan and vLLM then run in turn, ``--repeats`` rounds
-each (medians compared, and round by round: this machine's speed drifts by minutes, and runs in turn see the
-same drift), and with prefix caching on each one's prefill alone as often, so the line under the table says
+starts, 1.6x slower); engine start-up is reported apart from generation. The harness's default plan and vLLM
+then run in turn, ``--repeats`` rounds each (medians compared, and round by round: this machine's speed drifts
+by minutes, and runs in turn see the same drift), and with prefix caching on each one's prefill alone as often, so the line under the table says
 where a difference lies: prompts or new tokens.
 ``transformers.generate`` runs the checkpoint as transformers loads it, so "identical" also checks what the
 harness changes in the forward for speed (harness/backends/fused_activations.py).

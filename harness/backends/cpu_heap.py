@@ -8,10 +8,10 @@ faults (0.9 GB) and 0.35 s of system time a run, and two to seven times that whi
 vLLM engine) held memory. Raising both thresholds keeps freed memory for reuse: a few hundred faults a run.
 vLLM's CPU guide asks for tcmalloc preloaded for the same reason; glibc's own ``mallopt`` needs no library and
 no restart, and the vLLM backend's in-process engine takes it too (without it vLLM's CPU prefill faulted 1.4M
-pages a run in some starts: 3.9 s against 2.45 s). The cost: the process keeps its peak memory until it exits, and one large size freed and taken
-again in a loop grows glibc's heap for some rounds before it is reused (200 MB: 5 to 9 rounds, 1-2 GB held;
-``tests/test_cpu_heap.py``); the 24 prompts' runs peaked at 2.3 GB either way. ``ICR_CPU_HEAP=release`` leaves
-malloc as it is.
+pages a run in some starts: 3.9 s against 2.45 s). The cost: the process keeps its peak memory until it exits,
+and one large size freed and taken again in a loop grows glibc's heap for some rounds before it is reused
+(200 MB: 5 to 9 rounds, 1-2 GB held; ``tests/test_cpu_heap.py``); the 24 prompts' runs peaked at 2.3 GB either
+way. ``ICR_CPU_HEAP=release`` leaves malloc as it is.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A prefill (and a prefix-tree extend) keeps the last position's logits; every oth
 feeds nothing but logits nobody reads, while its keys and values, made before attention, are cached whole. So
 within ``keeping(n)`` the last layer's attention computes its last ``n`` queries (``chunked_attention`` asks
 ``kept_queries``) and its MLP takes its last ``n`` rows; the other rows come out as zeros. llama.cpp's graphs do
-the same (their output ids). On the 24 HotpotQA prompts it cut the prefill by 10% (docs/results/cpu.md).
+the same (their output ids). On the 24 HotpotQA prompts the prefill ran 1.13x (docs/results/cpu.md).
 
 Installed on a CPU, where attention goes through ``chunked_attention.chunked_sdpa``, on an attention-only stack
 (a masked-padding family, ``Family.padding``) whose last decoder layer has one attention module and an ``mlp``;
