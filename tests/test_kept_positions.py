@@ -70,50 +70,43 @@ def test_a_stack_with_state_after_its_attention_is_left_as_it_is(tmp_path, monke
     assert not any(KEPT in f for f in backend.describe().fused)
 
 
-def test_a_last_layer_whose_other_positions_are_read_is_refused_by_the_probe(tmp_path, monkeypatch, caplog):
-    """An MLP that mixes positions (a running sum over them): its kept row depends on the others, so the probe's
-    logits move and nothing is installed."""
+class _Wrapped(nn.Module):
+    """A model's MLP with ``around`` between it and its input."""
 
-    class Mixing(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
+    def __init__(self, inner, around):
+        super().__init__()
+        self.inner, self.around = inner, around
 
-        def forward(self, x):
-            return self.inner(x) + x.cumsum(1)
+    def forward(self, x):
+        return self.around(self.inner, x)
 
+
+def _mixing(mlp, x):
+    """A running sum over positions: the kept row depends on the others."""
+    return mlp(x) + x.cumsum(1)
+
+
+def _whole_only(mlp, x):
+    """Fails on the kept rows alone (as an MLP that returns its router's logits beside its rows, a mixture of
+    experts', fails to be padded back)."""
+    if x.shape[1] == 1:
+        raise RuntimeError("this MLP needs the whole block")
+    return mlp(x)
+
+
+@pytest.mark.parametrize("around,said", [(_mixing, "on a probe its kept logits moved by"),
+                                         (_whole_only, "a probe failed (RuntimeError: this MLP needs the whole block)")])
+def test_a_last_layer_whose_kept_rows_need_the_others_is_refused_by_the_probe(around, said, tmp_path, monkeypatch,
+                                                                              caplog):
+    """The probe's logits move, or the probe fails: the hooks go, and the backend computes every position as
+    before."""
     backend = _backend(make_tiny_model(tmp_path / "llama", "llama", hidden=64, layers=2), monkeypatch, False)
     layer = backend.model.model.layers[-1]
-    layer.mlp = Mixing(layer.mlp)
+    layer.mlp = _Wrapped(layer.mlp, around)
     monkeypatch.setenv(kept_positions.ENV, "on")
     with caplog.at_level("INFO", logger="harness"):
         assert kept_positions.install(backend.model, backend.family, backend._probe_prefill) is None
-    assert "computes every position" in caplog.text
-    assert not layer.mlp._forward_pre_hooks and not hasattr(layer.self_attn, "_icr_last_attention")
-
-
-def test_an_mlp_that_cannot_take_the_kept_rows_alone_is_left_as_it_is(tmp_path, monkeypatch, caplog):
-    """An MLP that fails on the kept rows alone (as one returning more than a tensor, a mixture of experts' router
-    logits beside its rows, fails to be padded back): the probe's error is caught, the hooks go, and the backend
-    computes every position as before."""
-
-    class WholeOnly(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            if x.shape[1] == 1:
-                raise RuntimeError("this MLP needs the whole block")
-            return self.inner(x)
-
-    backend = _backend(make_tiny_model(tmp_path / "llama", "llama", hidden=64, layers=2), monkeypatch, False)
-    layer = backend.model.model.layers[-1]
-    layer.mlp = WholeOnly(layer.mlp)
-    monkeypatch.setenv(kept_positions.ENV, "on")
-    with caplog.at_level("INFO", logger="harness"):
-        assert kept_positions.install(backend.model, backend.family, backend._probe_prefill) is None
-    assert "a probe failed (RuntimeError: this MLP needs the whole block)" in caplog.text
+    assert "the last layer computes every position: " + said in caplog.text
     assert not layer.mlp._forward_pre_hooks and not hasattr(layer.self_attn, "_icr_last_attention")
     backend._probe_prefill()  # and prefills run as before
 
