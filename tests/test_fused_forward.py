@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.activations import NewGELUActivation
 
-from harness.backends import kept_positions, memory, onednn_linear
+from harness.backends import chunked_attention, memory, onednn_linear
 from harness.backends.additive_mask import additive_mask
 from harness.backends.hf import TransformersBackend
 from harness.tiny import make_tiny_model
@@ -128,10 +128,9 @@ def test_long_blocks_attending_in_chunks_equal_one_sdpa_call(name, request, monk
     the same logits as one SDPA call to float32 rounding, on a padded prefill, a padded block and an extend."""
     monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
     # every layer's whole block, the last one's too (a prefill's kept position alone: tests/test_kept_positions.py)
-    monkeypatch.setattr(kept_positions, "kept_queries", lambda module, queries: 0)
+    monkeypatch.setattr(chunked_attention, "kept_queries", lambda module, queries: 0)
     from torch.profiler import profile
 
-    from harness.backends import chunked_attention
     from harness.backends.chunked_attention import CHUNK, CHUNKED_SDPA, MIN_QUERIES
 
     monkeypatch.setattr(chunked_attention, "ONEDNN_MIN_QUERIES", 10 ** 9)  # SDPA's chunks, whatever the machine
@@ -165,10 +164,9 @@ def test_long_blocks_attending_by_onednns_products_equal_one_sdpa_call(name, req
     rounding on a padded prefill, a padded block and an extend; a block shorter than that stays on SDPA."""
     monkeypatch.setenv("ICR_CPU_FLASH", "off")  # this path, not the flash kernel (tests/test_cpu_flash.py)
     # every layer's whole block, the last one's too (a prefill's kept position alone: tests/test_kept_positions.py)
-    monkeypatch.setattr(kept_positions, "kept_queries", lambda module, queries: 0)
+    monkeypatch.setattr(chunked_attention, "kept_queries", lambda module, queries: 0)
     from torch.profiler import profile
 
-    from harness.backends import chunked_attention
     from harness.backends.chunked_attention import CHUNKED_SDPA, ONEDNN_MIN_QUERIES
 
     monkeypatch.setattr(onednn_linear, "choice", lambda: onednn_linear.LinearKernel(1, "forced"))

@@ -40,14 +40,15 @@ import functools
 
 import torch
 
-from harness.backends import kept_positions, onednn_linear
+from harness.backends import onednn_linear
 from harness.backends.additive_mask import BuiltMask
 from harness.ops import cpu_flash
 
 CHUNKED_SDPA = "icr_chunked_sdpa"
 SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``known``)
 SHARED_MAX_QUERIES = 16  # ... by blocks of up to this many queries (decoding steps)
-_KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None))  # (shared front, BuiltMask | None)
+_KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None, 0))  # (shared front, BuiltMask, kept)
+KEPT_LAST = "_icr_last_attention"  # set on the last layer's attention where it may compute the kept queries alone
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
 # queries a key head and row (grouped heads x queries) the decoding pass takes: it computes each query's scores on
@@ -67,9 +68,9 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
 
     q, kv = query.shape[2], key.shape[2]
     # a compiled step traces no context variable
-    shared, built = (0, None) if torch.compiler.is_compiling() else _KNOWN.get()
+    shared, built, _ = (0, None, 0) if torch.compiler.is_compiling() else _KNOWN.get()
     scale = kwargs.get("scaling") if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5
-    kept = kept_positions.kept_queries(module, q)
+    kept = kept_queries(module, q)
     if kept and (attention_mask.dim() == 4 if attention_mask is not None else kept == 1):
         return _last_queries(module, query, key, value, attention_mask, kept, kwargs), None
     if _by_decode_kernel(module, query, key, value, attention_mask, kwargs):
@@ -105,7 +106,7 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 def _last_queries(module, query, key, value, attention_mask, n: int, kwargs) -> torch.Tensor:
-    """[b, q, heads, d]: the block's last ``n`` queries attend (the positions a forward keeps, ``kept_positions``),
+    """[b, q, heads, d]: the block's last ``n`` queries attend (the positions a forward keeps, ``kept_queries``),
     each over the keys it sees (its rows of the mask, or every key for the last query alone); the other rows of
     the output are zero."""
     mask = None if attention_mask is None else attention_mask[:, :, -n:]
@@ -190,15 +191,30 @@ def onednn_attention(query, key, value, mask, scaling: float | None, known: Buil
 
 
 @contextlib.contextmanager
-def known(shared: int = 0, mask: BuiltMask | None = None):
+def known(shared: int = 0, mask: BuiltMask | None = None, kept: int = 0):
     """Within it, what attention may know of a forward: every key row's first ``shared`` positions are the same in
     every row of the batch and seen by every query (a merge with ``shared``: ``StepModel.merge``; 0: nothing is
-    known), and ``mask`` is the mask the backend built (read where it ``describes`` the mask attention gets)."""
-    token = _KNOWN.set((shared, mask))
+    known), ``mask`` is the mask the backend built (read where it ``describes`` the mask attention gets), and the
+    forward's caller reads only its last ``kept`` positions' logits (0: every position; the last layer then
+    computes those alone where ``kept_positions`` marked it)."""
+    token = _KNOWN.set((shared, mask, kept))
     try:
         yield
     finally:
         _KNOWN.reset(token)
+
+
+def kept() -> int:
+    """The positions a forward keeps (``known``); 0 while dynamo traces (a compiled step traces no context
+    variable, and keeps every position)."""
+    return 0 if torch.compiler.is_compiling() else _KNOWN.get()[2]
+
+
+def kept_queries(module, queries: int) -> int:
+    """How many last queries of ``module``'s block are needed: the kept positions in the marked last layer's
+    attention (``KEPT_LAST``), else 0 (all of them)."""
+    n = kept()
+    return n if n and n < queries and getattr(module, KEPT_LAST, False) else 0
 
 
 def _reads_front_once(module, query, key, attention_mask, kwargs, shared: int) -> bool:

@@ -12,7 +12,6 @@ from harness import hub
 from harness.backends import cpu_heap, fla_models, growing_cache, kept_positions, onednn_linear
 from harness.backends.additive_mask import BuiltMask, additive_mask
 from harness.backends.chunked_attention import chunk_attention, known
-from harness.backends.kept_positions import keeping
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
     BackendInfo,
@@ -191,7 +190,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             args["position_ids"] = pos
         if cache is not None:
             args[fam.cache_arg] = cache
-        with known(shared, built), keeping(kw.get("logits_to_keep", 0)):
+        with known(shared, built, kw.get("logits_to_keep", 0)):
             out = self.model(**args)
         return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 

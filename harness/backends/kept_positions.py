@@ -2,9 +2,10 @@
 
 A prefill (and a prefix-tree extend) keeps the last position's logits; every other position of the last layer
 feeds nothing but logits nobody reads, while its keys and values, made before attention, are cached whole. So
-within ``keeping(n)`` the last layer's attention computes its last ``n`` queries (``chunked_attention`` asks
-``kept_queries``) and its MLP takes its last ``n`` rows; the other rows come out as zeros. llama.cpp's graphs do
-the same (their output ids). On the 24 HotpotQA prompts the prefill ran 1.13x (docs/results/cpu.md).
+within ``chunked_attention.known(kept=n)``, which the backend's forward enters with its ``logits_to_keep``, the
+last layer's attention computes its last ``n`` queries (``chunked_attention.kept_queries``, on the module marked
+here) and its MLP takes its last ``n`` rows (hooks set here); the other rows come out as zeros. llama.cpp's graphs
+do the same (their output ids). On the 24 HotpotQA prompts the prefill ran 1.13x (docs/results/cpu.md).
 
 Installed on a CPU, where attention goes through ``chunked_attention.chunked_sdpa``, on an attention-only stack
 (a masked-padding family, ``Family.padding``) whose last decoder layer has one attention module and an ``mlp``;
@@ -14,8 +15,6 @@ query's and its MLP one row's, which round apart from the whole block's, so it i
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import os
 from typing import Callable
@@ -23,13 +22,14 @@ from typing import Callable
 import torch
 from torch import nn
 
+from harness.backends import chunked_attention
+from harness.backends.chunked_attention import KEPT_LAST
+
 log = logging.getLogger("harness")
 
 ENV = "ICR_KEPT_POSITIONS"
 IDENTITY = "the last layer for the kept positions only"
 TOLERANCE = 1e-4  # the probe's last logits against the whole layer's, relative to their largest value
-_KEPT = contextvars.ContextVar("icr_kept_positions", default=0)
-_MARK = "_icr_last_attention"  # set on the last layer's attention module
 
 
 def enabled() -> bool:
@@ -44,31 +44,9 @@ def identity(device: torch.device) -> dict:
     return {"kept_positions": IDENTITY} if device.type == "cpu" and enabled() else {}
 
 
-@contextlib.contextmanager
-def keeping(n: int):
-    """Within it, a forward's caller reads only the last ``n`` positions' logits (0: every position)."""
-    token = _KEPT.set(n)
-    try:
-        yield
-    finally:
-        _KEPT.reset(token)
-
-
-def _kept() -> int:
-    return 0 if torch.compiler.is_compiling() else _KEPT.get()  # a compiled step traces no context variable
-
-
-def kept_queries(module: nn.Module, queries: int) -> int:
-    """How many last queries of ``module``'s block are needed: the kept positions in the last layer's attention,
-    else 0 (all of them)."""
-    n = _kept()
-    return n if n and n < queries and getattr(module, _MARK, False) else 0
-
-
 def install(model: nn.Module, family, probe: Callable[[], torch.Tensor]) -> str | None:
     """Mark the last layer's attention and hook its MLP (see the module docstring); ``probe`` returns the logits a
-    forward keeps (it enters ``keeping`` itself). What changed, for the run's record (None: nothing; said why
-    where the probe refused it)."""
+    prefill keeps. What changed, for the run's record (None: nothing; said why where the probe refused it)."""
     if not enabled() or family.padding != "masked" or family.module_state or family.own_cache:
         return None
     last = _last_layer(model)
@@ -78,7 +56,7 @@ def install(model: nn.Module, family, probe: Callable[[], torch.Tensor]) -> str 
     if len(attention) != 1 or not isinstance(mlp, nn.Module):
         return None
     whole = probe().float()
-    setattr(attention[0], _MARK, True)
+    setattr(attention[0], KEPT_LAST, True)
     hooks = [mlp.register_forward_pre_hook(_kept_rows), mlp.register_forward_hook(_padded_back)]
     try:
         kept = probe().float()
@@ -87,7 +65,7 @@ def install(model: nn.Module, family, probe: Callable[[], torch.Tensor]) -> str 
     except Exception as e:  # noqa: BLE001  an MLP that returns more than a tensor, or takes its rows otherwise
         why = f"a probe failed ({type(e).__name__}: {e})"
     if why is not None:
-        delattr(attention[0], _MARK)
+        delattr(attention[0], KEPT_LAST)
         for hook in hooks:
             hook.remove()
         log.info("the last layer computes every position: %s", why)
@@ -105,7 +83,7 @@ def _last_layer(model: nn.Module) -> nn.Module | None:
 
 
 def _kept_rows(mlp, args):
-    n = _kept()
+    n = chunked_attention.kept()
     if n and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 3 and args[0].shape[1] > n:
         mlp._icr_positions = args[0].shape[1]
         return (args[0][:, -n:], *args[1:])
