@@ -77,10 +77,19 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
     return _model_dir(tmp_path_factory, tiny_tokenizer, "llama")
 
 
+# switches a backend reads as it loads: a session backend outlives the test that first asked for it, so it is
+# built with them at their defaults whatever that test set
+LOAD_SWITCHES = ("ICR_CPU_FLASH", "ICR_KEPT_POSITIONS")
+
+
 def _backend(model_dir):
     from harness.backends.loading import load_backend
 
-    return load_backend(model_dir, device="cpu", dtype="float32")
+    saved = {k: os.environ.pop(k) for k in LOAD_SWITCHES if k in os.environ}
+    try:
+        return load_backend(model_dir, device="cpu", dtype="float32")
+    finally:
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
