@@ -76,10 +76,10 @@ class FileHashCache:
 
 
 class MachineChoices:
-    """Choices this machine measured once (the Triton scan's tiles, the CPU's linear kernel), kept in the cache
-    folder as one JSON object by key. Written behind a file lock and merged with what other processes wrote
-    meanwhile; for a key the first choice written stands, so every process on the machine takes the same one and
-    its runs stay reproducible bit for bit."""
+    """Choices this machine measured once (the Triton scan's tiles, the CPU's linear kernel, the planner's cost
+    models), kept in the cache folder as one JSON object by key. Written behind a file lock and merged with what
+    other processes wrote meanwhile; for a key the first choice written stands, so every process on the machine
+    takes the same one and its runs stay reproducible bit for bit."""
 
     def __init__(self, name: str, what: str):
         self.name, self.what = name, what  # the file's name; what it holds, for messages
@@ -118,3 +118,16 @@ class MachineChoices:
         except OSError as e:  # a cache that cannot be written costs a measurement a process, not a run
             log.warning("%s could not be remembered in %s (%s)", self.what, self.file, e)
         return choice
+
+    def forget(self, which: Callable[[str], bool]) -> None:
+        """Drops the choices whose keys ``which`` accepts (measured again by the next process that asks)."""
+        from filelock import FileLock  # lazy: only a forced measurement writes
+
+        try:
+            with FileLock(str(self.file) + ".lock", timeout=30):
+                choices = self.read()
+                if any(which(k) for k in choices):
+                    write_atomic(self.file, json.dumps({k: v for k, v in choices.items() if not which(k)},
+                                                       indent=1, sort_keys=True))
+        except OSError as e:
+            log.warning("%s could not be forgotten in %s (%s)", self.what, self.file, e)

@@ -1,9 +1,12 @@
 """The prefill planner (``harness.backends.planner``): what it may choose comes from the backend, what it does
 choose from the cost model, and the choice, its reason and its estimates are reported."""
+import json
+
 import pytest
 
 from harness.backends.base import GenRequest
 
+from harness.backends.onednn_linear import machine_key
 from harness.backends.planner import Costs, batching, forget_costs, make_plan, measure_costs
 from harness.backends.prefix_tree import PrefixTree
 from tests.helpers import sweep_prompts
@@ -56,14 +59,30 @@ def test_the_tree_plans_order_batches_depth_first(phi_backend):
     assert max(map(len, plan.batches)) == 3
 
 
-def test_the_cost_model_is_measured_once_per_backend_and_shape(phi_backend):
+def test_the_cost_model_is_measured_once_a_machine_and_model_shape(phi_backend, hybrid_backend, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("ICR_CACHE", str(tmp_path))
+    remembered = lambda: json.loads((tmp_path / "cost-models.json").read_text())  # noqa: E731
     forget_costs(phi_backend)
     first = measure_costs(phi_backend, 64, 2)
     assert first.call > 0 and first.row_token >= 0 and first.batch_token >= 0
-    assert measure_costs(phi_backend, 64, 2) is first
+    assert measure_costs(phi_backend, 64, 2) is first  # this process's
     assert first.describe()["measured_at"] == [2, 64]
-    forget_costs(phi_backend)  # the planner's cache, not the backend's attributes, holds it
-    assert measure_costs(phi_backend, 64, 2) is not first and "_prefill_costs" not in vars(phi_backend)
+    [(key, rates)] = remembered().items()
+    assert rates == first.rates() and key.startswith(machine_key()) and key.endswith("2 x 64")
+    forget_costs(phi_backend)  # as a fresh process on this machine: read, not measured (its seconds would differ)
+    again = measure_costs(phi_backend, 64, 2)
+    assert again is not first and again == first and "_prefill_costs" not in vars(phi_backend)
+    measure_costs(hybrid_backend, 64, 2)  # another model, or another length, is measured for itself
+    measure_costs(phi_backend, 32, 2)
+    assert len(remembered()) == 3
+    forget_costs(phi_backend, remembered=True)  # as the machine's first run: measured again
+    assert measure_costs(phi_backend, 64, 2) != first
+    assert len(remembered()) == 2 and key in remembered()
+    (tmp_path / "cost-models.json").write_text(json.dumps({key: {"call": "soon"}}))  # unusable: measured again
+    forget_costs(phi_backend)
+    fixed = measure_costs(phi_backend, 64, 2)
+    assert remembered()[key] == fixed.rates() != first.rates()
 
 
 def test_rows_are_refilled_where_the_backend_joins_batches_and_the_choice_is_recorded(phi_backend,

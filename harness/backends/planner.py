@@ -15,7 +15,10 @@ slots of finished ones (continuous batching, ``generation.continuous_generate``)
 ``auto`` takes the plan a cost model of this device and model predicts fastest. The model is measured, not
 guessed: three prefills of the backend (a short one for what a call costs whatever its size, one row and a
 small batch of the run's typical length for what a token costs alone and batched) price every possible plan's
-calls and tokens; decoding is the same work in every plan and left out. On a CPU one unpadded row is the
+calls and tokens; decoding is the same work in every plan and left out. The rates are measured once a machine,
+model shape and set of kernels, and kept in the cache folder (``cost-models.json``, as the CPU's linear kernel
+is): a later run reads them (0.12-0.6 s of prefills saved a run on a 2-core CPU), and every run on the machine
+then picks the same plan for the same prompts. On a CPU one unpadded row is the
 cheapest way to compute a token (padded attention is not), so the tree's rows win; on a GPU a batch is, so the
 tree's blocks or ``batch`` win. What is possible at all comes from the backend (``batches_exact``,
 ``prefix_exact``, ``tree_unsupported``); a plan asked for that is not possible falls back, and says why.
@@ -23,6 +26,8 @@ tree's blocks or ``batch`` win. What is possible at all comes from the backend (
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 import weakref
@@ -53,12 +58,14 @@ from harness.backends.generation import (
     right_pad,
     shared_front_mask,
 )
+from harness.backends.onednn_linear import machine_key
 from harness.backends.prefix_tree import (
     PrefixStates,
     PrefixTree,
     default_budget,
     parse_bytes,
 )
+from harness.cache import MachineChoices
 
 log = logging.getLogger("harness")
 
@@ -83,28 +90,51 @@ class Costs:
     def prefill(self, rows: int, width: int) -> float:
         return self.call + rows * width * (self.row_token if rows == 1 else self.batch_token)
 
+    def rates(self) -> dict:
+        """The seconds as ``cost-models.json`` keeps them."""
+        return {"call": self.call, "row_token": self.row_token, "batch_token": self.batch_token}
+
     def describe(self) -> dict:
         return {"call_ms": round(self.call * 1e3, 3), "token_us_alone": round(self.row_token * 1e6, 3),
                 "token_us_batched": round(self.batch_token * 1e6, 3), "measured_at": [self.rows, self.length]}
 
 
-# The cost models measured so far, per backend (its entry goes with it), then length and rows.
+# The cost models read or measured so far, per backend (its entry goes with it), then length and rows.
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+REMEMBERED = MachineChoices("cost-models.json", "the planner's cost model")
 
 
-def forget_costs(backend: StepModel) -> None:
-    """Measure ``backend``'s cost model again at its next ``auto`` plan (a benchmark times ``auto`` as a fresh
-    run pays it)."""
+def forget_costs(backend: StepModel, remembered: bool = False) -> None:
+    """Read ``backend``'s cost model again at its next ``auto`` plan, as a fresh process on this machine would (a
+    benchmark times ``auto`` as a run pays it); ``remembered``: measure it again too, as a machine's first run
+    does."""
     _COSTS.pop(backend, None)
+    shape = _shape_key(backend) if remembered else None
+    if shape is not None:
+        REMEMBERED.forget(lambda key: key.startswith(shape))
+
+
+def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
+    """The cost model's rates at ``length`` tokens and ``rows`` rows: this process's, else what this machine
+    measured for a model of this shape, kernels and dtype (the cache folder), else measured now (``time_costs``)
+    and remembered in both."""
+    cache = _COSTS.setdefault(backend, {})
+    if (length, rows) not in cache:
+        shape = _shape_key(backend)
+        if shape is None:  # no configuration to know the model by: measured once a process
+            cache[(length, rows)] = time_costs(backend, length, rows)
+        else:
+            key = f"{shape} | {rows} x {length}"
+            rates = REMEMBERED.read().get(key)
+            if not _usable(rates):
+                rates = REMEMBERED.remember(key, time_costs(backend, length, rows).rates(), _usable)
+            cache[(length, rows)] = Costs(rates["call"], rates["row_token"], rates["batch_token"], length, rows)
+    return cache[(length, rows)]
 
 
 @torch.inference_mode()
-def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
-    """The cost model's rates, measured once per backend, length and rows (a few prefills of throwaway
-    tokens; nothing is counted as the run's work)."""
-    cache = _COSTS.setdefault(backend, {})
-    if (length, rows) in cache:
-        return cache[(length, rows)]
+def time_costs(backend: StepModel, length: int, rows: int) -> Costs:
+    """The cost model measured now: a few prefills of throwaway tokens (nothing is counted as the run's work)."""
     sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda *_: None)
 
     def timed(r: int, n: int) -> float:
@@ -121,9 +151,28 @@ def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
     timed(1, 16)  # first-call costs (lazy initialisation, kernel selection) out of the measurement
     call = min(timed(1, 16), timed(1, 16))
     one, many = timed(1, length), timed(rows, length)
-    costs = Costs(call, max(one - call, 0.0) / length, max(many - call, 0.0) / (rows * length), length, rows)
-    cache[(length, rows)] = costs
-    return costs
+    return Costs(call, max(one - call, 0.0) / length, max(many - call, 0.0) / (rows * length), length, rows)
+
+
+def _shape_key(backend: StepModel) -> str | None:
+    """What a remembered cost model holds for: the machine (its processor or GPU, torch, threads), the backend as
+    it describes itself (kernels, dtype, decode path) and its model's configuration without its path; None for a
+    model with no configuration to read."""
+    config = getattr(getattr(backend, "model", None), "config", None)
+    if config is None:
+        return None
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    shape = {k: v for k, v in fields.items() if not k.startswith("_") and k != "transformers_version"}
+    device = backend.device
+    where = (f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}" if device.type == "cuda"
+             else machine_key())
+    what = json.dumps({"backend": backend.describe().to_json(), "config": shape}, sort_keys=True, default=str)
+    return f"{where} | {type(backend).__name__} {hashlib.sha256(what.encode()).hexdigest()[:16]}"
+
+
+def _usable(rates) -> bool:
+    return isinstance(rates, dict) and all(isinstance(rates.get(k), (int, float)) and rates[k] >= 0
+                                           for k in ("call", "row_token", "batch_token"))
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int,

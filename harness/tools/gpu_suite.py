@@ -248,7 +248,7 @@ def plan_sweep(path: str, arch: str, device: str, dtype: str, prompts: list[str]
     runs = {}
     for rep in range(repeats):
         for plan in plans if rep % 2 == 0 else plans[::-1]:  # alternating: drift lands on every plan alike
-            forget_costs(backend)
+            forget_costs(backend, remembered=True)  # auto measures, as a machine's first run does
             sync()
             t = time.perf_counter()
             gen = backend.generate_all([GenRequest(p, new, prompt_ids=i) for p, i in zip(prompts, ids)],
