@@ -72,7 +72,10 @@ def test_the_additive_mask_is_causal_padded_and_left_to_sdpa_where_transformers_
     assert built[1, 0].tolist() == [[0, 0, 0, 0, low], [0, 0, 0, 0, 0]]
     full = torch.ones(2, 5, dtype=torch.long)
     assert additive_mask(full, 5, torch.float32) is full and additive_mask(full, 1, torch.float32) is full
-    assert additive_mask(full, 2, torch.float32).shape == (2, 1, 2, 5)  # queries after cached keys: a mask
+    unpadded = additive_mask(full, 2, torch.float32)  # queries after cached keys: a mask, the triangle alone
+    assert unpadded.shape == (2, 1, 2, 5) and unpadded.is_contiguous()
+    assert unpadded[0, 0].tolist() == unpadded[1, 0].tolist() == [[0, 0, 0, 0, low], [0, 0, 0, 0, 0]]
+    assert not torch.signbit(unpadded).logical_and(unpadded == 0).any()  # +0, as the padded path's where gives
 
 
 @torch.inference_mode()
