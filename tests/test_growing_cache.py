@@ -1,6 +1,8 @@
 """``GrowingLayer``: transformers' ``DynamicLayer`` with spare capacity gives the concatenating cache's logits,
 through prefill, decode steps past its spare room, a dropped row and repeated rows; rows merged from several
 caches land in one buffer with room for the steps to come."""
+import copy
+
 import torch
 from transformers import DynamicCache
 
@@ -88,3 +90,27 @@ def test_rows_merged_into_a_growing_layer_decode_in_its_buffer_and_equal_the_con
     assert torch.equal(keys[:3], before[:, :, 5:])
     assert torch.equal(keys[3:], torch.nn.functional.pad(extra_keys, (0, 0, width - 4 - 30, 0)))
     assert joined.layers[0]._k.shape[-2] == width - 4 + growing_cache.SPARE
+
+
+@torch.inference_mode()
+def test_a_prefix_state_repeated_once_shares_its_keys_until_a_row_writes_its_own(phi_backend):
+    """``StepModel.expand`` of a prefix tree's snapshot into one row: the row reads the snapshot's keys and values
+    where they lie, and its next update writes a buffer of its own, never the snapshot's room; its logits are a
+    copied snapshot's. (Recurrent states are copied: the family matrix's plans, ``tests/test_families.py``.)"""
+    gen = torch.Generator().manual_seed(2)
+    ids, more = torch.randint(5, 900, (1, 30), generator=gen), torch.randint(5, 900, (1, 12), generator=gen)
+    _, snapshot = phi_backend.prefill(ids, torch.ones_like(ids))
+    parent = snapshot["cache"].layers[0]
+    before = parent.keys.clone()
+    rows = [phi_backend.expand(snapshot, 1) for _ in range(2)]
+    child = rows[0]["cache"].layers[0]
+    assert child.keys.data_ptr() == parent.keys.data_ptr() and child._k.shape[-2] == child.keys.shape[-2] == 30
+    mask = torch.ones(1, 42, dtype=torch.long)
+    logits = [phi_backend.step(r, more[:, 6 * i:6 * i + 6], mask[:, :36]) for i, r in enumerate(rows)]
+    assert child.keys.data_ptr() != parent.keys.data_ptr() and torch.equal(parent.keys, before)
+    assert torch.equal(child.keys[..., :30, :], before)  # what the snapshot held, copied once
+    copied = {"cache": copy.deepcopy(snapshot["cache"]), "pos": snapshot["pos"].clone()}
+    assert torch.equal(logits[0], phi_backend.step(copied, more[:, :6], mask[:, :36]))
+    assert not torch.equal(logits[0], logits[1])  # two rows fed different tokens: the comparison can fail
+    many = phi_backend.expand(snapshot, 3)["cache"].layers[0]  # several rows: copies
+    assert many.keys.shape[0] == 3 and many.keys.data_ptr() != parent.keys.data_ptr()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from harness.backends import growing_cache
 
@@ -189,6 +190,30 @@ def map_rows(cache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         _set(box, key, fn(_get(box, key)))
     for layer in _fla_layers(cache):
         layer.state = _fla_map(layer.state, fn)
+
+
+# Cache layers that only append (by concatenation, or into room past their filled part): none writes where a
+# tensor of its keys and values already holds, so a copy may share them.
+APPEND_ONLY_LAYERS = (DynamicLayer, growing_cache.GrowingLayer)
+
+
+def repeat_rows(cache, n: int):
+    """A fresh cache holding each of ``cache``'s rows ``n`` times (a prefix's state, copied into each row): every
+    tensor copied, but an append-only layer's keys and values are shared as their filled part while ``n`` is 1
+    (the next update writes them into a buffer of its own). A prefix tree's snapshot had been copied three times
+    a segment: deep-copied, repeated once, and grown by the segment's update."""
+    memo = {}
+    for c in _caches(cache):
+        for layer in [] if isinstance(c, list) else getattr(c, "layers", []):
+            if isinstance(layer, growing_cache.GrowingLayer):
+                if layer._k is not None and layer._k.dim() >= 2:
+                    memo.update({id(layer._k): layer.keys, id(layer._v): layer.values})
+            elif type(layer) is DynamicLayer:
+                memo.update({id(t): t for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)})
+    fresh = copy.deepcopy(cache, memo)
+    if n > 1:
+        map_rows(fresh, lambda t: t.repeat_interleave(n, dim=0))
+    return fresh
 
 
 def recurrent_state(cache, clone: bool = False) -> list[torch.Tensor]:

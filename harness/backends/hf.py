@@ -1,7 +1,6 @@
 """transformers backend: any ``AutoModelForCausalLM`` checkpoint (Phi-1.5, Llama, GPT-2, ...)."""
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -31,6 +30,7 @@ from harness.backends.families import (
     merge_rows,
     mergeable,
     recurrent_state,
+    repeat_rows,
     restore_rows,
 )
 from harness.backends.generation import last_real_index, logits_at_last_real
@@ -281,9 +281,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
         return self.model(input_ids=input_ids, use_cache=False).logits
 
     def expand(self, state, n):
-        cache = copy.deepcopy(state["cache"])
-        map_rows(cache, lambda t: t.repeat_interleave(n, dim=0))
-        return {"cache": cache, "pos": state["pos"].repeat_interleave(n, dim=0)}
+        return {"cache": repeat_rows(state["cache"], n), "pos": state["pos"].repeat_interleave(n, dim=0)}
 
     def select(self, state, keep):
         map_rows(state["cache"], lambda t: t.index_select(0, keep))
