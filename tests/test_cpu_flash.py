@@ -2,7 +2,11 @@
 over the masks it meets (pads, grouped heads, cached keys, SDPA's causal flag), the same to the bit whatever the
 thread count and whether a row runs alone or in a batch, taken by the models' forwards with the same tokens as
 transformers' ``generate``, and left out, saying why, where it cannot be built or does not agree."""
+import json
 import logging
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -181,6 +185,34 @@ def test_turned_off_unbuildable_or_wrong_it_is_left_out_saying_why(tmp_path, mon
         assert [p.stat().st_mtime_ns for p in built] == stamp
     finally:
         cpu_flash._library.cache_clear()
+
+
+def test_a_kernel_slower_than_sdpa_on_this_machine_is_left_out_saying_why(tmp_path, monkeypatch, caplog):
+    """Raced against SDPA once a machine: where it lost, attention stays SDPA's. A real loser: the kernel built for
+    AVX2 alone, whose blocking for AVX-512's 32 vector registers spills (only where this CPU has AVX-512, so that
+    the two builds differ)."""
+    monkeypatch.setenv("ICR_CACHE", str(tmp_path))
+    races = tmp_path / "cpu-flash.json"
+    try:
+        cpu_flash._library.cache_clear()
+        assert cpu_flash.available(64)  # built, checked and raced into this cache
+        [(key, race)] = json.loads(races.read_text()).items()
+        assert race["faster"] and "on 256 queries after 512 keys" in race["why"]
+        races.write_text(json.dumps({key: {"faster": False, "why": "SDPA's time over the kernel's 0.50x"}}))
+        cpu_flash._library.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="harness"):
+            assert not cpu_flash.available(64)  # the machine's remembered race stands
+        assert "slower than SDPA on this CPU" in caplog.text and "0.50x" in caplog.text
+    finally:
+        cpu_flash._library.cache_clear()
+    if platform.machine() != "x86_64" or "avx512f" not in cpu_flash._cpu_flags().split():
+        return
+    avx2 = tmp_path / "avx2.so"
+    subprocess.run([shutil.which("g++") or "c++", *[f for f in cpu_flash.FLAGS if f != "-march=native"],
+                    "-march=x86-64-v3", "-DHEAD_DIM=64", str(cpu_flash.SOURCE), "-o", str(avx2)], check=True,
+                   capture_output=True)
+    lost = cpu_flash.race_sdpa(cpu_flash.load(avx2), 64)
+    assert not lost["faster"], lost
 
 
 def test_blocks_without_the_built_mask_or_with_anything_that_changes_the_scores_keep_their_path():

@@ -15,7 +15,9 @@ a decoding step of 24 merged rows (a front of 774, 2,500 keys) 2.2 ms against 3.
 
 The kernel is compiled with the machine's own vector width (``-march=native``), so the library is cached under a
 key of its source, the compiler, the head size and this CPU's flags; no compiler, a failed build or a result
-that differs from SDPA's (``checked.agrees``) leaves attention as it was, saying why once.
+that differs from SDPA's (``checked.agrees``) leaves attention as it was, saying why once. So does a kernel
+slower than SDPA here (``race``, once a machine, kept in ``cpu-flash.json``): its blocking is tuned for AVX-512's
+32 vector registers, and built for AVX2 alone it spills them (a 1,600-query block 300 ms against SDPA's 17).
 ``ICR_CPU_FLASH=off`` turns it off. Each query's tile and keys are fixed by its position, not by the number of
 threads, so a result does not change with the thread count.
 """
@@ -35,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from harness.cache import cache_dir
+from harness.backends.onednn_linear import machine_key
+from harness.cache import MachineChoices, cache_dir
 from harness.ops.checked import agrees
 
 log = logging.getLogger("harness")
@@ -46,6 +49,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 TOLERANCE = 1e-5  # against SDPA in float32, relative to the output's largest value (they round apart by ~1e-7)
 PROBE_HEAD_DIM = 64  # the head size built to learn whether the kernel builds here at all (``identity``)
 CALLS = {"attention": 0, "decode": 0}  # calls made, so a test can see the kernel ran
+RACES = MachineChoices("cpu-flash.json", "whether the CPU flash attention kernel is faster than SDPA here")
+RACE_REPEATS = 5  # timed calls of each, in turn; the fastest counts
 _ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + \
     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_long] * 3 + \
     [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -153,13 +158,11 @@ def _checked(mask: torch.Tensor) -> torch.Tensor:
 def _library(head_dim: int) -> ctypes.CDLL | None:
     """The kernel for ``head_dim`` built (or found built) and checked against SDPA; None, said once, where not."""
     try:
-        lib = ctypes.CDLL(str(_built(head_dim)))
+        lib = load(_built(head_dim))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("the CPU flash attention kernel is not available here (%s); attention runs as before",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
-    lib.icr_flash_attention.argtypes, lib.icr_decode_attention.argtypes = _ARGS, _DECODE_ARGS
-    lib.icr_flash_attention.restype = lib.icr_decode_attention.restype = None
     if lib.icr_flash_head_dim() != head_dim:
         log.warning("the CPU flash attention kernel built for head size %d reports %d; not used", head_dim,
                     lib.icr_flash_head_dim())
@@ -167,7 +170,48 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
     if not agrees(lambda: _check(lib, head_dim), TOLERANCE, "CPU flash attention kernel", "SDPA", "cpu",
                   f"the CPU (head size {head_dim})", "attention runs as before"):
         return None
+    key = f"{machine_key()} | {_built(head_dim).name}"
+    race = RACES.read().get(key)
+    if not _raced(race):
+        race = RACES.remember(key, race_sdpa(lib, head_dim), _raced)
+    if not race["faster"]:
+        log.warning("the CPU flash attention kernel (head size %d) is slower than SDPA on this CPU (%s); attention "
+                    "runs as before", head_dim, race["why"])
+        return None
     return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library, its functions' C types declared."""
+    lib = ctypes.CDLL(str(path))
+    lib.icr_flash_attention.argtypes, lib.icr_decode_attention.argtypes = _ARGS, _DECODE_ARGS
+    lib.icr_flash_attention.restype = lib.icr_decode_attention.restype = None
+    return lib
+
+
+def race_sdpa(lib, head_dim: int) -> dict:
+    """Whether the kernel ``lib`` attends faster than SDPA on this machine: a block of 256 queries after 512 cached
+    keys (a prefix tree's segment), 4 heads, each timed ``RACE_REPEATS`` times in turn, the fastest of each."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 256, head_dim, generator=gen)
+    key, value = (torch.randn(1, 4, 768, head_dim, generator=gen) for _ in range(2))
+    mask = torch.full((256, 768), torch.finfo(torch.float32).min).triu_(513)[None, None]
+    best = {"kernel": float("inf"), "sdpa": float("inf")}
+    with torch.inference_mode():
+        for _ in range(RACE_REPEATS):
+            for name in best:
+                start = time.perf_counter()
+                if name == "kernel":
+                    _run(lib, query, key, value, mask, [[]], head_dim ** -0.5)
+                else:
+                    torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+                best[name] = min(best[name], time.perf_counter() - start)
+    ratio = best["sdpa"] / best["kernel"]
+    return {"faster": ratio > 1.0, "why": f"SDPA's time over the kernel's {ratio:.2f}x on 256 queries after 512 keys"}
+
+
+def _raced(race) -> bool:
+    return isinstance(race, dict) and isinstance(race.get("faster"), bool) and isinstance(race.get("why"), str)
 
 
 def _check(lib, head_dim: int):
