@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -73,6 +74,20 @@ class FileHashCache:
                 write_atomic(self.path, json.dumps(entries))
         except Exception as e:  # noqa: BLE001  a cache that cannot be written only costs time
             log.debug("file-hash cache not written (%s)", e)
+
+
+def machine_key() -> str:
+    """The CPU a measured choice holds for: the processor, the torch build (its BLAS and oneDNN) and the threads a
+    call uses."""
+    import torch  # lazy: the cache folder's other users (file hashes) need no torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 class MachineChoices:

@@ -6,7 +6,7 @@ import pytest
 
 from harness.backends.base import GenRequest
 
-from harness.backends.onednn_linear import machine_key
+from harness.cache import machine_key
 from harness.backends.planner import Costs, batching, forget_costs, make_plan, measure_costs
 from harness.backends.prefix_tree import PrefixTree
 from tests.helpers import sweep_prompts

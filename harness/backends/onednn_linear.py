@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import platform
 import time
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from harness.cache import MachineChoices
+from harness.cache import MachineChoices, machine_key
 
 log = logging.getLogger("harness")
 
@@ -149,17 +148,6 @@ def choice() -> LinearKernel:
 def _usable(entry) -> bool:
     return (isinstance(entry, dict) and isinstance(entry.get("why"), str)
             and (entry.get("min_rows") is None or (isinstance(entry["min_rows"], int) and entry["min_rows"] >= 1)))
-
-
-def machine_key() -> str:
-    """What a choice holds for: the processor, the torch build (its BLAS and oneDNN) and the threads a call uses."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 def measure() -> dict:

@@ -58,14 +58,13 @@ from harness.backends.generation import (
     right_pad,
     shared_front_mask,
 )
-from harness.backends.onednn_linear import machine_key
 from harness.backends.prefix_tree import (
     PrefixStates,
     PrefixTree,
     default_budget,
     parse_bytes,
 )
-from harness.cache import MachineChoices
+from harness.cache import MachineChoices, machine_key
 
 log = logging.getLogger("harness")
 

@@ -2,7 +2,8 @@
 // per row, head and tile of TILE queries, the keys the tile can see in blocks of KEYS, each block's scores
 // kept in the core's cache, their softmax taken online (a running maximum and sum) and the values summed at
 // once. Compiled on the machine that runs it (harness/ops/cpu_flash.py: -march=native, HEAD_DIM fixed), so the
-// vector type below is the widest the CPU has. Called through ctypes: plain C types only.
+// vector type below is the widest the CPU has: 16 floats with AVX-512, else 8 (AVX2). Called through ctypes:
+// plain C types only.
 //
 // Query i of a row sees key j iff j <= past + i (past = keys - queries); a key outside that is left out (its
 // weight exactly 0), and inside the row's pad runs the additive mask's entry is added to the score (the 0/min
@@ -10,7 +11,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -19,16 +20,43 @@
 #endif
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 16, at most 256");
 
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats a vector
+constexpr int VALUES = 4;  // vectors of a value row a product step holds a query (AVX-512: 32 registers)
+#else
+constexpr int W = 8;
+constexpr int VALUES = 2;  // AVX2's 16 registers: a prefill's blocks 1.15x faster than with 4
+#endif
 constexpr int D = HEAD_DIM;
 constexpr int TILE = 12;  // queries a work item (two groups of GROUP)
 constexpr int GROUP = 6;  // query rows a product step holds in registers
 constexpr int KEYS = 256;  // keys a block: its scores stay in the core's cache
 
-typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats
-typedef int ivec __attribute__((vector_size(64)));
+typedef float vec __attribute__((vector_size(4 * W), aligned(4)));
+typedef int ivec __attribute__((vector_size(4 * W)));
 
-static inline vec load(const float* p) { vec r; std::memcpy(&r, p, sizeof r); return r; }
-static inline void store(float* p, vec x) { std::memcpy(p, &x, sizeof x); }
+// Unaligned loads and stores as one instruction: GCC expands a memcpy of an AVX2 vector into 16-byte moves through
+// the stack, and the 32-byte reload of two 16-byte stores stalls (the AVX2 build ran 20x slower for it).
+static inline vec load(const float* p) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_loadu_ps(p);
+#elif defined(__AVX__)
+  return (vec)_mm256_loadu_ps(p);
+#else
+  vec r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+#endif
+}
+static inline void store(float* p, vec x) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, (__m512)x);
+#elif defined(__AVX__)
+  _mm256_storeu_ps(p, (__m256)x);
+#else
+  std::memcpy(p, &x, sizeof x);
+#endif
+}
 static inline vec splat(float x) { return vec{} + x; }
 
 // exp(x) for x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for
@@ -76,14 +104,14 @@ struct Tile {  // one thread's scratch
 // scores[i][j0 + t] = q_i . k_{j0 + t} * scale for the tile's rows, keys transposed ([D][keys], stride kt_d)
 static void scores(Tile& w, const float* kt, long kt_d, int j0, int nk, float scale) {
   for (int g = 0; g < TILE; g += GROUP) {
-    for (int t = 0; t < nk; t += 32) {
+    for (int t = 0; t < nk; t += 2 * W) {
       vec a[GROUP][2];
       for (int i = 0; i < GROUP; ++i) a[i][0] = a[i][1] = splat(0.f);
       const float* k = kt + j0 + t;
-      if (t + 16 < nk) {
+      if (t + W < nk) {
 #pragma GCC unroll 4
         for (int c = 0; c < D; ++c) {
-          vec k0 = load(k + c * kt_d), k1 = load(k + c * kt_d + 16);
+          vec k0 = load(k + c * kt_d), k1 = load(k + c * kt_d + W);
 #pragma GCC unroll 6
           for (int i = 0; i < GROUP; ++i) {
             vec qi = splat(w.q[g + i][c]);
@@ -100,22 +128,22 @@ static void scores(Tile& w, const float* kt, long kt_d, int j0, int nk, float sc
       }
       for (int i = 0; i < GROUP; ++i) {
         store(&w.s[g + i][t], a[i][0] * scale);
-        if (t + 16 < nk) store(&w.s[g + i][t + 16], a[i][1] * scale);
+        if (t + W < nk) store(&w.s[g + i][t + W], a[i][1] * scale);
       }
     }
   }
 }
 
-// o[i] += sum_t s[i][t] v_{j0 + t}, D/16 vectors a row at a time in chunks of four
+// o[i] += sum_t s[i][t] v_{j0 + t}, D/W vectors a row at a time in chunks of VALUES
 template <int V>
 static void values_chunk(Tile& w, const float* v, long v_n, int nk, int d0) {
   for (int g = 0; g < TILE; g += GROUP) {
     vec a[GROUP][V];
     for (int i = 0; i < GROUP; ++i)
-      for (int u = 0; u < V; ++u) a[i][u] = load(&w.o[g + i][d0 + 16 * u]);
+      for (int u = 0; u < V; ++u) a[i][u] = load(&w.o[g + i][d0 + W * u]);
     for (int t = 0; t < nk; ++t) {
       vec x[V];
-      for (int u = 0; u < V; ++u) x[u] = load(v + t * v_n + d0 + 16 * u);
+      for (int u = 0; u < V; ++u) x[u] = load(v + t * v_n + d0 + W * u);
 #pragma GCC unroll 6
       for (int i = 0; i < GROUP; ++i) {
         vec p = splat(w.s[g + i][t]);
@@ -123,22 +151,23 @@ static void values_chunk(Tile& w, const float* v, long v_n, int nk, int d0) {
       }
     }
     for (int i = 0; i < GROUP; ++i)
-      for (int u = 0; u < V; ++u) store(&w.o[g + i][d0 + 16 * u], a[i][u]);
+      for (int u = 0; u < V; ++u) store(&w.o[g + i][d0 + W * u], a[i][u]);
   }
 }
 
 static void values(Tile& w, const float* v, long v_n, int nk) {
   int d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) values_chunk<4>(w, v, v_n, nk, d0);
-  if (D - d0 == 48) values_chunk<3>(w, v, v_n, nk, d0);
-  if (D - d0 == 32) values_chunk<2>(w, v, v_n, nk, d0);
-  if (D - d0 == 16) values_chunk<1>(w, v, v_n, nk, d0);
+  for (; d0 + VALUES * W <= D; d0 += VALUES * W) values_chunk<VALUES>(w, v, v_n, nk, d0);
+  const int rest = (D - d0) / W;  // fewer than VALUES vectors left
+  if (rest == 3) values_chunk<3>(w, v, v_n, nk, d0);
+  if (rest == 2) values_chunk<2>(w, v, v_n, nk, d0);
+  if (rest == 1) values_chunk<1>(w, v, v_n, nk, d0);
 }
 
 // the tile's softmax over one key block, online: masked entries added, unseen keys out, maxima and sums carried
 static void softmax_block(Tile& w, int rows, int past, int q0, int j0, int nk, const float* mask, long m_q,
                           const int* pads, int npads) {
-  const int padded = (nk + 15) / 16 * 16;
+  const int padded = (nk + W - 1) / W * W;
   for (int i = 0; i < rows; ++i) {
     float* s = w.s[i];
     int seen = past + q0 + i + 1 - j0;  // keys of this block the query sees
@@ -152,34 +181,35 @@ static void softmax_block(Tile& w, int rows, int past, int q0, int j0, int nk, c
     }
     for (int t = seen; t < padded; ++t) s[t] = -INFINITY;
     vec top = splat(-INFINITY);
-    for (int t = 0; t < padded; t += 16) {
+    for (int t = 0; t < padded; t += W) {
       vec x = load(s + t);
       top = x > top ? x : top;
     }
     float m = w.max[i];
-    for (int u = 0; u < 16; ++u) m = top[u] > m ? top[u] : m;
+    for (int u = 0; u < W; ++u) m = top[u] > m ? top[u] : m;
     const float rescale = std::exp(w.max[i] - m);
     w.max[i] = m;
     vec total = splat(0.f), mv = splat(m);
-    for (int t = 0; t < padded; t += 16) {
+    for (int t = 0; t < padded; t += W) {
       vec p = exp_nonpositive(load(s + t) - mv);
       store(s + t, p);
       total += p;
     }
     float sum = 0.f;
-    for (int u = 0; u < 16; ++u) sum += total[u];
+    for (int u = 0; u < W; ++u) sum += total[u];
     w.sum[i] = w.sum[i] * rescale + sum;
     if (rescale != 1.f)
-      for (int d = 0; d < D; d += 16) store(&w.o[i][d], load(&w.o[i][d]) * rescale);
+      for (int d = 0; d < D; d += W) store(&w.o[i][d], load(&w.o[i][d]) * rescale);
   }
   for (int i = rows; i < TILE; ++i)  // rows past the block's last query: nothing to add
     for (int t = 0; t < padded; ++t) w.s[i][t] = 0.f;
 }
 
-// lane t of the result: the sum of v[t]'s lanes (four rounds of pairwise sums, each halving the vectors)
+// lane t of the result: the sum of v[t]'s lanes (rounds of pairwise sums, each halving the vectors)
 static inline vec pair_sums(vec a, vec b, ivec even, ivec odd) {
   return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
+#if defined(__AVX512F__)
 static inline vec lane_sums(const vec* v) {
   const ivec e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
   const ivec o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
@@ -195,9 +225,20 @@ static inline vec lane_sums(const vec* v) {
   for (int k = 0; k < 2; ++k) y[k] = pair_sums(x[2 * k], x[2 * k + 1], e3, o3);
   return pair_sums(y[0], y[1], e4, o4);
 }
+#else
+static inline vec lane_sums(const vec* v) {
+  const ivec e1 = {0, 8, 2, 10, 4, 12, 6, 14}, o1 = {1, 9, 3, 11, 5, 13, 7, 15};
+  const ivec e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const ivec e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
+  vec w[4], x[2];
+  for (int k = 0; k < 4; ++k) w[k] = pair_sums(v[2 * k], v[2 * k + 1], e1, o1);
+  for (int k = 0; k < 2; ++k) x[k] = pair_sums(w[2 * k], w[2 * k + 1], e2, o2);
+  return pair_sums(x[0], x[1], e3, o3);
+}
+#endif
 
 struct Query {  // one query's state over the keys it has read
-  vec q[D / 16], o[D / 16];
+  vec q[D / W], o[D / W];
   const float* mask;  // its row of the additive mask, or null
   float max, sum;
 };
@@ -216,39 +257,39 @@ static bool hidden(const Query* qs, int count, int j, int n) {
   return true;
 }
 
-// queries qs[0..count) over keys [j0, j1) (rows of k and v, strides k_n and v_n), 16 keys at a time: each block
+// queries qs[0..count) over keys [j0, j1) (rows of k and v, strides k_n and v_n), W keys at a time: each block
 // read once for all of them (it stays in the core's cache while they take it in turn)
 static void decode_over(Query* qs, int count, const float* k, long k_n, const float* v, long v_n, int j0, int j1,
                         float scale) {
-  for (int j = j0; j < j1; j += 16) {
-    const int n = j1 - j < 16 ? j1 - j : 16;
+  for (int j = j0; j < j1; j += W) {
+    const int n = j1 - j < W ? j1 - j : W;
     if (hidden(qs, count, j, n)) continue;
     for (int qi = 0; qi < count; ++qi) {
       Query& a = qs[qi];
-      vec part[16];
-      for (int t = 0; t < 16; ++t) {
+      vec part[W];
+      for (int t = 0; t < W; ++t) {
         part[t] = splat(0.f);
         if (t < n) {
           const float* key = k + (long)(j + t) * k_n;
-          for (int c = 0; c < D / 16; ++c) part[t] += a.q[c] * load(key + 16 * c);
+          for (int c = 0; c < D / W; ++c) part[t] += a.q[c] * load(key + W * c);
         }
       }
       vec s = lane_sums(part) * scale;
-      for (int t = 0; t < 16; ++t) s[t] = t < n ? (a.mask ? s[t] + a.mask[j + t] : s[t]) : -INFINITY;
+      for (int t = 0; t < W; ++t) s[t] = t < n ? (a.mask ? s[t] + a.mask[j + t] : s[t]) : -INFINITY;
       float top = a.max;
       for (int t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
       const float rescale = std::exp(a.max - top);
       a.max = top;
       const vec p = exp_nonpositive(s - top);
       float sum = 0.f;
-      for (int t = 0; t < 16; ++t) sum += p[t];
+      for (int t = 0; t < W; ++t) sum += p[t];
       a.sum = a.sum * rescale + sum;
       if (rescale != 1.f)
-        for (int c = 0; c < D / 16; ++c) a.o[c] *= rescale;
+        for (int c = 0; c < D / W; ++c) a.o[c] *= rescale;
       for (int t = 0; t < n; ++t) {
         const float* value = v + (long)(j + t) * v_n;
         const vec weight = splat(p[t]);
-        for (int c = 0; c < D / 16; ++c) a.o[c] += weight * load(value + 16 * c);
+        for (int c = 0; c < D / W; ++c) a.o[c] += weight * load(value + W * c);
       }
     }
   }
@@ -274,8 +315,8 @@ extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_
       const int count = group * queries - first < QUERIES ? group * queries - first : QUERIES;
       for (int u = 0; u < count; ++u) {
         const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
-        for (int c = 0; c < D / 16; ++c) {
-          qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + 16 * c);
+        for (int c = 0; c < D / W; ++c) {
+          qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + W * c);
           qs[u].o[c] = splat(0.f);
         }
         qs[u].mask = mask ? mask + b * m_b + i * m_q : nullptr;
@@ -287,7 +328,7 @@ extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_
       for (int u = 0; u < count; ++u) {
         const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
         float* o = out + b * o_b + i * o_n + h * o_h;
-        for (int c = 0; c < D / 16; ++c) store(o + 16 * c, qs[u].o[c] * (1.f / qs[u].sum));
+        for (int c = 0; c < D / W; ++c) store(o + W * c, qs[u].o[c] * (1.f / qs[u].sum));
       }
     }
   }
@@ -314,11 +355,11 @@ extern "C" void icr_flash_attention(const float* q, long q_b, long q_h, long q_n
       const int q0 = tile * TILE, n = queries - q0 < TILE ? queries - q0 : TILE;
       const float* qb = q + b * q_b + h * q_h + q0 * q_n;
       for (int i = 0; i < TILE; ++i)
-        for (int d = 0; d < D; d += 16) store(&w.q[i][d], i < n ? load(qb + i * q_n + d) : splat(0.f));
+        for (int d = 0; d < D; d += W) store(&w.q[i][d], i < n ? load(qb + i * q_n + d) : splat(0.f));
       for (int i = 0; i < TILE; ++i) {
         w.max[i] = -FLT_MAX;
         w.sum[i] = 0.f;
-        for (int d = 0; d < D; d += 16) store(&w.o[i][d], splat(0.f));
+        for (int d = 0; d < D; d += W) store(&w.o[i][d], splat(0.f));
       }
       const float* ktb = kt + b * kt_b + (h / group) * kt_h;
       const float* vb = v + b * v_b + (h / group) * v_h;
@@ -332,7 +373,7 @@ extern "C" void icr_flash_attention(const float* q, long q_b, long q_h, long q_n
       for (int i = 0; i < n; ++i) {
         float* o = out + b * o_b + (long)(q0 + i) * o_n + h * o_h;
         const vec inverse = splat(1.f / w.sum[i]);
-        for (int d = 0; d < D; d += 16) store(o + d, load(&w.o[i][d]) * inverse);
+        for (int d = 0; d < D; d += W) store(o + d, load(&w.o[i][d]) * inverse);
       }
     }
   }
