@@ -217,8 +217,10 @@ def test_a_kernel_slower_than_sdpa_on_this_machine_is_left_out_saying_why(tmp_pa
         assert "slower than SDPA on this CPU" in caplog.text and "0.50x" in caplog.text
     finally:
         cpu_flash._library.cache_clear()
+    threads = torch.get_num_threads()
     lost = cpu_flash.race_sdpa(_build(tmp_path, 64, "-O0"), 64)
     assert not lost["faster"], lost
+    assert torch.get_num_threads() == threads  # raced on one thread, the process's count given back
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not {"avx2", "fma"} <= set(cpu_flash._cpu_flags().split()),
