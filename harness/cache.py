@@ -91,10 +91,10 @@ def machine_key() -> str:
 
 
 class MachineChoices:
-    """Choices this machine measured once (the Triton scan's tiles, the CPU's linear kernel, the planner's cost
-    models), kept in the cache folder as one JSON object by key. Written behind a file lock and merged with what
-    other processes wrote meanwhile; for a key the first choice written stands, so every process on the machine
-    takes the same one and its runs stay reproducible bit for bit."""
+    """Choices this machine measured once (the Triton scan's tiles, the CPU's linear kernel, the CPU flash kernel's
+    race against SDPA, the planner's cost models), kept in the cache folder as one JSON object by key. Written
+    behind a file lock and merged with what other processes wrote meanwhile; for a key the first choice written
+    stands, so every process on the machine takes the same one and its runs stay reproducible bit for bit."""
 
     def __init__(self, name: str, what: str):
         self.name, self.what = name, what  # the file's name; what it holds, for messages
@@ -138,6 +138,8 @@ class MachineChoices:
         """Drops the choices whose keys ``which`` accepts (measured again by the next process that asks)."""
         from filelock import FileLock  # lazy: only a forced measurement writes
 
+        if not self.file.exists():
+            return
         try:
             with FileLock(str(self.file) + ".lock", timeout=30):
                 choices = self.read()

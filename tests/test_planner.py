@@ -63,7 +63,8 @@ def test_the_cost_model_is_measured_once_a_machine_and_model_shape(phi_backend, 
                                                                    monkeypatch):
     monkeypatch.setenv("ICR_CACHE", str(tmp_path))
     remembered = lambda: json.loads((tmp_path / "cost-models.json").read_text())  # noqa: E731
-    forget_costs(phi_backend)
+    forget_costs(phi_backend, remembered=True)  # nothing remembered yet: nothing to forget, nothing written
+    assert not (tmp_path / "cost-models.json").exists()
     first = measure_costs(phi_backend, 64, 2)
     assert first.call > 0 and first.row_token >= 0 and first.batch_token >= 0
     assert measure_costs(phi_backend, 64, 2) is first  # this process's

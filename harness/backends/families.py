@@ -192,16 +192,12 @@ def map_rows(cache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         layer.state = _fla_map(layer.state, fn)
 
 
-# Cache layers that only append (by concatenation, or into room past their filled part): none writes where a
-# tensor of its keys and values already holds, so a copy may share them.
-APPEND_ONLY_LAYERS = (DynamicLayer, growing_cache.GrowingLayer)
-
-
 def repeat_rows(cache, n: int):
     """A fresh cache holding each of ``cache``'s rows ``n`` times (a prefix's state, copied into each row): every
-    tensor copied, but an append-only layer's keys and values are shared as their filled part while ``n`` is 1
-    (the next update writes them into a buffer of its own). A prefix tree's snapshot had been copied three times
-    a segment: deep-copied, repeated once, and grown by the segment's update."""
+    tensor copied, but the keys and values of a layer that only appends (``DynamicLayer`` concatenates,
+    ``GrowingLayer`` writes past its filled part: neither writes where a tensor already holds) are shared as their
+    filled part while ``n`` is 1, and the next update writes a buffer of its own. A prefix tree's snapshot had been
+    copied three times a segment: deep-copied, repeated once, and grown by the segment's update."""
     memo = {}
     for c in _caches(cache):
         for layer in [] if isinstance(c, list) else getattr(c, "layers", []):
