@@ -134,6 +134,11 @@ class MachineChoices:
             log.warning("%s could not be remembered in %s (%s)", self.what, self.file, e)
         return choice
 
+    def recall(self, key: str, measure: Callable[[], dict], usable: Callable[[Any], bool]) -> dict:
+        """The ``usable`` choice remembered under ``key``, else ``measure()``'s, remembered (``remember``)."""
+        choice = self.read().get(key)
+        return choice if usable(choice) else self.remember(key, measure(), usable)
+
     def forget(self, which: Callable[[str], bool]) -> None:
         """Drops the choices whose keys ``which`` accepts (measured again by the next process that asks)."""
         from filelock import FileLock  # lazy: only a forced measurement writes

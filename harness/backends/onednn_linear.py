@@ -138,10 +138,13 @@ def choice() -> LinearKernel:
     if how == "onednn":
         return LinearKernel(1, "ICR_CPU_LINEAR=onednn")
     key = machine_key()
-    entry = CHOICES.read().get(key)
-    if not _usable(entry):
-        entry = CHOICES.remember(key, measure(), _usable)
+
+    def measured() -> dict:
+        entry = measure()
         log.info("CPU linear kernel, %s: %s", key, entry)
+        return entry
+
+    entry = CHOICES.recall(key, measured, _usable)
     return LinearKernel(entry["min_rows"], entry["why"])
 
 

@@ -123,10 +123,8 @@ def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
         if shape is None:  # no configuration to know the model by: measured once a process
             cache[(length, rows)] = time_costs(backend, length, rows)
         else:
-            key = f"{shape} | {rows} x {length}"
-            rates = REMEMBERED.read().get(key)
-            if not _usable(rates):
-                rates = REMEMBERED.remember(key, time_costs(backend, length, rows).rates(), _usable)
+            rates = REMEMBERED.recall(f"{shape} | {rows} x {length}",
+                                      lambda: time_costs(backend, length, rows).rates(), _usable)
             cache[(length, rows)] = Costs(rates["call"], rates["row_token"], rates["batch_token"], length, rows)
     return cache[(length, rows)]
 

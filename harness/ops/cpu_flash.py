@@ -158,7 +158,8 @@ def _checked(mask: torch.Tensor) -> torch.Tensor:
 def _library(head_dim: int) -> ctypes.CDLL | None:
     """The kernel for ``head_dim`` built (or found built) and checked against SDPA; None, said once, where not."""
     try:
-        lib = load(_built(head_dim))
+        built = _built(head_dim)
+        lib = load(built)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("the CPU flash attention kernel is not available here (%s); attention runs as before",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
@@ -170,10 +171,7 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
     if not agrees(lambda: _check(lib, head_dim), TOLERANCE, "CPU flash attention kernel", "SDPA", "cpu",
                   f"the CPU (head size {head_dim})", "attention runs as before"):
         return None
-    key = f"{machine_key()} | {_built(head_dim).name}"
-    race = RACES.read().get(key)
-    if not _raced(race):
-        race = RACES.remember(key, _raced_thrice(lib, head_dim), _raced)
+    race = RACES.recall(f"{machine_key()} | {built.name}", lambda: _raced_thrice(lib, head_dim), _raced)
     if not race["faster"]:
         log.warning("the CPU flash attention kernel (head size %d) is slower than SDPA on this CPU (%s); attention "
                     "runs as before", head_dim, race["why"])
