@@ -41,6 +41,7 @@ def _reference(query, key, value, mask, scale, dtype=torch.float64):
     (2, 4, 2, 300, 41, {1: (0, 60)}),          # grouped heads, a left-padded row, keys cached before the block
     (3, 2, 1, 17, 700, {0: (0, 5), 2: (300, 340)}),  # one key head, pads at the front and in the middle
     (2, 4, 4, 270, 530, {1: (790, 800)}),      # the second row's block ends in pads (right padding)
+    (1, 2, 2, 100, 1500, {0: (800, 840)}),     # keys over three of the kernel's blocks, pads in the second
 ])
 def test_the_kernel_equals_sdpa_in_float64_as_closely_as_sdpa_in_float32(dim, rows, heads, kv_heads, queries, past,
                                                                          pads):
