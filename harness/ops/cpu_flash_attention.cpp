@@ -260,6 +260,11 @@ struct Query {  // one query's state over the keys it has read
   const float* mask;  // its row of the additive mask, or null
   float max, sum;
 };
+// Blocks ahead (~48 KB of keys, and of values) whose first rows a decoding pass touches before it needs them: at
+// head size 64 a block of keys or of values is one 4 KB page, the hardware's prefetchers stop at a page's end,
+// and each block began with a miss to memory. A step of 24 merged rows after a front of 774: 1.04-1.10x (head size
+// 128: 1.11x; the AVX2 build 1.07x), the same outputs to the bit.
+constexpr int AHEAD = 49152 / (W * D * 4) > 1 ? 49152 / (W * D * 4) : 1;
 constexpr int QUERIES = 32;  // queries a pass over one row's keys takes at once (a key head's group, a block)
 
 // Whether every query's mask hides keys [j, j + n) (the dtype's minimum: weights that are exactly 0) and every
@@ -281,6 +286,10 @@ static void decode_over(Query* qs, int count, const float* k, long k_n, const fl
                         float scale) {
   for (int j = j0; j < j1; j += W) {
     const int n = j1 - j < W ? j1 - j : W;
+    if (j + AHEAD * W < j1) {
+      __builtin_prefetch(k + (long)(j + AHEAD * W) * k_n);
+      __builtin_prefetch(v + (long)(j + AHEAD * W) * v_n);
+    }
     if (hidden(qs, count, j, n)) continue;
     for (int qi = 0; qi < count; ++qi) {
       Query& a = qs[qi];
