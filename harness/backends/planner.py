@@ -73,29 +73,38 @@ MOSTLY_ATTENTION = 0.5  # on a CPU, auto keeps static batches above this share o
 PREFIX_REUSE = ("auto", "tree", "tree-rows", "tree-block", "batch", "none")  # tree-*: the tree's prefill forced
 MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 CALIBRATION_TOKENS = 1024  # the longest prompt length the cost model is measured at
+TIMINGS = 3  # timed prefills a point of the cost model; the fastest counts
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds a prefill call takes: a fixed part, plus a part per token (pads included) that differs between
-    one unpadded row and a padded batch."""
+    """Seconds a prefill call takes: a fixed part, plus a part per token (pads included) and a part per pair of a
+    token and a key it attends to, each for one unpadded row and for a padded batch. The pairs are what grows with
+    a prompt's context: priced per token alone, the model put the 24 HotpotQA prompts' batch prefill 1.16x above
+    the tree's where it ran 1.9x longer, and a noisy measurement then picked it."""
 
     call: float
     row_token: float
     batch_token: float
     length: int
     rows: int
+    row_pair: float = 0.0
+    batch_pair: float = 0.0
 
-    def prefill(self, rows: int, width: int) -> float:
-        return self.call + rows * width * (self.row_token if rows == 1 else self.batch_token)
+    def prefill(self, rows: int, width: int, past: float = 0) -> float:
+        """A call of ``rows`` rows of ``width`` tokens each after ``past`` cached ones."""
+        token, pair = (self.row_token, self.row_pair) if rows == 1 else (self.batch_token, self.batch_pair)
+        return self.call + rows * width * (token + pair * (past + (width + 1) / 2))
 
     def rates(self) -> dict:
         """The seconds as ``cost-models.json`` keeps them."""
-        return {"call": self.call, "row_token": self.row_token, "batch_token": self.batch_token}
+        return {"call": self.call, "row_token": self.row_token, "batch_token": self.batch_token,
+                "row_pair": self.row_pair, "batch_pair": self.batch_pair}
 
     def describe(self) -> dict:
         return {"call_ms": round(self.call * 1e3, 3), "token_us_alone": round(self.row_token * 1e6, 3),
-                "token_us_batched": round(self.batch_token * 1e6, 3), "measured_at": [self.rows, self.length]}
+                "token_us_batched": round(self.batch_token * 1e6, 3), "pair_ns_alone": round(self.row_pair * 1e9, 4),
+                "pair_ns_batched": round(self.batch_pair * 1e9, 4), "measured_at": [self.rows, self.length]}
 
 
 # The cost models read or measured so far, per backend (its entry goes with it), then length and rows.
@@ -125,13 +134,16 @@ def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
         else:
             rates = REMEMBERED.recall(f"{shape} | {rows} x {length}",
                                       lambda: time_costs(backend, length, rows).rates(), _usable)
-            cache[(length, rows)] = Costs(rates["call"], rates["row_token"], rates["batch_token"], length, rows)
+            cache[(length, rows)] = Costs(rates["call"], rates["row_token"], rates["batch_token"], length, rows,
+                                          rates["row_pair"], rates["batch_pair"])
     return cache[(length, rows)]
 
 
 @torch.inference_mode()
 def time_costs(backend: StepModel, length: int, rows: int) -> Costs:
-    """The cost model measured now: a few prefills of throwaway tokens (nothing is counted as the run's work)."""
+    """The cost model measured now: prefills of throwaway tokens (nothing is counted as the run's work), one row
+    and ``rows`` rows at ``length`` tokens and at a quarter of it (the difference prices a token's context), each
+    the fastest of ``TIMINGS`` (another process on the cores only ever adds time)."""
     sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda *_: None)
 
     def timed(r: int, n: int) -> float:
@@ -139,16 +151,36 @@ def time_costs(backend: StepModel, length: int, rows: int) -> Costs:
         mask = torch.ones_like(ids)
         if r > 1:
             mask[0, 0] = 0  # one pad, so the batch takes the masked path a real padded batch takes
-        sync(backend.device)
-        t = time.perf_counter()
-        backend.prefill(ids, mask)
-        sync(backend.device)
-        return time.perf_counter() - t
+        best = float("inf")
+        for _ in range(TIMINGS):
+            sync(backend.device)
+            t = time.perf_counter()
+            backend.prefill(ids, mask)
+            sync(backend.device)
+            best = min(best, time.perf_counter() - t)
+        return best
 
     timed(1, 16)  # first-call costs (lazy initialisation, kernel selection) out of the measurement
-    call = min(timed(1, 16), timed(1, 16))
-    one, many = timed(1, length), timed(rows, length)
-    return Costs(call, max(one - call, 0.0) / length, max(many - call, 0.0) / (rows * length), length, rows)
+    call, short = timed(1, 16), max(length // 4, 1)
+    row = _per_token_and_pair(short, length, timed(1, short) - call, timed(1, length) - call)
+    batch = _per_token_and_pair(short, length, (timed(rows, short) - call) / rows,
+                                (timed(rows, length) - call) / rows)
+    return Costs(call, row[0], batch[0], length, rows, row[1], batch[1])
+
+
+
+def _per_token_and_pair(short: int, long: int, t_short: float, t_long: float) -> tuple[float, float]:
+    """(seconds a token, seconds a token-key pair) of a row's prefill that took ``t_short`` for ``short`` tokens
+    and ``t_long`` for ``long``: t(n) = n * token + n (n + 1) / 2 * pair, solved for the two; neither negative."""
+    p_short, p_long = short * (short + 1) / 2, long * (long + 1) / 2
+    det = long * p_short - short * p_long
+    pair = (t_short * long - t_long * short) / det if det else 0.0
+    if pair <= 0 or short == long:
+        return max(t_long, 0.0) / long, 0.0
+    token = (t_long - p_long * pair) / long
+    if token < 0:
+        return 0.0, max(t_long, 0.0) / p_long
+    return token, pair
 
 
 def _shape_key(backend: StepModel) -> str | None:
@@ -168,8 +200,9 @@ def _shape_key(backend: StepModel) -> str | None:
 
 
 def _usable(rates) -> bool:
+    """A remembered model with every rate (one from before the pair rates is measured again)."""
     return isinstance(rates, dict) and all(isinstance(rates.get(k), (int, float)) and rates[k] >= 0
-                                           for k in ("call", "row_token", "batch_token"))
+                                           for k in ("call", "row_token", "batch_token", "row_pair", "batch_pair"))
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int | str, token_budget: int, max_new: int,
@@ -214,29 +247,30 @@ class Plan:
                           costs=self.costs.describe() if self.costs is not None else None)
 
 
-def _tree_shape(tree: PrefixTree) -> tuple[int, int, list[int]]:
-    """(branch points, tokens above them, each prompt's tokens below its deepest branch point above its end):
-    what the tree's plans compute, budget permitting."""
-    branch = [n for n in tree.nodes() if n is not tree.root and n.pending >= 2]
+def _tree_shape(tree: PrefixTree) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """What the tree's plans compute, budget permitting: each branch point's run of tokens (tokens, tokens before
+    it), and each prompt's tokens below its deepest branch point above its end (tokens, that point's depth)."""
+    branch = [(len(n.ids), n.depth - len(n.ids)) for n in tree.nodes() if n is not tree.root and n.pending >= 2]
     below = []
     for i, s in enumerate(tree.seqs):
         depth = max((n.depth for n in tree.path(i) if n.pending >= 2 and n.depth < len(s)), default=0)
-        below.append(len(s) - depth)
-    return len(branch), sum(len(n.ids) for n in branch), below
+        below.append((len(s) - depth, depth))
+    return branch, below
 
 
 def _estimate(name: str, costs: Costs, lengths: list[int], batches: list[list[int]], shared: int,
-              shape: tuple[int, int, list[int]] | None) -> float:
+              shape: tuple[list[tuple[int, int]], list[tuple[int, int]]] | None) -> float:
     if name == "none":
         return sum(costs.prefill(len(b), max(lengths[i] for i in b)) for b in batches)
     if name == "batch":
-        return costs.prefill(1, shared) + sum(costs.prefill(len(b), max(lengths[i] for i in b) - shared)
+        return costs.prefill(1, shared) + sum(costs.prefill(len(b), max(lengths[i] for i in b) - shared, shared)
                                               for b in batches)
-    branches, above, below = shape
-    snapshots = branches * costs.call + above * costs.row_token
+    branch, below = shape
+    snapshots = sum(costs.prefill(1, tokens, past) for tokens, past in branch)
     if name == "tree-rows":
-        return snapshots + sum(costs.prefill(1, below[i]) for b in batches for i in b)
-    return snapshots + sum(costs.prefill(len(b), max(below[i] for i in b)) for b in batches)
+        return snapshots + sum(costs.prefill(1, *below[i]) for b in batches for i in b)
+    return snapshots + sum(costs.prefill(len(b), max(below[i][0] for i in b), sum(below[i][1] for i in b) / len(b))
+                           for b in batches)
 
 
 def make_plan(backend: StepModel, ids: list[list[int]], max_new: int, batch_size: int | str = "auto",
