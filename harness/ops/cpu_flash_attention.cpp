@@ -262,7 +262,7 @@ struct Query {  // one query's state over the keys it has read
 };
 // Blocks ahead (~48 KB of keys, and of values) whose first rows a decoding pass touches before it needs them: at
 // head size 64 a block of keys or of values is one 4 KB page, the hardware's prefetchers stop at a page's end,
-// and each block began with a miss to memory. A step of 24 merged rows after a front of 774: 1.04-1.10x (head size
+// and each block began with a miss to memory. A step of 24 merged rows after a front of 774: 1.02-1.10x (head size
 // 128: 1.11x; the AVX2 build 1.07x), the same outputs to the bit.
 constexpr int AHEAD = 49152 / (W * D * 4) > 1 ? 49152 / (W * D * 4) : 1;
 constexpr int QUERIES = 32;  // queries a pass over one row's keys takes at once (a key head's group, a block)
