@@ -73,7 +73,8 @@ MOSTLY_ATTENTION = 0.5  # on a CPU, auto keeps static batches above this share o
 PREFIX_REUSE = ("auto", "tree", "tree-rows", "tree-block", "batch", "none")  # tree-*: the tree's prefill forced
 MIN_SHARED_PREFIX = 16  # below this, copying a prefix state costs more than recomputing it
 CALIBRATION_TOKENS = 1024  # the longest prompt length the cost model is measured at
-TIMINGS = 3  # timed prefills a point of the cost model; the fastest counts
+TIMINGS = 3  # timed prefills a point of the cost model on a CPU, the fastest counting (a CPU's cores are shared)
+CUDA_TIMINGS = 1  # on a GPU one, as before: the quick suite times auto with its measuring (``forget_costs``)
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,9 @@ def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
 def time_costs(backend: StepModel, length: int, rows: int) -> Costs:
     """The cost model measured now: prefills of throwaway tokens (nothing is counted as the run's work), one row
     and ``rows`` rows at ``length`` tokens and at a quarter of it (the difference prices a token's context), each
-    the fastest of ``TIMINGS`` (another process on the cores only ever adds time)."""
+    on a CPU the fastest of ``TIMINGS`` (another process on the cores only ever adds time)."""
     sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda *_: None)
+    timings = CUDA_TIMINGS if backend.device.type == "cuda" else TIMINGS
 
     def timed(r: int, n: int) -> float:
         ids = probe_ids(backend, r, n)
@@ -152,7 +154,7 @@ def time_costs(backend: StepModel, length: int, rows: int) -> Costs:
         if r > 1:
             mask[0, 0] = 0  # one pad, so the batch takes the masked path a real padded batch takes
         best = float("inf")
-        for _ in range(TIMINGS):
+        for _ in range(timings):
             sync(backend.device)
             t = time.perf_counter()
             backend.prefill(ids, mask)
