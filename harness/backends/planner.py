@@ -81,8 +81,8 @@ CUDA_TIMINGS = 1  # on a GPU one, as before: the quick suite times auto with its
 class Costs:
     """Seconds a prefill call takes: a fixed part, plus a part per token (pads included) and a part per pair of a
     token and a key it attends to, each for one unpadded row and for a padded batch. The pairs are what grows with
-    a prompt's context: priced per token alone, the model put the 24 HotpotQA prompts' batch prefill 1.16x above
-    the tree's where it ran 1.9x longer, and a noisy measurement then picked it."""
+    a prompt's context, where a padded batch's rows attend over their pads and the tree's rows over none: priced
+    by tokens alone, plans that run far apart were priced close together."""
 
     call: float
     row_token: float
