@@ -3,7 +3,9 @@ greedy tokens through the real backend equal the stock transformers model's with
 oneDNN op really called and the MLPs' GELUs in their layers' epilogue (a GELU that does not take a layer's output
 alone is never folded); calls below the chosen row count, and calls with gradients, stay on PyTorch's own
 kernel to the bit; the choice is measured once and remembered, is part of a CPU run's settings, and names a bad
-``ICR_CPU_LINEAR`` value."""
+``ICR_CPU_LINEAR`` value; packed weights give the plain weights' bits, follow a weight changed in place, and are
+kept only where they fit the free memory."""
+import copy
 import json
 import os
 import subprocess
@@ -175,3 +177,73 @@ def test_a_gelu_folds_into_its_layers_epilogue_only_where_it_alone_takes_the_lay
         plain = plain if twice else nn.functional.gelu(plain, approximate="tanh")
     grad = mlp.fc1(h.requires_grad_())
     assert grad.requires_grad and torch.equal(grad, plain)
+
+
+def _packing_here() -> None:
+    """Skip where this machine's oneDNN parts packed from plain weights (then nothing packs: ``packing``)."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    with torch.inference_mode():
+        equal, said = onednn_linear.packing(weight, bias, g)
+    if not equal and "part" in said:
+        pytest.skip(f"oneDNN here{said}")
+
+
+def _load(path, monkeypatch, kernel):
+    monkeypatch.setattr(onednn_linear, "choice", lambda: kernel)
+    return TransformersBackend(path, device="cpu", dtype="float32")
+
+
+def test_packed_weights_give_the_plain_weights_bits_through_a_backend(tiny_phi_dir, monkeypatch):
+    _packing_here()
+    plain = _load(tiny_phi_dir, monkeypatch, onednn_linear.LinearKernel(4, "forced", packed=False))
+    packed = _load(tiny_phi_dir, monkeypatch, onednn_linear.LinearKernel(4, "forced", packed=True))
+    assert any("weights packed" in f for f in packed.describe().fused)
+    assert not any("packed" in f for f in plain.describe().fused)
+    layers = [m for m in packed.model.modules() if isinstance(m, onednn_linear.OneDNNLinear)]
+    ids = torch.randint(5, 900, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        theirs, ours = plain.model(ids).logits, packed.model(ids).logits
+        assert all(m._packed is not None for m in layers)  # every layer took a packed weight ...
+        assert theirs.std() > 0.1 and len({int(t) for t in theirs[:, -1].argmax(-1)}) > 1  # (the rows differ)
+        assert torch.equal(ours, theirs)  # ... and gave the plain weight's bits
+        prompts = [ids[i:i + 1, :12 + 9 * i] for i in range(3)]
+        greedy = [plain.model.generate(p, max_new_tokens=10, do_sample=False)[0].tolist() for p in prompts]
+        mine = [packed.model.generate(p, max_new_tokens=10, do_sample=False)[0].tolist() for p in prompts]
+    assert len({tuple(g) for g in greedy}) == 3 and mine == greedy
+
+
+def test_a_packed_layer_takes_its_plain_weight_for_one_row_and_repacks_a_weight_changed_in_place():
+    _packing_here()
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    layer.__class__, layer.min_rows, layer.packs = onednn_linear.OneDNNLinear, 1, True
+    one, rows = torch.randn(1, 64), torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.equal(layer(one), onednn_linear._oneDNN(one, layer.weight, layer.bias))
+        assert layer._packed is None  # one row: the plain weight (a packed one rounds apart there)
+        before = layer(rows)
+        assert layer._packed is not None and torch.equal(before, onednn_linear._oneDNN(rows, layer.weight, layer.bias))
+    twin = copy.deepcopy(layer)  # a copy packs its own (the packed weight is opaque to copying)
+    with torch.inference_mode():
+        assert twin._packed is None and torch.equal(twin(rows), before) and twin._packed is not None
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an optimizer's step, a state dict loaded: the packed copy is stale
+    with torch.inference_mode():
+        after = layer(rows)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, onednn_linear._oneDNN(rows, layer.weight, layer.bias))
+
+
+def test_a_model_packs_only_where_its_copies_fit_the_free_memory(tiny_phi_dir, monkeypatch):
+    monkeypatch.setattr(onednn_linear, "PACK_SHARE", 1e-9)
+    backend = _load(tiny_phi_dir, monkeypatch, onednn_linear.LinearKernel(4, "forced", packed=True))
+    assert any("weights not packed" in f and "free memory" in f for f in backend.describe().fused)
+    assert not any(m.packs for m in backend.model.modules() if isinstance(m, onednn_linear.OneDNNLinear))
+
+
+def test_a_choice_remembered_before_packing_was_measured_is_measured_again():
+    assert not onednn_linear._usable({"min_rows": 4, "why": "measured over BLAS"})
+    assert onednn_linear._usable({"min_rows": 4, "why": "measured over BLAS", "packed": True})
+    entry = onednn_linear.measure()
+    assert isinstance(entry["packed"], bool) and (entry["min_rows"] is None or "packed weights" in entry["why"])

@@ -13,6 +13,14 @@ same choice (``chunked_attention``: its products through ``product``).
 
 The two kernels round apart (an ulp of the sums' order, as SDPA's kernels do against eager attention), so the
 kernel is part of a CPU run's settings (``identity``): rows from both kernels never mix in one run.
+
+Given a weight as it lies, oneDNN reorders it into its blocked layout at every call. Where the machine's choice
+found the reordered ("packed") weight's outputs equal to the plain one's, bit for bit, from two rows a call
+(``PACKED_FROM_ROWS``; one row takes another code path and rounds apart), each layer keeps a packed copy, made at
+its first call and again if its weight changes, as TorchInductor's CPU code does with frozen weights: the 24
+HotpotQA prompts of ``benchmarks/throughput.py`` ran 1.10x, the same texts. The copies are the weights' size
+again, so a model packs only where they fit ``PACK_SHARE`` of the memory free at load time (``use_onednn``).
+Packed and plain give the same bits, so packing is not part of a run's settings.
 ``ICR_CPU_LINEAR``: ``auto`` (default), ``onednn`` (every call, from one row) or ``blas`` (PyTorch's own)."""
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from harness.backends.memory import available_memory
 from harness.cache import MachineChoices, machine_key
 
 log = logging.getLogger("harness")
@@ -35,16 +44,22 @@ WIDTHS = (512, 1024)  # the timed layer: inputs, outputs
 REPEATS = 5  # timed calls a kernel and row count, in turn with the other kernel; the fastest counts
 SPEEDUP = 1.1  # oneDNN runs a call from the row count where it was this much faster at every count measured above
 TOLERANCE = 1e-5  # largest difference between the kernels' outputs, relative to the output's largest value
+PACKED_FROM_ROWS = 2  # calls of this many rows or more take a layer's packed weight, where it packs
+EQUAL_ROWS = (PACKED_FROM_ROWS, 3, 4, 16, 64, 256)  # row counts where packed and plain weights' outputs must be equal to pack
+PACKED_SLOWEST = 0.95  # packed weights are not taken where they ran slower than this (plain time / packed)
+PACK_SHARE = 0.25  # a model packs where its packed copies fit this share of the memory free at load time
 CHOICES = MachineChoices("cpu-linear.json", "the CPU's linear kernel")
 IDENTITY = "oneDNN, GELU epilogue"  # what a run's settings hold where the kernel is taken (``identity``)
 
 
 @dataclass(frozen=True)
 class LinearKernel:
-    """oneDNN from ``min_rows`` rows a call (``min_rows`` None: BLAS for every call), and why."""
+    """oneDNN from ``min_rows`` rows a call (``min_rows`` None: BLAS for every call), and why; ``packed``:
+    layers may keep their weights packed (equal outputs measured)."""
 
     min_rows: int | None
     why: str
+    packed: bool = False
 
     @property
     def onednn(self) -> bool:
@@ -72,9 +87,27 @@ class OneDNNLinear(nn.Linear):
     TorchInductor (a compiled step) it is a plain linear layer: inductor picks its own CPU kernels."""
 
     min_rows = 1
+    packs = False  # keeps a packed copy of its weight (``use_onednn``)
+    _packed, _packed_version = None, None
 
     def forward(self, x):
-        return _oneDNN(x, self.weight, self.bias) if self._takes(x) else F.linear(x, self.weight, self.bias)
+        return _oneDNN(x, self._weight(x), self.bias) if self._takes(x) else F.linear(x, self.weight, self.bias)
+
+    def _weight(self, x) -> torch.Tensor:
+        """The weight oneDNN takes for this call: the packed copy from ``PACKED_FROM_ROWS`` rows where the layer
+        packs (made now if it has none, or if the weight changed in place since), else the weight itself."""
+        if not self.packs or x.numel() < PACKED_FROM_ROWS * x.shape[-1]:
+            return self.weight
+        version = _version(self.weight)
+        if self._packed is None or version != self._packed_version:
+            self._packed = pack(self.weight)
+            self._packed_version = version
+        return self._packed
+
+    def __getstate__(self):
+        """A copy (``copy.deepcopy``, pickle) leaves the packed weight behind, which neither can read: the copy
+        packs its own at its first call."""
+        return {**self.__dict__, "_packed": None, "_packed_version": None}
 
     def _takes(self, x) -> bool:
         """Whether oneDNN runs this call."""
@@ -91,23 +124,46 @@ class OneDNNLinearGELU(OneDNNLinear):
 
     def forward(self, x):
         if self._takes(x):
-            return _oneDNN(x, self.weight, self.bias, "gelu", "tanh")
+            return _oneDNN(x, self._weight(x), self.bias, "gelu", "tanh")
         return F.gelu(F.linear(x, self.weight, self.bias), approximate="tanh")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered into oneDNN's own layout (a copy; ``_linear_pointwise`` takes it as the weight)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter (None for an inference tensor, which keeps none and cannot change)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """Every plain ``nn.Linear`` of a float32 model on a CPU runs through ``OneDNNLinear`` where ``choice`` says
-    so; what changed, for the run's record (None: nothing)."""
+    so, with packed weights where it says so and they fit (``PACK_SHARE``); what changed, for the run's record
+    (None: nothing)."""
     kernel = _taken(device, dtype)
     if kernel is None:
         return None
-    swapped = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = OneDNNLinear
-            module.min_rows = kernel.min_rows
-            swapped += 1
-    return f"nn.Linear x{swapped} -> {kernel.describe()} ({kernel.why})" if swapped else None
+    swapped = [m for m in model.modules() if type(m) is nn.Linear]
+    weights = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in swapped}
+    free = available_memory()
+    packs = kernel.packed and free is not None and sum(weights.values()) <= PACK_SHARE * free
+    for module in swapped:
+        module.__class__ = OneDNNLinear
+        module.min_rows, module.packs = kernel.min_rows, packs
+    if not swapped:
+        return None
+    if kernel.packed:
+        mb = sum(weights.values()) / 2**20
+        packing = (f", weights packed ({mb:.0f} MiB more)" if packs else
+                   f", weights not packed: {mb:.0f} MiB more would not fit {PACK_SHARE:.0%} of the free memory")
+    else:
+        packing = ""
+    return f"nn.Linear x{len(swapped)} -> {kernel.describe()}{packing} ({kernel.why})"
 
 
 def identity(device: torch.device, dtype: torch.dtype) -> dict:
@@ -136,7 +192,7 @@ def choice() -> LinearKernel:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return LinearKernel(None, "this torch has no oneDNN linear")
     if how == "onednn":
-        return LinearKernel(1, "ICR_CPU_LINEAR=onednn")
+        return LinearKernel(1, "ICR_CPU_LINEAR=onednn")  # unmeasured: weights not packed
     key = machine_key()
 
     def measured() -> dict:
@@ -145,17 +201,19 @@ def choice() -> LinearKernel:
         return entry
 
     entry = CHOICES.recall(key, measured, _usable)
-    return LinearKernel(entry["min_rows"], entry["why"])
+    return LinearKernel(entry["min_rows"], entry["why"], entry["packed"])
 
 
 def _usable(entry) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("why"), str)
+    """A remembered choice this code can use (one from before packing was measured is measured again)."""
+    return (isinstance(entry, dict) and isinstance(entry.get("why"), str) and isinstance(entry.get("packed"), bool)
             and (entry.get("min_rows") is None or (isinstance(entry["min_rows"], int) and entry["min_rows"] >= 1)))
 
 
 def measure() -> dict:
     """Both kernels timed in turn on a ``WIDTHS`` layer at each of ``ROWS``: oneDNN from the smallest count from
-    which it was ``SPEEDUP`` faster at every larger one, if its outputs equal BLAS's within ``TOLERANCE``."""
+    which it was ``SPEEDUP`` faster at every larger one, if its outputs equal BLAS's within ``TOLERANCE``; its
+    weights packed if that is equal to the bit and not slower (``packing``)."""
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(WIDTHS[1], WIDTHS[0], generator=g), torch.randn(WIDTHS[1], generator=g)
     ratios = {}
@@ -165,15 +223,41 @@ def measure() -> dict:
             ours, theirs = _oneDNN(x, weight, bias), F.linear(x, weight, bias)  # warm: oneDNN builds its primitive
             gap = float((ours - theirs).abs().max() / theirs.abs().max())
             if gap > TOLERANCE:
-                return {"min_rows": None, "why": f"oneDNN parted from BLAS by {gap:.1e} at {rows} rows"}
-            best = {"onednn": float("inf"), "blas": float("inf")}
-            for _ in range(REPEATS):
-                for name, fn in (("onednn", _oneDNN), ("blas", F.linear)):
-                    start = time.perf_counter()
-                    fn(x, weight, bias)
-                    best[name] = min(best[name], time.perf_counter() - start)
-            ratios[rows] = best["blas"] / best["onednn"]
-    return decide(ratios)
+                return {"min_rows": None, "why": f"oneDNN parted from BLAS by {gap:.1e} at {rows} rows",
+                        "packed": False}
+            ratios[rows] = _speedup(F.linear, _oneDNN, x, weight, bias)
+        chosen = decide(ratios)
+        packed, said = packing(weight, bias, g) if chosen["min_rows"] is not None else (False, "")
+    return {**chosen, "packed": packed, "why": chosen["why"] + said}
+
+
+def _speedup(slow, fast, x, slow_weight, bias, fast_weight=None) -> float:
+    """``slow``'s time over ``fast``'s on the same call, the fastest of ``REPEATS`` each, taken in turn."""
+    best = [float("inf"), float("inf")]
+    for _ in range(REPEATS):
+        for i, (fn, w) in enumerate(((slow, slow_weight), (fast, slow_weight if fast_weight is None else fast_weight))):
+            start = time.perf_counter()
+            fn(x, w, bias)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] / best[1]
+
+
+def packing(weight: torch.Tensor, bias: torch.Tensor, g: torch.Generator) -> tuple[bool, str]:
+    """Whether layers keep packed weights here: the outputs from a packed weight equal the plain weight's to the
+    bit at every ``EQUAL_ROWS`` count (with and without a bias, and through the GELU epilogue), and it is not
+    slower (``PACKED_SLOWEST``) at the largest ``ROWS`` count; and what was found, for the choice's record."""
+    packed = pack(weight)
+    for rows in EQUAL_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=g)
+        for b in (bias, None):
+            for how in (("none", ""), ("gelu", "tanh")):
+                if not torch.equal(_oneDNN(x, packed, b, *how), _oneDNN(x, weight, b, *how)):
+                    return False, f"; packed weights not taken: outputs part at {rows} rows"
+    x = torch.randn(ROWS[-1], weight.shape[1], generator=g)
+    ratio = _speedup(_oneDNN, _oneDNN, x, weight, bias, packed)
+    if ratio < PACKED_SLOWEST:
+        return False, f"; packed weights not taken: {ratio:.2f}x at {ROWS[-1]} rows"
+    return True, f"; packed weights {ratio:.2f}x at {ROWS[-1]} rows, equal to the bit from {EQUAL_ROWS[0]} rows"
 
 
 def decide(ratios: dict[int, float]) -> dict:
