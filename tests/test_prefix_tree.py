@@ -185,3 +185,45 @@ def test_rows_sharing_a_long_front_read_it_once_a_step_and_write_the_same_tokens
     none = none.results(len(prompts))
     assert_varied([r.token_ids for r in none])
     assert [r.token_ids for r in rows] == [r.token_ids for r in none]
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_rows_prefilled_into_their_slots_merge_without_a_copy_into_the_merged_rows_positions(which, request):
+    """On a CPU the tree's rows each prefill into their row of one buffer a layer (``MergesRows.row_slots``), their
+    pads after their own tokens: the batch needs no join. A row prefilled elsewhere (here the last) is copied in.
+    Each row's keys and values are the ones ``merge`` puts after its pads, to the bit."""
+    import torch
+
+    from harness.backends.prefix_tree import PrefixStates
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    prompts, shared = long_front_prompts(backend.tokenizer)
+    ids = [backend.tokenizer(p)["input_ids"] for p in prompts]
+    lengths, width = [len(i) for i in ids], max(map(len, ids))
+    assert len(set(lengths)) > 1  # pads to place
+    slots = backend.row_slots(len(ids), width)
+    assert slots is not None
+
+    def started(into):
+        states = PrefixStates(backend, PrefixTree(ids), 1 << 30)
+        order = PrefixTree(ids).order()
+        rows = {i: states.start(i, into if i != order[-1] else None, i) for i in order}
+        return [rows[i] for i in range(len(ids))]
+
+    rows = started(slots)
+    cache = [r.state["cache"] for r in rows]
+    placed = [c.layers[0].keys.data_ptr() == slots.buffers[0, "keys"][k].data_ptr() for k, c in enumerate(cache)]
+    assert placed == [k != PrefixTree(ids).order()[-1] for k in range(len(ids))]
+    with torch.inference_mode():
+        merged = backend.merge_slots([r.state for r in rows], lengths, shared, slots)["cache"]
+        plain = backend.merge([r.state for r in started(None)], lengths, shared)["cache"]
+    for i, (layer, other) in enumerate(zip(merged.layers, plain.layers)):
+        for name in ("keys", "values"):
+            got, want = getattr(layer, name), getattr(other, name)
+            assert got.shape == want.shape and got.data_ptr() == slots.buffers[i, name].data_ptr()
+            assert want.std() > 0.1
+            for k, n in enumerate(lengths):
+                pads = width - n
+                assert torch.equal(got[k, :, :shared], want[k, :, :shared])
+                assert torch.equal(got[k, :, shared:n], want[k, :, shared + pads:])  # merge pads after the front
+                assert not got[k, :, n:].any()  # the pads: zeros, masked

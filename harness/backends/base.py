@@ -347,6 +347,21 @@ class MergesRows(ABC):
         """Whether ``merge`` takes ``shared`` (and its steps attend over the shared front once for all rows)."""
         return False
 
+    def row_slots(self, rows: int, width: int) -> Any | None:
+        """Room for a batch of ``rows`` rows of at most ``width`` tokens that each row's own prefill writes into
+        (``place``), so that ``merge_slots`` copies nothing; None (the default): rows are merged by ``merge``."""
+        return None
+
+    def place(self, state: Any, slots: Any, row: int) -> None:
+        """The one-row ``state`` writes its next positions into row ``row`` of ``slots`` (``row_slots``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no row slots")
+
+    def merge_slots(self, states: Sequence[Any], lengths: Sequence[int], shared: int, slots: Any) -> Any:
+        """``merge``'s batch laid out in ``slots``: each row's tokens first, its pads after them (a right-padded
+        mask, ``generation.right_pad``), ``shared`` as in ``merge``. A row that did not prefill into its slot
+        is copied there."""
+        raise NotImplementedError(f"{type(self).__name__} has no row slots")
+
 
 class JoinsBatches(ABC):
     """A step model whose running batch takes new rows (continuous batching: ``generation.continuous_generate``)."""

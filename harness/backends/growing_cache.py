@@ -16,11 +16,35 @@ from transformers.cache_utils import DynamicLayer
 SPARE = 64  # positions allocated past a prefill: a short generation never copies its cache
 
 
+class RowSlots:
+    """A batch's keys and values, one buffer a layer, that each row's own prefill writes into (``place``): row r's
+    positions [0, its length) in row r, each row's pads after them, so the rows need no join into a batch
+    (``join_slots``). Joined by copying, 24 rows of ~2.5k tokens (tiny Phi) copied 0.75 GB, ~40 ms of a 2.3 s run,
+    and were held twice meanwhile. ``width``: the longest row's length; ``SPARE`` positions to come after it."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def buffer(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s keys or values (``name``) for every row, made at its first request like ``like``."""
+        if (layer, name) not in self.buffers:
+            self.buffers[layer, name] = like.new_empty((self.rows, *like.shape[1:-2], self.width + SPARE,
+                                                        like.shape[-1]))
+        return self.buffers[layer, name]
+
+
 class GrowingLayer(DynamicLayer):
+    slot: tuple[RowSlots, int, int] | None = None  # (slots, layer index, row): where its next buffer lies (``place``)
+
     def __init__(self, *args, **kwargs):
         self._k = self._v = None
         self._n = self._nv = 0  # filled positions of the keys and of the values (assigned one at a time)
         super().__init__(*args, **kwargs)
+
+    def __getstate__(self):
+        """A copy (a snapshot's) writes a buffer of its own, never its original's slot."""
+        return {**self.__dict__, "slot": None}
 
     def _get_keys(self):
         return None if self._k is None else self._k[..., :self._n, :]
@@ -48,10 +72,9 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, new = self._n, key_states.shape[-2]
         if self._k is None or self._k.dim() < 2:
-            self._k, self._v = self._buffer(key_states, new + SPARE), self._buffer(value_states, new + SPARE)
+            self._k, self._v = self._room(key_states, value_states, new + SPARE)
         elif n + new > self._k.shape[-2]:
-            cap = max(n + new, self._k.shape[-2] * 3 // 2)
-            k, v = self._buffer(key_states, cap), self._buffer(value_states, cap)
+            k, v = self._room(key_states, value_states, max(n + new, self._k.shape[-2] * 3 // 2), n + new)
             k[..., :n, :].copy_(self._k[..., :n, :])
             v[..., :n, :].copy_(self._v[..., :n, :])
             self._k, self._v = k, v
@@ -63,6 +86,14 @@ class GrowingLayer(DynamicLayer):
     def nbytes(self) -> int:
         """The filled part's bytes (what ``state_nbytes`` counts): the spare room is not state."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def _room(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int = 0):
+        """New buffers for keys and values: the layer's row of its slot where it has one and the ``filled``
+        positions fit the slot's width (taken once: a later growth gets buffers of its own), else ``capacity``."""
+        if self.slot is not None and max(filled, keys.shape[-2]) <= self.slot[0].width:
+            (slots, layer, row), self.slot = self.slot, None
+            return (slots.buffer(layer, "keys", keys)[row:row + 1], slots.buffer(layer, "values", values)[row:row + 1])
+        return self._buffer(keys, capacity), self._buffer(values, capacity)
 
     @staticmethod
     def _buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -98,6 +129,43 @@ def join_into(layer, name: str, parts: list[torch.Tensor], cuts: list[tuple[int,
     else:
         layer._v, layer._nv = buffer, width
     return True
+
+
+def place(cache, slots: RowSlots, row: int) -> None:
+    """A one-row cache of growing layers writes its next buffers into row ``row`` of ``slots``."""
+    for i, layer in enumerate(cache.layers):
+        layer.slot = (slots, i, row)
+
+
+def in_slots(cache) -> bool:
+    """Whether ``place`` and ``join_slots`` take this cache: every layer a growing one."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is GrowingLayer for layer in layers)
+
+
+def join_slots(caches: list, lengths: list[int], slots: RowSlots):
+    """One cache of the one-row ``caches`` (``lengths`` tokens each) in ``slots``: row r's positions [0, its
+    length) in row r of each layer's buffer (where its prefill wrote them, else copied now), zeros after them to
+    the slots' width (masked, as a padded prefill's pads). The first cache takes the rows; the others are
+    consumed."""
+    out = caches[0]
+    for i, layer in enumerate(out.layers):
+        for name in ("keys", "values"):
+            parts = [getattr(c.layers[i], name) for c in caches]
+            buffer = slots.buffer(i, name, parts[0])
+            for row, (part, n) in enumerate(zip(parts, lengths)):
+                if part.shape[-2] != n:
+                    raise ValueError("join_slots: a row's keys do not cover its prompt")
+                if part.data_ptr() != buffer[row].data_ptr():  # a row that did not prefill into its slot
+                    buffer[row, ..., :n, :].copy_(part[0])
+                buffer[row, ..., n:slots.width, :].zero_()
+        layer._k, layer._v, layer._n, layer._nv = (slots.buffers[i, "keys"], slots.buffers[i, "values"],
+                                                   slots.width, slots.width)
+        layer.slot = None
+    for c in caches[1:]:
+        for layer in c.layers:
+            layer._k = layer._v = None
+    return out
 
 
 def install(cache) -> None:

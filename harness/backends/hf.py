@@ -139,12 +139,30 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             ids = torch.full((1, 2), self.tokenizer.eos_token_id, device=self.device)
             cache = self.prefill(ids, torch.ones_like(ids))[1]["cache"]
             self._mergeable, self._key_share = mergeable(cache), key_share(cache)
+            self._in_slots = growing_cache.in_slots(cache)
         return self._mergeable
 
     def merge(self, states, lengths, shared=0):
         state = {"cache": merge_rows([s["cache"] for s in states], list(lengths), shared),
                  "pos": torch.cat([s["pos"] for s in states])}
         if shared:  # the steps' attention reads the shared front once for all rows (chunked_attention.known)
+            state["shared"] = shared
+        return state
+
+    def row_slots(self, rows, width):
+        """Where rows merge with their front shared (a CPU's growing caches): one buffer a layer, every row's
+        prefill writing in place."""
+        if not (self.merges_shared_front() and self.graphs is None and self._cache_mergeable() and self._in_slots):
+            return None
+        return growing_cache.RowSlots(rows, width)
+
+    def place(self, state, slots, row):
+        growing_cache.place(state["cache"], slots, row)
+
+    def merge_slots(self, states, lengths, shared, slots):
+        state = {"cache": growing_cache.join_slots([s["cache"] for s in states], list(lengths), slots),
+                 "pos": torch.cat([s["pos"] for s in states])}
+        if shared:
             state["shared"] = shared
         return state
 

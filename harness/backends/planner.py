@@ -443,14 +443,22 @@ def _prefill(backend: StepModel, reqs: list[GenRequest], batch: list[int], plan:
     if states is not None:
         block = states.start_block(batch) if plan.tree_prefill == "block" else None
         if block is None:  # each prompt alone below its snapshot (counted as it ran), the rows merged
-            rows = [states.start(i) for i in batch]
-            # the prompts' common front kept in front (read once a step where the backend can), pads after it
+            # the prompts' common front kept in front (read once a step where the backend can), pads after it, or
+            # where the backend has room for the batch, each row prefilled into its place there, pads after it
             shared = len(common_prefix(ids)) if len(ids) > 1 and backend.merges_shared_front() else 0
-            state = backend.merge([r.state for r in rows], [len(r.ids) for r in rows], shared)
+            slots = backend.row_slots(len(ids), max(map(len, ids))) if shared else None
+            rows = [states.start(i, slots, r) for r, i in enumerate(batch)]
+            lengths = [len(r.ids) for r in rows]
+            if slots is not None:
+                state = backend.merge_slots([r.state for r in rows], lengths, shared, slots)
+                mask = right_pad(ids, pad, device)[1]
+            else:
+                state = backend.merge([r.state for r in rows], lengths, shared)
+                mask = shared_front_mask(ids, shared, device)  # shared 0: left-padded
             logits = torch.cat([r.logits for r in rows])
             for r in rows:  # a started row is used once: the batch state replaces it
                 r.state = None
-            return Started(logits, state, shared_front_mask(ids, shared, device))  # shared 0: left-padded
+            return Started(logits, state, mask)
         bases, below = block
         state = backend.merge([b.state for b in bases], [len(b.ids) for b in bases])
         past = left_pad([b.ids for b in bases], pad, device)[1]

@@ -114,11 +114,12 @@ class PrefixStates:
         self.skipped = 0  # times a branch point's state did not fit the budget (its tokens recomputed below it)
 
     @torch.inference_mode()
-    def start(self, i: int) -> Prefix:
-        """Prompt ``i``'s prefilled one-row state: its tokens below the deepest snapshot fed to a copy of it."""
+    def start(self, i: int, slots=None, row: int = 0) -> Prefix:
+        """Prompt ``i``'s prefilled one-row state: its tokens below the deepest snapshot fed to a copy of it
+        (that copy written into row ``row`` of ``slots``, where given: ``MergesRows.row_slots``)."""
         held, todo = self._descend(i, strict=False)
         if todo:
-            row = self._feed(held.snapshot if held is not None else None, todo)
+            row = self._feed(held.snapshot if held is not None else None, todo, (slots, row) if slots else None)
         else:  # the prompt ends at a kept snapshot (a duplicate, or a prefix of another prompt)
             cur = held.snapshot
             row = Prefix(list(cur.ids), self.backend.expand(cur.state, 1), cur.logits)
@@ -194,8 +195,9 @@ class PrefixStates:
         self.peak = max(self.peak, self.used)
         count(self.backend, "tree_snapshots", 1)
 
-    def _feed(self, cur: Prefix | None, ids: list[int]) -> Prefix:
-        """The state after ``ids`` following ``cur`` (a fresh copy; ``cur`` stays as it was), one row, unpadded."""
+    def _feed(self, cur: Prefix | None, ids: list[int], into: tuple | None = None) -> Prefix:
+        """The state after ``ids`` following ``cur`` (a fresh copy, written into ``into``'s slots and row where
+        given; ``cur`` stays as it was), one row, unpadded."""
         b = self.backend
         t = torch.tensor([ids], device=b.device)
         if cur is None:
@@ -203,6 +205,8 @@ class PrefixStates:
             full = list(ids)
         else:
             state = b.expand(cur.state, 1)
+            if into is not None:
+                b.place(state, *into)
             full = cur.ids + list(ids)
             logits = b.extend(state, ids, len(cur.ids))
         count(self.backend, "prefill_tokens", len(ids))
