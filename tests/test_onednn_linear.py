@@ -213,7 +213,7 @@ def test_packed_weights_give_the_plain_weights_bits_through_a_backend(tiny_phi_d
     assert len({tuple(g) for g in greedy}) == 3 and mine == greedy
 
 
-def test_a_packed_layer_takes_its_plain_weight_for_one_row_and_repacks_a_weight_changed_in_place():
+def test_a_packed_layer_takes_its_plain_weight_for_one_row_and_repacks_a_changed_weight():
     _packing_here()
     torch.manual_seed(0)
     layer = nn.Linear(64, 96)
@@ -233,6 +233,11 @@ def test_a_packed_layer_takes_its_plain_weight_for_one_row_and_repacks_a_weight_
         after = layer(rows)
     assert not torch.equal(after, before)
     assert torch.equal(after, onednn_linear._oneDNN(rows, layer.weight, layer.bias))
+    layer.load_state_dict({"weight": torch.randn(96, 64), "bias": layer.bias.detach()}, assign=True)  # a new one
+    with torch.inference_mode():
+        assert torch.equal(layer(rows), onednn_linear._oneDNN(rows, layer.weight, layer.bias))
+        layer.weight.data = torch.randn(96, 64)  # its storage swapped, as ``module.to`` does
+        assert torch.equal(layer(rows), onednn_linear._oneDNN(rows, layer.weight, layer.bias))
 
 
 def test_a_model_packs_only_where_its_copies_fit_the_free_memory(tiny_phi_dir, monkeypatch):

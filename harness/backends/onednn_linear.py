@@ -17,7 +17,8 @@ kernel is part of a CPU run's settings (``identity``): rows from both kernels ne
 Given a weight as it lies, oneDNN reorders it into its blocked layout at every call. Where the machine's choice
 found the reordered ("packed") weight's outputs equal to the plain one's, bit for bit, from two rows a call
 (``PACKED_FROM_ROWS``; one row takes another code path and rounds apart), each layer keeps a packed copy, made at
-its first call and again if its weight changes, as TorchInductor's CPU code does with frozen weights: the 24
+its first call and again if its weight changes (in place, or replaced), as TorchInductor's CPU code does with
+frozen weights: the 24
 HotpotQA prompts of ``benchmarks/throughput.py`` ran 1.10x, the same texts. The copies are the weights' size
 again, so a model packs only where they fit ``PACK_SHARE`` of the memory free at load time (``use_onednn``).
 Packed and plain give the same bits, so packing is not part of a run's settings.
@@ -28,6 +29,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -88,26 +90,25 @@ class OneDNNLinear(nn.Linear):
 
     min_rows = 1
     packs = False  # keeps a packed copy of its weight (``use_onednn``)
-    _packed, _packed_version = None, None
+    _packed, _packed_of = None, None  # the copy, and what it was made from (``_source``)
 
     def forward(self, x):
         return _oneDNN(x, self._weight(x), self.bias) if self._takes(x) else F.linear(x, self.weight, self.bias)
 
     def _weight(self, x) -> torch.Tensor:
         """The weight oneDNN takes for this call: the packed copy from ``PACKED_FROM_ROWS`` rows where the layer
-        packs (made now if it has none, or if the weight changed in place since), else the weight itself."""
+        packs (made now if it has none, or if the weight changed since: in place, its storage, or the parameter
+        itself), else the weight itself."""
         if not self.packs or x.numel() < PACKED_FROM_ROWS * x.shape[-1]:
             return self.weight
-        version = _version(self.weight)
-        if self._packed is None or version != self._packed_version:
-            self._packed = pack(self.weight)
-            self._packed_version = version
+        if self._packed is None or not _same_source(self._packed_of, self.weight):
+            self._packed, self._packed_of = pack(self.weight), _source(self.weight)
         return self._packed
 
     def __getstate__(self):
         """A copy (``copy.deepcopy``, pickle) leaves the packed weight behind, which neither can read: the copy
         packs its own at its first call."""
-        return {**self.__dict__, "_packed": None, "_packed_version": None}
+        return {**self.__dict__, "_packed": None, "_packed_of": None}
 
     def _takes(self, x) -> bool:
         """Whether oneDNN runs this call."""
@@ -133,12 +134,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s in-place version counter (None for an inference tensor, which keeps none and cannot change)."""
+def _source(weight: torch.Tensor) -> tuple:
+    """What a packed copy was made from: the parameter (weakly), its storage and its in-place version (None for an
+    inference tensor, which keeps none and cannot change)."""
     try:
-        return t._version
+        version = weight._version
     except RuntimeError:
-        return None
+        version = None
+    return weakref.ref(weight), weight.data_ptr(), version
+
+
+def _same_source(source: tuple | None, weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is still what ``source`` was taken from, unchanged."""
+    if source is None:
+        return False
+    ref, address, version = source
+    return ref() is weight and (address, version) == _source(weight)[1:]
 
 
 def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
