@@ -252,3 +252,16 @@ def test_a_choice_remembered_before_packing_was_measured_is_measured_again():
     assert onednn_linear._usable({"min_rows": 4, "why": "measured over BLAS", "packed": True})
     entry = onednn_linear.measure()
     assert isinstance(entry["packed"], bool) and (entry["min_rows"] is None or "packed weights" in entry["why"])
+
+
+def test_a_packed_weight_that_parts_from_the_plain_one_on_its_first_call_is_not_taken(monkeypatch, caplog):
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    layer.__class__, layer.min_rows, layer.packs = onednn_linear.OneDNNLinear, 1, True
+    real = onednn_linear.pack
+    monkeypatch.setattr(onednn_linear, "pack", lambda w: real(w * 1.001))  # a reorder that changed the numbers
+    rows = torch.randn(5, 64)
+    with torch.inference_mode():
+        out = layer(rows)
+    assert torch.equal(out, onednn_linear._oneDNN(rows, layer.weight, layer.bias))
+    assert not layer.packs and layer._packed is None and "parted from its plain one" in caplog.text

@@ -98,11 +98,17 @@ class OneDNNLinear(nn.Linear):
     def _weight(self, x) -> torch.Tensor:
         """The weight oneDNN takes for this call: the packed copy from ``PACKED_FROM_ROWS`` rows where the layer
         packs (made now if it has none, or if the weight changed since: in place, its storage, or the parameter
-        itself), else the weight itself."""
+        itself; checked on this call's input against the plain weight, to the bit), else the weight itself."""
         if not self.packs or x.numel() < PACKED_FROM_ROWS * x.shape[-1]:
             return self.weight
         if self._packed is None or not _same_source(self._packed_of, self.weight):
-            self._packed, self._packed_of = pack(self.weight), _source(self.weight)
+            packed = pack(self.weight)
+            if not torch.equal(_oneDNN(x, packed, self.bias), _oneDNN(x, self.weight, self.bias)):
+                self.packs = False  # the machine's check held, this layer's shape or input does not: never packed
+                log.warning("a %s linear layer's packed weight parted from its plain one on a call of %d rows; "
+                            "the layer keeps its plain weight", tuple(self.weight.shape), x.numel() // x.shape[-1])
+                return self.weight
+            self._packed, self._packed_of = packed, _source(self.weight)
         return self._packed
 
     def __getstate__(self):
