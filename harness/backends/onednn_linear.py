@@ -20,8 +20,7 @@ found the reordered ("packed") weight's outputs equal to the plain one's, bit fo
 its first call and again if its weight changes (in place, or replaced), as TorchInductor's CPU code does with
 frozen weights: the 24 HotpotQA prompts of ``benchmarks/throughput.py`` ran 1.07-1.08x, the same texts. The
 copies are the weights' size again, so a model packs only where they fit ``PACK_SHARE`` of the memory free at
-load time (``use_onednn``).
-Packed and plain give the same bits, so packing is not part of a run's settings.
+load time (``use_onednn``). Packed and plain give the same bits, so packing is not part of a run's settings.
 ``ICR_CPU_LINEAR``: ``auto`` (default), ``onednn`` (every call, from one row) or ``blas`` (PyTorch's own)."""
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ REPEATS = 5  # timed calls a kernel and row count, in turn with the other kernel
 SPEEDUP = 1.1  # oneDNN runs a call from the row count where it was this much faster at every count measured above
 TOLERANCE = 1e-5  # largest difference between the kernels' outputs, relative to the output's largest value
 PACKED_FROM_ROWS = 2  # calls of this many rows or more take a layer's packed weight, where it packs
-EQUAL_ROWS = (PACKED_FROM_ROWS, 3, 4, 16, 64, 256)  # row counts where packed and plain weights' outputs must be equal to pack
+EQUAL_ROWS = (PACKED_FROM_ROWS, 3, 4, 16, 64, 256)  # row counts where packed and plain outputs must be equal
 PACKED_SLOWEST = 0.95  # packed weights are not taken where they ran slower than this (plain time / packed)
 PACK_SHARE = 0.25  # a model packs where its packed copies fit this share of the memory free at load time
 CHOICES = MachineChoices("cpu-linear.json", "the CPU's linear kernel")
@@ -242,19 +241,19 @@ def measure() -> dict:
             if gap > TOLERANCE:
                 return {"min_rows": None, "why": f"oneDNN parted from BLAS by {gap:.1e} at {rows} rows",
                         "packed": False}
-            ratios[rows] = _speedup(F.linear, _oneDNN, x, weight, bias)
+            ratios[rows] = _speedup(lambda: F.linear(x, weight, bias), lambda: _oneDNN(x, weight, bias))
         chosen = decide(ratios)
         packed, said = packing(weight, bias, g) if chosen["min_rows"] is not None else (False, "")
     return {**chosen, "packed": packed, "why": chosen["why"] + said}
 
 
-def _speedup(slow, fast, x, slow_weight, bias, fast_weight=None) -> float:
-    """``slow``'s time over ``fast``'s on the same call, the fastest of ``REPEATS`` each, taken in turn."""
+def _speedup(slow, fast) -> float:
+    """``slow()``'s time over ``fast()``'s, the fastest of ``REPEATS`` calls each, taken in turn."""
     best = [float("inf"), float("inf")]
     for _ in range(REPEATS):
-        for i, (fn, w) in enumerate(((slow, slow_weight), (fast, slow_weight if fast_weight is None else fast_weight))):
+        for i, fn in enumerate((slow, fast)):
             start = time.perf_counter()
-            fn(x, w, bias)
+            fn()
             best[i] = min(best[i], time.perf_counter() - start)
     return best[0] / best[1]
 
@@ -271,7 +270,7 @@ def packing(weight: torch.Tensor, bias: torch.Tensor, g: torch.Generator) -> tup
                 if not torch.equal(_oneDNN(x, packed, b, *how), _oneDNN(x, weight, b, *how)):
                     return False, f"; packed weights not taken: outputs part at {rows} rows"
     x = torch.randn(ROWS[-1], weight.shape[1], generator=g)
-    ratio = _speedup(_oneDNN, _oneDNN, x, weight, bias, packed)
+    ratio = _speedup(lambda: _oneDNN(x, weight, bias), lambda: _oneDNN(x, packed, bias))
     if ratio < PACKED_SLOWEST:
         return False, f"; packed weights not taken: {ratio:.2f}x at {ROWS[-1]} rows"
     return True, f"; packed weights {ratio:.2f}x at {ROWS[-1]} rows, equal to the bit from {EQUAL_ROWS[0]} rows"
