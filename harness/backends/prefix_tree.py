@@ -114,12 +114,12 @@ class PrefixStates:
         self.skipped = 0  # times a branch point's state did not fit the budget (its tokens recomputed below it)
 
     @torch.inference_mode()
-    def start(self, i: int, slots=None, row: int = 0) -> Prefix:
+    def start(self, i: int, slots=None, slot: int = 0) -> Prefix:
         """Prompt ``i``'s prefilled one-row state: its tokens below the deepest snapshot fed to a copy of it
-        (that copy written into row ``row`` of ``slots``, where given: ``MergesRows.row_slots``)."""
+        (that copy written into row ``slot`` of ``slots``, where given: ``MergesRows.row_slots``)."""
         held, todo = self._descend(i, strict=False)
         if todo:
-            row = self._feed(held.snapshot if held is not None else None, todo, (slots, row) if slots else None)
+            row = self._feed(held.snapshot if held is not None else None, todo, (slots, slot) if slots else None)
         else:  # the prompt ends at a kept snapshot (a duplicate, or a prefix of another prompt)
             cur = held.snapshot
             row = Prefix(list(cur.ids), self.backend.expand(cur.state, 1), cur.logits)
