@@ -282,7 +282,7 @@ def test_merged_rows_decode_with_their_shared_front_read_from_one_row_and_write_
     from harness.backends.base import GenRequest
 
     backend = request.getfixturevalue(f"{which}_backend")
-    fronts = spy(monkeypatch, cpu_flash, "decode", lambda q, k, v, m, front, s: (q.shape[0], front))
+    fronts = spy(monkeypatch, cpu_flash, "decode", lambda q, k, v, m, front, s, middles=None: (q.shape[0], front))
     prompts, shared = long_front_prompts(backend.tokenizer)
 
     def run(plan):
@@ -294,3 +294,70 @@ def test_merged_rows_decode_with_their_shared_front_read_from_one_row_and_write_
     none = run("none")
     assert_varied(none)
     assert rows == none
+
+
+@pytest.mark.parametrize("which", ["phi", "llama"])
+def test_rows_sharing_a_middle_read_it_once_a_step_and_write_the_same_tokens_as_rows_leave(which, request,
+                                                                                          monkeypatch):
+    """Prompts that share more than the batch's front (a long middle, then their own endings) sit next to each
+    other in the tree's order; each decoding step reads their middle once for the group (``cpu_flash.Middles``).
+    Rows stop at different lengths, so the batch drops rows while groups remain: the tokens are ``none``'s."""
+    from harness.backends.base import GenRequest
+    from tests.helpers import UNITS
+
+    backend = request.getfixturevalue(f"{which}_backend")
+    groups = spy(monkeypatch, cpu_flash, "decode", lambda q, k, v, m, front, s, middles=None:
+                 (q.shape[0], None if middles is None else middles.owner.tolist()))
+    head = "Read every paragraph first.\n" + "\n".join(UNITS * 3) + "\n"
+    middles = ["\n".join(f"Note {k}: the {what} at mile {3 * k} is {colour}." for k in range(14))
+               for what, colour in (("river", "wide"), ("lake", "green"), ("road", "dusty"))]
+    prompts = [head + middle + f"\nQuestion {i}: {UNITS[i % 4][:14 + 5 * i]}\nAnswer:"
+               for middle in middles for i in range(3)]
+    budgets = [14, 6, 10, 3, 14, 8, 12, 5, 14]  # rows leave at different steps
+
+    def run(plan):
+        gen = backend.generate_all([GenRequest(p, n) for p, n in zip(prompts, budgets)], batch_size=len(prompts),
+                                   prefix_reuse=plan)
+        return [r.token_ids for r in gen.results(len(prompts))]
+
+    rows = run("tree-rows")
+    grouped = [owners for _, owners in groups if owners is not None]
+    assert grouped and len(set(grouped[0])) == 3  # three groups of three at first ...
+    assert any(len(owners) < len(prompts) and len(set(owners)) < len(owners) for owners in grouped)  # ... then fewer
+    none = run("none")
+    assert_varied(none)
+    assert len({len(r) for r in none}) > 2  # the rows really left at different steps
+    assert rows == none
+
+
+def test_a_groups_middle_is_read_from_its_first_row_and_middles_follow_the_rows_a_batch_keeps():
+    """``cpu_flash.Middles``: row r's keys from the front to its group's end are read from the group's first row
+    (here row 2's copy is spoiled, and only a pass that reads it from row 1 gives SDPA's answer over row 1's);
+    groups that lose rows keep their middle, owned by their first row left; what the kernel relies on is checked."""
+    if not cpu_flash.available(64):
+        pytest.skip("the CPU flash kernel is not built here")
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, keys, front, end = 4, 4, 300, 100, 220
+    key, value = (torch.randn(rows, heads, keys, 64, generator=gen) for _ in range(2))
+    for x in (key, value):
+        x[1:, :, :front] = x[0, :, :front]
+        x[2, :, front:end] = x[1, :, front:end]
+    query = torch.randn(rows, heads, 1, 64, generator=gen)
+    middles = cpu_flash.Middles.of([(0, front), (1, end), (1, end), (3, front)], front)
+    want = F.scaled_dot_product_attention(query, key, value, scale=0.125).transpose(1, 2)
+    with torch.inference_mode():
+        plain = cpu_flash.decode(query, key, value, None, front, 0.125)
+        spoiled_k, spoiled_v = key.clone(), value.clone()
+        spoiled_k[2, :, front:end] += 1.0
+        spoiled_v[2, :, front:end] -= 1.0
+        once = cpu_flash.decode(query, spoiled_k, spoiled_v, None, front, 0.125, middles)
+        alone = cpu_flash.decode(query, spoiled_k, spoiled_v, None, front, 0.125)
+    assert (plain - want).abs().max() < 1e-5 and (once - want).abs().max() < 1e-5
+    assert (alone[2] - want[2]).abs().max() > 1e-2  # without the middles row 2 reads its own (spoiled) copy
+    five = cpu_flash.Middles.of([(0, front), (1, end), (1, end), (1, end), (4, front)], front)
+    kept = five.select([0, 2, 3, 4])  # the group's first row left: the next one owns the middle
+    assert kept.owner.tolist() == [0, 1, 1, 3] and kept.end.tolist()[1] == end
+    assert five.select([0, 1, 4]) is None and five.select([2, 1, 0, 3]) is None  # a group of one; rows reordered
+    for bad in ([(0, front), (0, end), (1, end)], [(1, end), (1, end)], [(0, front), (1, front - 1)]):
+        with pytest.raises(ValueError, match="middles"):
+            cpu_flash.Middles.of(bad, front)

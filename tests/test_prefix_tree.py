@@ -215,7 +215,7 @@ def test_rows_prefilled_into_their_slots_merge_without_a_copy_into_the_merged_ro
     placed = [c.layers[0].keys.data_ptr() == slots.buffers[0, "keys"][k].data_ptr() for k, c in enumerate(cache)]
     assert placed == [k != PrefixTree(ids).order()[-1] for k in range(len(ids))]
     with torch.inference_mode():
-        merged = backend.merge_slots([r.state for r in rows], lengths, shared, slots)["cache"]
+        merged = backend.merge_slots([r.state for r in rows], ids, shared, slots)["cache"]
         plain = backend.merge([r.state for r in started(None)], lengths, shared)["cache"]
     for i, (layer, other) in enumerate(zip(merged.layers, plain.layers)):
         for name in ("keys", "values"):

@@ -356,10 +356,11 @@ class MergesRows(ABC):
         """The one-row ``state`` writes its next positions into row ``row`` of ``slots`` (``row_slots``)."""
         raise NotImplementedError(f"{type(self).__name__} has no row slots")
 
-    def merge_slots(self, states: Sequence[Any], lengths: Sequence[int], shared: int, slots: Any) -> Any:
-        """``merge``'s batch laid out in ``slots``: each row's tokens first, its pads after them (a right-padded
-        mask, ``generation.right_pad``), ``shared`` as in ``merge``. A row that did not prefill into its slot
-        is copied there."""
+    def merge_slots(self, states: Sequence[Any], seqs: Sequence[Sequence[int]], shared: int, slots: Any) -> Any:
+        """``merge``'s batch laid out in ``slots``: each row's tokens (``seqs``: its prompt) first, its pads after
+        them (a right-padded mask, ``generation.right_pad``), ``shared`` as in ``merge``; rows that share more
+        than the front sit at the same positions, so the steps may read what they share once. A row that did not
+        prefill into its slot is copied there."""
         raise NotImplementedError(f"{type(self).__name__} has no row slots")
 
 

@@ -47,7 +47,8 @@ from harness.ops import cpu_flash
 CHUNKED_SDPA = "icr_chunked_sdpa"
 SHARED_MIN = 128  # a shared front this long or longer is read once for all rows (``known``)
 SHARED_MAX_QUERIES = 16  # ... by blocks of up to this many queries (decoding steps)
-_KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None, 0))  # (shared front, BuiltMask, kept)
+# (shared front, BuiltMask, kept, middles: cpu_flash.Middles or None)
+_KNOWN = contextvars.ContextVar("icr_attention_known", default=(0, None, 0, None))
 KEPT_LAST = "_icr_last_attention"  # set on the last layer's attention where it may compute the kept queries alone
 CHUNK = 256  # queries a call
 MIN_QUERIES = 768  # blocks shorter than this attend in one call
@@ -68,7 +69,7 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
 
     q, kv = query.shape[2], key.shape[2]
     # a compiled step traces no context variable
-    shared, built, _ = (0, None, 0) if torch.compiler.is_compiling() else _KNOWN.get()
+    shared, built, _, middles = (0, None, 0, None) if torch.compiler.is_compiling() else _KNOWN.get()
     scale = kwargs.get("scaling") if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5
     kept = kept_queries(module, q)
     if kept and (attention_mask.dim() == 4 if attention_mask is not None else kept == 1):
@@ -76,7 +77,8 @@ def chunked_sdpa(module, query, key, value, attention_mask, **kwargs):
     if _by_decode_kernel(module, query, key, value, attention_mask, kwargs):
         mask = None if attention_mask is None else attention_mask[..., :kv]
         front = shared if 0 < shared < kv and query.shape[0] > 1 else 0  # read from the first row, once
-        return cpu_flash.decode(query, key, value, mask, front, scale), None
+        middles = middles if front and middles is not None and middles.owner.shape[0] == query.shape[0] else None
+        return cpu_flash.decode(query, key, value, mask, front, scale, middles), None
     if shared and _reads_front_once(module, query, key, attention_mask, kwargs, shared):
         return front_once_attention(query, key, value, attention_mask[..., :kv], shared, kwargs.get("scaling")), None
     if _by_flash(module, query, key, value, kwargs):
@@ -191,13 +193,14 @@ def onednn_attention(query, key, value, mask, scaling: float | None, known: Buil
 
 
 @contextlib.contextmanager
-def known(shared: int = 0, mask: BuiltMask | None = None, kept: int = 0):
+def known(shared: int = 0, mask: BuiltMask | None = None, kept: int = 0, middles: cpu_flash.Middles | None = None):
     """Within it, what attention may know of a forward: every key row's first ``shared`` positions are the same in
     every row of the batch and seen by every query (a merge with ``shared``: ``StepModel.merge``; 0: nothing is
-    known), ``mask`` is the mask the backend built (read where it ``describes`` the mask attention gets), and the
-    forward's caller reads only its last ``kept`` positions' logits (0: every position; the last layer then
-    computes those alone where ``kept_positions`` marked it)."""
-    token = _KNOWN.set((shared, mask, kept))
+    known), and groups of rows share more (``middles``: ``MergesRows.merge_slots``), ``mask`` is the mask the
+    backend built (read where it ``describes`` the mask attention gets), and the forward's caller reads only its
+    last ``kept`` positions' logits (0: every position; the last layer then computes those alone where
+    ``kept_positions`` marked it)."""
+    token = _KNOWN.set((shared, mask, kept, middles))
     try:
         yield
     finally:

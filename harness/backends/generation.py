@@ -141,6 +141,26 @@ def right_pad(blocks: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
     return pad_batch(blocks, pad_id, device, "right")
 
 
+def shared_middles(seqs: Sequence[Sequence[int]], shared: int, least: int) -> list[tuple[int, int]]:
+    """Each row's (owner, end): runs of consecutive rows that all share at least ``least`` tokens after their first
+    ``shared`` (a prefix tree's order puts prompts that share a middle next to each other), owned by the run's
+    first row, ``end`` where the run's common prefix ends (``common_prefix``'s, one token short of the shortest);
+    a row in no run is its own, ending at ``shared``."""
+    pairs: list[tuple[int, int]] = []
+    r = 0
+    while r < len(seqs):
+        end, n = shared, r + 1
+        while n < len(seqs):
+            common = len(common_prefix([seqs[r], seqs[n]]))
+            if common < shared + least or (n > r + 1 and common < end):  # a later row must share all of it
+                break
+            end = common if n == r + 1 else end
+            n += 1
+        pairs += [(r, end)] * (n - r)
+        r = n
+    return pairs
+
+
 def shared_front_mask(seqs: Sequence[Sequence[int]], shared: int, device) -> torch.Tensor:
     """The attention mask of rows merged with their first ``shared`` tokens (the same in every row) in front and
     unpadded, each row's rest left-padded after them (``MergesRows.merge``'s layout with ``shared``; with 0, the

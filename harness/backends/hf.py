@@ -10,7 +10,7 @@ import harness.models.istree  # noqa: F401  registers the trainer's model types 
 from harness import hub
 from harness.backends import cpu_heap, fla_models, growing_cache, kept_positions, onednn_linear
 from harness.backends.additive_mask import BuiltMask, additive_mask
-from harness.backends.chunked_attention import chunk_attention, known
+from harness.backends.chunked_attention import SHARED_MIN, chunk_attention, known
 from harness.backends.fused_activations import fuse_activations
 from harness.backends.base import (
     BackendInfo,
@@ -33,7 +33,7 @@ from harness.backends.families import (
     repeat_rows,
     restore_rows,
 )
-from harness.backends.generation import last_real_index, logits_at_last_real
+from harness.backends.generation import last_real_index, logits_at_last_real, shared_middles
 from harness.backends.kv_decode_graphs import GraphedKVDecode, unsupported
 from harness.backends.step import StepBackend
 from harness.backends.tokenizer import load_tokenizer
@@ -159,11 +159,16 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     def place(self, state, slots, row):
         growing_cache.place(state["cache"], slots, row)
 
-    def merge_slots(self, states, lengths, shared, slots):
-        state = {"cache": growing_cache.join_slots([s["cache"] for s in states], list(lengths), slots),
+    def merge_slots(self, states, seqs, shared, slots):
+        """Where rows share a middle long enough to read once (``chunked_attention.SHARED_MIN``), the decoding
+        pass reads it once for them (``cpu_flash.Middles``)."""
+        state = {"cache": growing_cache.join_slots([s["cache"] for s in states], [len(s) for s in seqs], slots),
                  "pos": torch.cat([s["pos"] for s in states])}
         if shared:
             state["shared"] = shared
+            pairs = shared_middles(seqs, shared, SHARED_MIN)
+            if any(owner != row for row, (owner, _) in enumerate(pairs)):
+                state["middles"] = cpu_flash.Middles.of(pairs, shared)
         return state
 
     def merges_shared_front(self) -> bool:
@@ -194,7 +199,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
                 "pos": torch.cat([s["pos"] for s in states])}
 
     # -- stepper ---------------------------------------------------------------------------------
-    def _forward(self, cache, input_ids, attention_mask, pos, shared: int = 0, **kw):
+    def _forward(self, cache, input_ids, attention_mask, pos, shared: int = 0, middles=None, **kw):
         fam = self.family
         args = dict(input_ids=input_ids, use_cache=True, **kw)
         built = None
@@ -208,7 +213,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
             args["position_ids"] = pos
         if cache is not None:
             args[fam.cache_arg] = cache
-        with known(shared, built, kw.get("logits_to_keep", 0)):
+        with known(shared, built, kw.get("logits_to_keep", 0), middles):
             out = self.model(**args)
         return out.logits, (getattr(out, fam.cache_out) if fam.cache_out else cache)
 
@@ -251,7 +256,7 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
         pos = state["pos"][:, None] + block_mask.cumsum(-1)  # pads (right of the real tokens) are masked anyway
         logits, state["cache"] = self._forward(state["cache"], input_ids,
                                                attention_mask if self.family.step_mask else None, pos,
-                                               shared=state.get("shared", 0))
+                                               shared=state.get("shared", 0), middles=state.get("middles"))
         state["pos"] = pos.gather(1, last_real_index(block_mask)[:, None]).squeeze(1)
         return logits_at_last_real(logits, block_mask).float()
 
@@ -304,6 +309,8 @@ class TransformersBackend(StepBackend, MergesRows, JoinsBatches, ScoresText, Sco
     def select(self, state, keep):
         map_rows(state["cache"], lambda t: t.index_select(0, keep))
         state["pos"] = state["pos"].index_select(0, keep)
+        if state.get("middles") is not None:
+            state["middles"] = state["middles"].select(keep.tolist())
         return state
 
     def bytes_per_token(self) -> int:

@@ -448,12 +448,11 @@ def _prefill(backend: StepModel, reqs: list[GenRequest], batch: list[int], plan:
             shared = len(common_prefix(ids)) if len(ids) > 1 and backend.merges_shared_front() else 0
             slots = backend.row_slots(len(ids), max(map(len, ids))) if shared else None
             rows = [states.start(i, slots, r) for r, i in enumerate(batch)]
-            lengths = [len(r.ids) for r in rows]
             if slots is not None:
-                state = backend.merge_slots([r.state for r in rows], lengths, shared, slots)
+                state = backend.merge_slots([r.state for r in rows], [r.ids for r in rows], shared, slots)
                 mask = right_pad(ids, pad, device)[1]
             else:
-                state = backend.merge([r.state for r in rows], lengths, shared)
+                state = backend.merge([r.state for r in rows], [len(r.ids) for r in rows], shared)
                 mask = shared_front_mask(ids, shared, device)  # shared 0: left-padded
             logits = torch.cat([r.logits for r in rows])
             for r in rows:  # a started row is used once: the batch state replaces it

@@ -34,7 +34,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -55,7 +57,7 @@ _ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes
     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_long] * 3 + \
     [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
 _DECODE_ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + \
-    [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_int]
 
 
 def enabled() -> bool:
@@ -92,28 +94,70 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 
 
 def decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, shared: int,
-           scale: float) -> torch.Tensor:
+           scale: float, middles: Middles | None = None) -> torch.Tensor:
     """[b, q, heads, d] attention of a few float32 queries a row (decoding steps) to all of [b, kv heads, kv, d]
     keys and values under an additive [b, 1, q, kv] ``mask`` (None: every key seen), the first ``shared`` keys
-    read from the first row (every row holds the same there: the rows a prefix tree merged). One pass a row and
-    head over keys and values, an online softmax, 16 keys at a time. Call ``available`` first."""
+    read from the first row (every row holds the same there: the rows a prefix tree merged), and each group of
+    ``middles`` (rows sharing more than the front) reading its middle once for all its rows. One pass a row (or
+    group) and head over keys and values, an online softmax, 16 keys at a time. Call ``available`` first."""
     with torch.profiler.record_function("icr::cpu_flash_attention_decode"):
-        out = _decode(_library(query.shape[-1]), query, key, value, mask, shared, scale)
+        out = _decode(_library(query.shape[-1]), query, key, value, mask, shared, scale, middles)
     CALLS["decode"] += 1
     return out
 
 
-def _decode(lib, query, key, value, mask, shared, scale) -> torch.Tensor:
+def _decode(lib, query, key, value, mask, shared, scale, middles=None) -> torch.Tensor:
     b, heads, q, _ = query.shape
     query, key, value = (_last_contiguous(x) for x in (query, key, value))
     out = query.new_empty(b, q, heads, value.shape[-1])
     masked = _checked(mask) if mask is not None else None
+    if middles is not None and (middles.owner.shape[0] != b or middles.shared != shared or middles.last > key.shape[2]):
+        raise ValueError(f"middles for {middles.owner.shape[0]} rows after {middles.shared} keys, up to {middles.last}: "
+                         f"not this step's {b} rows after {shared}, of {key.shape[2]} keys")
+    owner, end = (None, None) if middles is None else (middles.owner, middles.end)
     lib.icr_decode_attention(*_strided(query), *_strided(key), *_strided(value),
                              *((masked.data_ptr(), masked.stride(0), masked.stride(2)) if masked is not None
                                else (None, 0, 0)),
-                             *_strided(out), b, heads, key.shape[1], q, key.shape[2], shared, scale,
-                             torch.get_num_threads())
+                             *_strided(out), b, heads, key.shape[1], q, key.shape[2], shared,
+                             None if owner is None else owner.data_ptr(), None if end is None else end.data_ptr(),
+                             scale, torch.get_num_threads())
     return out
+
+
+@dataclass(frozen=True)
+class Middles:
+    """Rows of a batch that share more than its front (``decode``): row r holds row ``owner[r]``'s keys from the
+    front's end to ``end[owner[r]]``. Made by ``of``, which checks what the kernel relies on."""
+
+    owner: torch.Tensor  # int32 [rows]
+    end: torch.Tensor  # int32 [rows]
+    shared: int  # the front they follow
+    last: int  # the largest end
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, int]], shared: int) -> "Middles":
+        """From each row's (owner, end): an owner at or before its row and its own owner, a group's rows
+        consecutive, ends from ``shared`` on."""
+        owner = [o for o, _ in pairs]
+        for r, (o, e) in enumerate(pairs):
+            if not (0 <= o <= r and owner[o] == o and all(owner[x] == o for x in range(o, r)) and e >= shared):
+                raise ValueError(f"middles: row {r}'s owner {o} and end {e} are not a run of rows after a front of "
+                                 f"{shared} (owners at or before their rows, each its own, groups consecutive)")
+        return cls(torch.tensor(owner, dtype=torch.int32), torch.tensor([e for _, e in pairs], dtype=torch.int32),
+                   shared, max((e for _, e in pairs), default=shared))
+
+    def select(self, keep: Sequence[int]) -> "Middles | None":
+        """The middles of rows ``keep`` (the rows a batch keeps, in order): each group's first kept row its owner
+        (every row of a group holds the middle); None where no group is left, or the order breaks a group."""
+        owner, end = self.owner.tolist(), self.end.tolist()
+        first: dict[int, int] = {}
+        pairs = [(first.setdefault(owner[b], i), end[owner[b]]) for i, b in enumerate(keep)]
+        if all(o == i for i, (o, _) in enumerate(pairs)):
+            return None
+        try:
+            return Middles.of(pairs, self.shared)
+        except ValueError:  # rows reordered: each reads its own middle, as without
+            return None
 
 
 def _run(lib, query, key, value, mask, pads, scale) -> torch.Tensor:
@@ -261,7 +305,15 @@ def _check(lib, head_dim: int):
         theirs_step = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
             attn_mask=step_mask, scale=0.3).transpose(1, 2)
-    return [ours, ours_step], [theirs, theirs_step]
+        # the last two rows also share keys 100-179 (a middle), read once for both
+        key, value = (x.clone() for x in (key, value))
+        key[2, :, 100:180], value[2, :, 100:180] = key[1, :, 100:180], value[1, :, 100:180]
+        middles = Middles.of([(0, 100), (1, 180), (1, 180)], 100)
+        ours_middle = _decode(lib, query, key, value, step_mask, 100, 0.3, middles)
+        theirs_middle = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
+            attn_mask=step_mask, scale=0.3).transpose(1, 2)
+    return [ours, ours_step, ours_middle], [theirs, theirs_step, theirs_middle]
 
 
 def _built(head_dim: int) -> Path:

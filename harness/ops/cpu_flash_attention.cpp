@@ -322,40 +322,90 @@ static void decode_over(Query* qs, int count, const float* k, long k_n, const fl
   }
 }
 
+// The queries of rows [r0, r0 + n) for key head kh (per_row each, n * per_row <= QUERIES) over all their keys:
+// the first ``shared`` read from row 0 and the next ones up to ``mid`` from row ``g``, once for all of them (every
+// row holds the same there), then each row's own from ``mid`` on.
+static void rows_together(const float* q, long q_b, long q_h, long q_n, const float* k, long k_b, long k_h, long k_n,
+                          const float* v, long v_b, long v_h, long v_n, const float* mask, long m_b, long m_q,
+                          float* out, long o_b, long o_n, long o_h, int group, int queries, int keys, int shared,
+                          int g, int mid, int r0, int n, int kh, float scale) {
+  const int per_row = group * queries;
+  Query qs[QUERIES];
+  for (int u = 0; u < n * per_row; ++u) {
+    const int b = r0 + u / per_row, h = kh * group + (u % per_row) / queries, i = u % queries;
+    for (int c = 0; c < D / W; ++c) {
+      qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + W * c);
+      qs[u].o[c] = splat(0.f);
+    }
+    qs[u].mask = mask ? mask + b * m_b + i * m_q : nullptr;
+    qs[u].max = -FLT_MAX;
+    qs[u].sum = 0.f;
+  }
+  decode_over(qs, n * per_row, k + kh * k_h, k_n, v + kh * v_h, v_n, 0, shared, scale);
+  decode_over(qs, n * per_row, k + g * k_b + kh * k_h, k_n, v + g * v_b + kh * v_h, v_n, shared, mid, scale);
+  for (int r = 0; r < n; ++r) {
+    const int b = r0 + r;
+    Query* own = qs + r * per_row;
+    decode_over(own, per_row, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, mid, keys, scale);
+    for (int u = 0; u < per_row; ++u) {
+      const int h = kh * group + u / queries, i = u % queries;
+      float* o = out + b * o_b + i * o_n + h * o_h;
+      for (int c = 0; c < D / W; ++c) store(o + W * c, own[u].o[c] * (1.f / own[u].sum));
+    }
+  }
+}
+
 extern "C" int icr_flash_head_dim() { return D; }
 
 // A few queries a row (decoding steps) over all their keys under an additive mask: q [rows, heads, queries, D],
 // k and v [rows, kv heads, keys, D], mask [rows, 1, queries, keys] (m_b, m_q; null: none), out [rows, queries,
 // heads, D]. The first ``shared`` keys are every row's and are read from the first row (the rows a prefix tree
-// merged share their front: read once into the cache, not once a row). One work item a row and key head.
+// merged share their front: read once into the cache, not once a row). Where ``owner`` is given (else null), rows
+// b with owner[b] == g (g and the rows after it) also hold row g's keys from ``shared`` to middle_end[g] (prompts
+// that share more than the front): read once for all of them, by one work item a key head. Otherwise one work
+// item a row and key head.
 extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_n, const float* k, long k_b,
                                      long k_h, long k_n, const float* v, long v_b, long v_h, long v_n,
                                      const float* mask, long m_b, long m_q, float* out, long o_b, long o_n, long o_h,
                                      int rows, int heads, int kv_heads, int queries, int keys, int shared,
-                                     float scale, int threads) {
-  const int group = heads / kv_heads;
+                                     const int* owner, const int* middle_end, float scale, int threads) {
+  const int group = heads / kv_heads, per_row = group * queries;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (long item = 0; item < (long)rows * kv_heads; ++item) {
-    const int b = (int)(item / kv_heads), kh = (int)(item % kv_heads);
-    Query qs[QUERIES];
-    for (int first = 0; first < group * queries; first += QUERIES) {  // the key head's queries, QUERIES at a time
-      const int count = group * queries - first < QUERIES ? group * queries - first : QUERIES;
-      for (int u = 0; u < count; ++u) {
-        const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
-        for (int c = 0; c < D / W; ++c) {
-          qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + W * c);
-          qs[u].o[c] = splat(0.f);
-        }
-        qs[u].mask = mask ? mask + b * m_b + i * m_q : nullptr;
-        qs[u].max = -FLT_MAX;
-        qs[u].sum = 0.f;
+    const int g = (int)(item / kv_heads), kh = (int)(item % kv_heads);
+    if (owner && owner[g] != g) continue;  // its middle is row owner[g]'s: taken with that row's item
+    int end = g + 1;  // rows g .. end - 1 share row g's middle
+    while (owner && end < rows && owner[end] == g) ++end;
+    const int mid = owner ? middle_end[g] : shared;
+    if (per_row <= QUERIES) {
+      for (int r0 = g; r0 < end; r0 += QUERIES / per_row) {
+        const int n = end - r0 < QUERIES / per_row ? end - r0 : QUERIES / per_row;
+        rows_together(q, q_b, q_h, q_n, k, k_b, k_h, k_n, v, v_b, v_h, v_n, mask, m_b, m_q, out, o_b, o_n, o_h,
+                      group, queries, keys, shared, g, mid, r0, n, kh, scale);
       }
-      decode_over(qs, count, k + kh * k_h, k_n, v + kh * v_h, v_n, 0, shared, scale);
-      decode_over(qs, count, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, shared, keys, scale);
-      for (int u = 0; u < count; ++u) {
-        const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
-        float* o = out + b * o_b + i * o_n + h * o_h;
-        for (int c = 0; c < D / W; ++c) store(o + W * c, qs[u].o[c] * (1.f / qs[u].sum));
+      continue;
+    }
+    for (int b = g; b < end; ++b) {  // a row's queries QUERIES at a time, its keys after the front its own
+      Query qs[QUERIES];
+      for (int first = 0; first < per_row; first += QUERIES) {
+        const int count = per_row - first < QUERIES ? per_row - first : QUERIES;
+        for (int u = 0; u < count; ++u) {
+          const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
+          for (int c = 0; c < D / W; ++c) {
+            qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + W * c);
+            qs[u].o[c] = splat(0.f);
+          }
+          qs[u].mask = mask ? mask + b * m_b + i * m_q : nullptr;
+          qs[u].max = -FLT_MAX;
+          qs[u].sum = 0.f;
+        }
+        decode_over(qs, count, k + kh * k_h, k_n, v + kh * v_h, v_n, 0, shared, scale);
+        decode_over(qs, count, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, shared, keys, scale);
+        for (int u = 0; u < count; ++u) {
+          const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
+          float* o = out + b * o_b + i * o_n + h * o_h;
+          for (int c = 0; c < D / W; ++c) store(o + W * c, qs[u].o[c] * (1.f / qs[u].sum));
+        }
       }
     }
   }
