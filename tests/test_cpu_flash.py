@@ -361,3 +361,5 @@ def test_a_groups_middle_is_read_from_its_first_row_and_middles_follow_the_rows_
     for bad in ([(0, front), (0, end), (1, end)], [(1, end), (1, end)], [(0, front), (1, front - 1)]):
         with pytest.raises(ValueError, match="middles"):
             cpu_flash.Middles.of(bad, front)
+    with pytest.raises(ValueError, match="32 queries a row and key head at most"):  # the pass's own limit
+        cpu_flash.decode(torch.randn(1, 4, 9, 64), key[:1, :1], value[:1, :1], None, 0, 0.125)

@@ -53,6 +53,7 @@ PROBE_HEAD_DIM = 64  # the head size built to learn whether the kernel builds he
 CALLS = {"attention": 0, "decode": 0}  # calls made, so a test can see the kernel ran
 RACES = MachineChoices("cpu-flash.json", "whether the CPU flash attention kernel is faster than SDPA here")
 RACE_REPEATS = 9  # timed calls of each, in turn; the fastest counts
+DECODE_QUERIES = 32  # a decoding pass's queries a row and key head at most (the kernel's QUERIES)
 _ARGS = ([ctypes.c_void_p] + [ctypes.c_long] * 3) * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + \
     [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_long] * 3 + \
     [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -108,6 +109,9 @@ def decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 
 def _decode(lib, query, key, value, mask, shared, scale, middles=None) -> torch.Tensor:
     b, heads, q, _ = query.shape
+    if heads // key.shape[1] * q > DECODE_QUERIES:
+        raise ValueError(f"the decoding pass takes {DECODE_QUERIES} queries a row and key head at most, not "
+                         f"{heads // key.shape[1] * q}")
     query, key, value = (_last_contiguous(x) for x in (query, key, value))
     out = query.new_empty(b, q, heads, value.shape[-1])
     masked = _checked(mask) if mask is not None else None

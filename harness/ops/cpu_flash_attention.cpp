@@ -265,7 +265,7 @@ struct Query {  // one query's state over the keys it has read
 // and each block began with a miss to memory. A step of 24 merged rows after a front of 774: 1.02-1.10x (head size
 // 128: 1.11x; the AVX2 build 1.07x), the same outputs to the bit.
 constexpr int AHEAD = 49152 / (W * D * 4) > 1 ? 49152 / (W * D * 4) : 1;
-constexpr int QUERIES = 32;  // queries a pass over one row's keys takes at once (a key head's group, a block)
+constexpr int QUERIES = 32;  // queries a pass over keys takes at once (``cpu_flash.DECODE_QUERIES``)
 
 // Whether every query's mask hides keys [j, j + n) (the dtype's minimum: weights that are exactly 0) and every
 // query has seen a key already (so its sum stays > 0 without them): a merged row's pads, then not read at all (a
@@ -363,7 +363,7 @@ extern "C" int icr_flash_head_dim() { return D; }
 // merged share their front: read once into the cache, not once a row). Where ``owner`` is given (else null), rows
 // b with owner[b] == g (g and the rows after it) also hold row g's keys from ``shared`` to middle_end[g] (prompts
 // that share more than the front): read once for all of them, by one work item a key head. Otherwise one work
-// item a row and key head.
+// item a row and key head. A row's queries a key head (grouped heads x queries) are QUERIES at most.
 extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_n, const float* k, long k_b,
                                      long k_h, long k_n, const float* v, long v_b, long v_h, long v_n,
                                      const float* mask, long m_b, long m_q, float* out, long o_b, long o_n, long o_h,
@@ -377,36 +377,10 @@ extern "C" void icr_decode_attention(const float* q, long q_b, long q_h, long q_
     int end = g + 1;  // rows g .. end - 1 share row g's middle
     while (owner && end < rows && owner[end] == g) ++end;
     const int mid = owner ? middle_end[g] : shared;
-    if (per_row <= QUERIES) {
-      for (int r0 = g; r0 < end; r0 += QUERIES / per_row) {
-        const int n = end - r0 < QUERIES / per_row ? end - r0 : QUERIES / per_row;
-        rows_together(q, q_b, q_h, q_n, k, k_b, k_h, k_n, v, v_b, v_h, v_n, mask, m_b, m_q, out, o_b, o_n, o_h,
-                      group, queries, keys, shared, g, mid, r0, n, kh, scale);
-      }
-      continue;
-    }
-    for (int b = g; b < end; ++b) {  // a row's queries QUERIES at a time, its keys after the front its own
-      Query qs[QUERIES];
-      for (int first = 0; first < per_row; first += QUERIES) {
-        const int count = per_row - first < QUERIES ? per_row - first : QUERIES;
-        for (int u = 0; u < count; ++u) {
-          const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
-          for (int c = 0; c < D / W; ++c) {
-            qs[u].q[c] = load(q + b * q_b + h * q_h + i * q_n + W * c);
-            qs[u].o[c] = splat(0.f);
-          }
-          qs[u].mask = mask ? mask + b * m_b + i * m_q : nullptr;
-          qs[u].max = -FLT_MAX;
-          qs[u].sum = 0.f;
-        }
-        decode_over(qs, count, k + kh * k_h, k_n, v + kh * v_h, v_n, 0, shared, scale);
-        decode_over(qs, count, k + b * k_b + kh * k_h, k_n, v + b * v_b + kh * v_h, v_n, shared, keys, scale);
-        for (int u = 0; u < count; ++u) {
-          const int h = kh * group + (first + u) / queries, i = (first + u) % queries;
-          float* o = out + b * o_b + i * o_n + h * o_h;
-          for (int c = 0; c < D / W; ++c) store(o + W * c, qs[u].o[c] * (1.f / qs[u].sum));
-        }
-      }
+    for (int r0 = g; r0 < end; r0 += QUERIES / per_row) {  // per_row <= QUERIES (``cpu_flash.DECODE_QUERIES``)
+      const int n = end - r0 < QUERIES / per_row ? end - r0 : QUERIES / per_row;
+      rows_together(q, q_b, q_h, q_n, k, k_b, k_h, k_n, v, v_b, v_h, v_n, mask, m_b, m_q, out, o_b, o_n, o_h, group,
+                    queries, keys, shared, g, mid, r0, n, kh, scale);
     }
   }
 }
