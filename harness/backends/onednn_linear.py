@@ -140,21 +140,25 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _source(weight: torch.Tensor) -> tuple:
-    """What a packed copy was made from: the parameter (weakly), its storage and its in-place version (None for an
-    inference tensor, which keeps none and cannot change)."""
+    """What a packed copy was made from: the parameter (weakly), its storage and its in-place version."""
+    return weakref.ref(weight), weight.data_ptr(), _version(weight)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter (None for an inference tensor, which keeps none and cannot change)."""
     try:
-        version = weight._version
+        return t._version
     except RuntimeError:
-        version = None
-    return weakref.ref(weight), weight.data_ptr(), version
+        return None
 
 
 def _same_source(source: tuple | None, weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is still what ``source`` was taken from, unchanged."""
+    """Whether ``weight`` is still what ``source`` was taken from, unchanged (every call of a packing layer asks:
+    no new reference made to answer)."""
     if source is None:
         return False
     ref, address, version = source
-    return ref() is weight and (address, version) == _source(weight)[1:]
+    return ref() is weight and address == weight.data_ptr() and version == _version(weight)
 
 
 def use_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:

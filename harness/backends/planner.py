@@ -170,7 +170,6 @@ def time_costs(backend: StepModel, length: int, rows: int) -> Costs:
     return Costs(call, row[0], batch[0], length, rows, row[1], batch[1])
 
 
-
 def _per_token_and_pair(short: int, long: int, t_short: float, t_long: float) -> tuple[float, float]:
     """(seconds a token, seconds a token-key pair) of a row's prefill that took ``t_short`` for ``short`` tokens
     and ``t_long`` for ``long``: t(n) = n * token + n (n + 1) / 2 * pair, solved for the two; neither negative."""

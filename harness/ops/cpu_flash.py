@@ -143,8 +143,8 @@ class Middles:
         """From each row's (owner, end): an owner at or before its row and its own owner, a group's rows
         consecutive, ends from ``shared`` on."""
         owner = [o for o, _ in pairs]
-        for r, (o, e) in enumerate(pairs):
-            if not (0 <= o <= r and owner[o] == o and all(owner[x] == o for x in range(o, r)) and e >= shared):
+        for r, (o, e) in enumerate(pairs):  # a row owns its group, or is in the group of the row before it
+            if not ((o == r or (r > 0 and o == owner[r - 1])) and e >= shared):
                 raise ValueError(f"middles: row {r}'s owner {o} and end {e} are not a run of rows after a front of "
                                  f"{shared} (owners at or before their rows, each its own, groups consecutive)")
         return cls(torch.tensor(owner, dtype=torch.int32), torch.tensor([e for _, e in pairs], dtype=torch.int32),
@@ -283,6 +283,12 @@ def _raced(race) -> bool:
 def _check(lib, head_dim: int):
     """The kernel and SDPA on one case of each kind it meets: two rows, one left-padded, grouped heads, a block
     after cached keys whose length is no multiple of the kernel's tiles."""
+    def sdpa(query, key, value, mask, scale):  # [b, q, heads, d], the grouped key heads repeated
+        group = query.shape[1] // key.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), attn_mask=mask,
+            scale=scale).transpose(1, 2)
+
     gen = torch.Generator().manual_seed(0)
     b, heads, kv_heads, q, keys = 2, 4, 2, 37, 300
     query, key, value = (torch.randn(b, n, length, head_dim, generator=gen)
@@ -294,9 +300,7 @@ def _check(lib, head_dim: int):
     pads = [[], [(0, 40)]]
     with torch.no_grad():
         ours = _run(lib, query, key, value, mask, pads, head_dim ** -0.5)
-        theirs = torch.nn.functional.scaled_dot_product_attention(
-            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
-            attn_mask=mask, scale=head_dim ** -0.5).transpose(1, 2)
+        theirs = sdpa(query, key, value, mask, head_dim ** -0.5)
         # decoding steps: three rows merged behind a shared front of 100 keys, the second padded after it
         key, value = (torch.cat([x[:1, :, :100].expand(3, -1, -1, -1), torch.randn(3, kv_heads, 150, head_dim,
                                                                                    generator=gen)], 2)
@@ -306,17 +310,13 @@ def _check(lib, head_dim: int):
         step_mask[1, ..., 100:120] = torch.finfo(torch.float32).min
         step_mask[:, :, 0, -1] = torch.finfo(torch.float32).min
         ours_step = _decode(lib, query, key, value, step_mask, 100, 0.3)
-        theirs_step = torch.nn.functional.scaled_dot_product_attention(
-            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
-            attn_mask=step_mask, scale=0.3).transpose(1, 2)
+        theirs_step = sdpa(query, key, value, step_mask, 0.3)
         # the last two rows also share keys 100-179 (a middle), read once for both
         key, value = (x.clone() for x in (key, value))
         key[2, :, 100:180], value[2, :, 100:180] = key[1, :, 100:180], value[1, :, 100:180]
         middles = Middles.of([(0, 100), (1, 180), (1, 180)], 100)
         ours_middle = _decode(lib, query, key, value, step_mask, 100, 0.3, middles)
-        theirs_middle = torch.nn.functional.scaled_dot_product_attention(
-            query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
-            attn_mask=step_mask, scale=0.3).transpose(1, 2)
+        theirs_middle = sdpa(query, key, value, step_mask, 0.3)
     return [ours, ours_step, ours_middle], [theirs, theirs_step, theirs_middle]
 
 
