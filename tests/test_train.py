@@ -422,3 +422,16 @@ def test_the_live_evaluation_projection_replays_the_loops_own_steps():
     # the replay itself: rows of 5 passes at 2 slots, the third joining when the first ends
     assert scheduled_steps([5, 2, 5], 2) == 6 and scheduled_steps([5, 2, 5], 2, continuous=False) == 4 + 4
     assert scheduled_steps([3], 4) == 2 and scheduled_steps([1, 1], 1) == 0
+
+
+def test_the_plans_bar_weighs_each_cell_by_what_measuring_it_costs(tmp_path):
+    """A bar counting cells read an ETA many times too short: the paper grid's direct cells come first and measure
+    in seconds, its n=64 retrieval cells last and in minutes."""
+    from harness.training.grid import _measuring_cost, grid_cells
+
+    cells = grid_cells("paper", TrainConfig(), tmp_path)
+    weight = {c.name: _measuring_cost(c) for c in cells}
+    heaviest, lightest = max(cells, key=lambda c: weight[c.name]), min(cells, key=lambda c: weight[c.name])
+    assert (heaviest.setup, heaviest.nodes, heaviest.size) == ("retrieval", 64, "2M")
+    assert (lightest.setup, lightest.nodes, lightest.size) == ("direct", 16, "0.5M")
+    assert weight[heaviest.name] > 50 * weight[lightest.name]

@@ -486,8 +486,7 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
              "" if live_samples == 0 else ", then one retrieval cell's live evaluation")
     torch.set_num_threads(threads)  # measured as each cell will run
     try:
-        rows = [_plan_row(cell, device, measure_batch or cell.batch_size, steps, passes, workers)
-                for cell in tqdm(cells, desc=f"plan {name}", disable=not progress)]
+        rows = _measured_rows(name, cells, device, measure_batch, steps, passes, workers, progress)
         retrieval = [c for c in cells if c.setup == "retrieval"]
         live = (measure_live_eval(max(retrieval, key=lambda c: (c.nodes, cell_parameters(c.arch, c.size, c.nodes))),
                                   device, live_samples) if retrieval and live_samples != 0 else None)
@@ -498,6 +497,29 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
     table = df.drop(columns=hidden).to_markdown(index=False, floatfmt=".3g")
     return f"{table}\n\n" + plan_parts(name, cells, df, jobs, threads, device, workers, cells_per_gpu, live,
                                         steps, passes)
+
+
+def _measuring_cost(cell: TrainConfig) -> float:
+    """A rough weight of measuring a cell, for the plan's ETA: its tokens a sample times its parameters (a retrieval
+    cell at n=64 takes ~100x a direct one at n=16, so a bar counting cells reads an ETA many times too short)."""
+    return _cost(cell) / cell.samples * cell_parameters(cell.arch, cell.size, cell.nodes)
+
+
+def _measured_rows(name: str, cells: list[TrainConfig], device: torch.device, measure_batch: int | None,
+                   steps: int, passes: int, workers: int, progress: bool) -> list[dict]:
+    """Every cell's plan row, measured in turn under a bar weighted by ``_measuring_cost``."""
+    weights = [_measuring_cost(c) for c in cells]
+    bar = tqdm(total=100.0, desc=f"plan {name}: {len(cells)} cells", unit="%", disable=not progress,
+               bar_format="{l_bar}{bar}| {n:.0f}% [{elapsed}<{remaining}{postfix}]")
+    rows = []
+    try:
+        for cell, weight in zip(cells, weights):
+            bar.set_postfix_str(f"measuring {cell.name}")
+            rows.append(_plan_row(cell, device, measure_batch or cell.batch_size, steps, passes, workers))
+            bar.update(100.0 * weight / sum(weights))
+    finally:
+        bar.close()
+    return rows
 
 
 def _plan_row(cell: TrainConfig, device: torch.device, batch: int, steps: int, passes: int, workers: int) -> dict:
