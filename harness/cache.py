@@ -11,12 +11,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from harness.files import write_atomic
 from harness.hashing import file_digest
 
 log = logging.getLogger("harness")
 
 RACY_SECONDS = 2.0  # a file modified this recently may change again within the clock's resolution: not cached
+BUSY_SHARE = 0.25  # other processes took more of the cores' time than this while a measurement ran: a busy machine
 
 
 def cache_dir() -> Path:
@@ -74,6 +77,36 @@ class FileHashCache:
                 write_atomic(self.path, json.dumps(entries))
         except Exception as e:  # noqa: BLE001  a cache that cannot be written only costs time
             log.debug("file-hash cache not written (%s)", e)
+
+
+class OthersBusy:
+    """The share of the machine's CPU time that processes other than this one took while the block ran (``share``,
+    0 to 1; None where the system's CPU times cannot be read): a speed measured beside them is this process's
+    at that moment, not the machine's. psutil reads the system's and the process's times (/proc/stat on Linux)."""
+
+    share: float | None = None
+
+    def __enter__(self) -> "OthersBusy":
+        self._start = self._times()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._times()
+        if self._start is not None and end is not None:
+            wall, busy, own = (b - a for a, b in zip(self._start, end))
+            cores = psutil.cpu_count() or 1
+            self.share = min(1.0, max(0.0, busy - own) / max(wall * cores, 1e-9))
+
+    @staticmethod
+    def _times() -> tuple[float, float, float] | None:
+        """(wall seconds, the cores' busy seconds, this process's CPU seconds)."""
+        try:
+            cpu, own = psutil.cpu_times(), psutil.Process().cpu_times()
+        except (OSError, psutil.Error):
+            return None
+        # guest time is counted in user time already; idle and waiting for I/O are not busy
+        busy = sum(v for k, v in cpu._asdict().items() if k not in ("idle", "iowait", "guest", "guest_nice"))
+        return time.monotonic(), busy, own.user + own.system
 
 
 def machine_key() -> str:
@@ -134,10 +167,27 @@ class MachineChoices:
             log.warning("%s could not be remembered in %s (%s)", self.what, self.file, e)
         return choice
 
-    def recall(self, key: str, measure: Callable[[], dict], usable: Callable[[Any], bool]) -> dict:
-        """The ``usable`` choice remembered under ``key``, else ``measure()``'s, remembered (``remember``)."""
+    def recall(self, key: str, measure: Callable[[], dict], usable: Callable[[Any], bool],
+               quiet_only: bool = False) -> dict:
+        """The ``usable`` choice remembered under ``key``, else ``measure()``'s, remembered (``remember``).
+        ``quiet_only``, for a choice that changes no output (the planner's cost model): one measured while other
+        processes kept the cores busy serves this process and is not remembered, since the machine's first choice
+        stands for every later run (a cost model timed beside a test suite had made every later run on the
+        machine take a plan 1.9x slower). A choice that changes a run's numbers is remembered however it was
+        measured: every process on the machine must take the same one."""
         choice = self.read().get(key)
-        return choice if usable(choice) else self.remember(key, measure(), usable)
+        if usable(choice):
+            return choice
+        if not quiet_only:
+            return self.remember(key, measure(), usable)
+        with OthersBusy() as busy:
+            choice = measure()
+        if busy.share is not None and busy.share > BUSY_SHARE:
+            log.info("%s was measured while other processes took %.0f%% of the cores: it serves this process and "
+                     "is not remembered for the machine (a run on quiet cores measures it again)", self.what,
+                     100 * busy.share)
+            return choice
+        return self.remember(key, choice, usable)
 
     def forget(self, which: Callable[[str], bool]) -> None:
         """Drops the choices whose keys ``which`` accepts (measured again by the next process that asks)."""

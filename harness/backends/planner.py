@@ -18,7 +18,8 @@ small batch of the run's typical length for what a token costs alone and batched
 calls and tokens; decoding is the same work in every plan and left out. The rates are measured once a machine,
 model shape and set of kernels, and kept in the cache folder (``cost-models.json``, as the CPU's linear kernel
 is): a later run reads them (0.12-0.6 s of prefills saved a run on a 2-core CPU), and every run on the machine
-then picks the same plan for the same prompts. On a CPU one unpadded row is the
+then picks the same plan for the same prompts. Rates measured while other processes kept the cores busy serve
+their own run only (``MachineChoices.recall``'s ``quiet_only``). On a CPU one unpadded row is the
 cheapest way to compute a token (padded attention is not), so the tree's rows win; on a GPU a batch is, so the
 tree's blocks or ``batch`` win. What is possible at all comes from the backend (``batches_exact``,
 ``prefix_exact``, ``tree_unsupported``); a plan asked for that is not possible falls back, and says why.
@@ -133,8 +134,8 @@ def measure_costs(backend: StepModel, length: int, rows: int) -> Costs:
         if shape is None:  # no configuration to know the model by: measured once a process
             cache[(length, rows)] = time_costs(backend, length, rows)
         else:
-            rates = REMEMBERED.recall(f"{shape} | {rows} x {length}",
-                                      lambda: time_costs(backend, length, rows).rates(), _usable)
+            rates = REMEMBERED.recall(f"{shape} | {rows} x {length}",  # every plan gives the same outputs
+                                      lambda: time_costs(backend, length, rows).rates(), _usable, quiet_only=True)
             cache[(length, rows)] = Costs(rates["call"], rates["row_token"], rates["batch_token"], length, rows,
                                           rates["row_pair"], rates["batch_pair"])
     return cache[(length, rows)]
