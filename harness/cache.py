@@ -172,9 +172,8 @@ class MachineChoices:
         """The ``usable`` choice remembered under ``key``, else ``measure()``'s, remembered (``remember``).
         ``quiet_only``, for a choice that changes no output (the planner's cost model): one measured while other
         processes kept the cores busy serves this process and is not remembered, since the machine's first choice
-        stands for every later run (a cost model timed beside a test suite had made every later run on the
-        machine take a plan 1.9x slower). A choice that changes a run's numbers is remembered however it was
-        measured: every process on the machine must take the same one."""
+        stands for every later run. A choice that changes a run's numbers is remembered however it was measured:
+        every process on the machine must take the same one."""
         choice = self.read().get(key)
         if usable(choice):
             return choice
