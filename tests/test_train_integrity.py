@@ -88,6 +88,28 @@ def test_a_killed_run_resumes_to_the_weights_and_curve_of_one_never_killed(tmp_p
     assert not (out / ".training_state.pt").exists()  # finished: the mid-run state is no longer needed
 
 
+@pytest.mark.slow
+def test_a_killed_packed_run_resumes_to_the_weights_of_one_never_killed(tmp_path):
+    """Packed rows (a batch's samples end to end, the hybrid's scans restarting and its attention confined to each
+    sample) change what a step computes, not what a resumed run redraws: the same weights, bit for bit."""
+    packed = ["--arch", "hybrid", "--setup", "retrieval", "--samples", "1600", "--batch-size", "16", "--packing", "on"]
+    whole = _train(tmp_path / "whole", *packed)
+    assert whole.wait(timeout=600) == 0, whole.stderr.read()[-2000:]
+    out = tmp_path / "killed"
+    first = _train(out, *packed)
+    _wait_for(out / ".training_state.pt", first)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert 0 < torch.load(out / ".training_state.pt", weights_only=False)["progress"]["step"] < 100
+    again = _train(out, *packed)
+    assert again.wait(timeout=600) == 0, again.stderr.read()[-2000:]
+    a, b = _weights(tmp_path / "whole"), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (json.loads((d / "result.json").read_text()) for d in (tmp_path / "whole", out))
+    assert ra["packed_rows"]["ran"] == rb["packed_rows"]["ran"] == "on" and rb["attempts"] == 2
+    assert ra["curve"] == rb["curve"] and len({r["loss"] for r in ra["curve"]}) > 5
+
+
 def test_a_killed_run_rerun_with_other_settings_is_refused_and_overwrite_moves_it_aside(tmp_path, capsys):
     out = tmp_path / "run"
     first = _train(out, "--report-to", "none")
