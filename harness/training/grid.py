@@ -480,8 +480,9 @@ def plan_grid(name: str, base: TrainConfig, root: Path, measure_batch: int | Non
     jobs = default_jobs(len(cells), cells_per_gpu) if jobs is None else jobs
     threads, before = cell_threads(base, jobs), torch.get_num_threads()
     workers = base.workers if base.workers is not None else (4 if device.type == "cuda" else 0)
-    log.info("plan %s: measuring %d training steps of each of %d cells on %s%s (the bar's ETA is the projection's); "
-             "nothing is trained or kept", name, 2 + steps * passes, len(cells),
+    log.info("plan %s: measuring %d training steps of each of %d cells on %s%s (the bar's ETA: the measuring's own "
+             "time, each cell weighted by its tokens and parameters); nothing is trained or kept", name,
+             2 + steps * passes, len(cells),
              "CPU" if device.type == "cpu" else device_name(device),
              "" if live_samples == 0 else ", then one retrieval cell's live evaluation")
     torch.set_num_threads(threads)  # measured as each cell will run
