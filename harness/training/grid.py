@@ -511,6 +511,7 @@ def _measured_rows(name: str, cells: list[TrainConfig], device: torch.device, me
                    steps: int, passes: int, workers: int, progress: bool) -> list[dict]:
     """Every cell's plan row, measured in turn under a bar weighted by ``_measuring_cost``."""
     weights = [_measuring_cost(c) for c in cells]
+    total = sum(weights)
     bar = tqdm(total=100.0, desc=f"plan {name}: {len(cells)} cells", unit="%", disable=not progress,
                bar_format="{l_bar}{bar}| {n:.0f}% [{elapsed}<{remaining}{postfix}]")
     rows = []
@@ -518,7 +519,7 @@ def _measured_rows(name: str, cells: list[TrainConfig], device: torch.device, me
         for cell, weight in zip(cells, weights):
             bar.set_postfix_str(f"measuring {cell.name}")
             rows.append(_plan_row(cell, device, measure_batch or cell.batch_size, steps, passes, workers))
-            bar.update(100.0 * weight / sum(weights))
+            bar.update(100.0 * weight / total)
     finally:
         bar.close()
     return rows
