@@ -19,7 +19,8 @@ found the reordered ("packed") weight's outputs equal to the plain one's, bit fo
 (``PACKED_FROM_ROWS``; one row takes another code path and rounds apart), each layer keeps a packed copy, made at
 its first call and again if its weight changes (in place, or replaced), as TorchInductor's CPU code does with
 frozen weights (measured in docs/throughput.md). The copies are the weights' size again, so a model packs only
-where they fit ``PACK_SHARE`` of the memory free at load time (``use_onednn``). Packed and plain give the same bits, so packing is not part of a run's settings.
+where they fit ``PACK_SHARE`` of the memory free at load time (``use_onednn``). Packed and plain give the same
+bits, so packing is not part of a run's settings.
 ``ICR_CPU_LINEAR``: ``auto`` (default), ``onednn`` (every call, from one row) or ``blas`` (PyTorch's own)."""
 from __future__ import annotations
 
